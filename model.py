@@ -1,0 +1,479 @@
+"""The pointer selector and the RL math, shared by every stage (no CLI).
+
+`PointerSelector` picks S in-context demonstrations, one at a time, from a per-query candidate pool of K embeddings:
+the query attends over its pool (L cross-attention layers, residual + LayerNorm), query state and candidates are
+projected (near-identity init) and L2-normalised, step t is a softmax over the unchosen, unpadded pool of
+cosine / temperature, and the state absorbs each pick through a gate: g = sigma(W[s; c]), s <- norm(g*s + (1-g)*c).
+
+Departures from a textbook pointer network, on purpose:
+- each query and its pool are encoded ONCE and shared by all G sequences of its group (teacher forcing is
+  vectorised over queries x sequences, with a Python loop only over the S steps, whose state is sequential);
+- log-distributions keep -inf on chosen/padded candidates (their probability is exactly 0); every consumer here
+  (entropy, exact KL) masks before multiplying, so no NaN ever leaks into values or gradients.
+
+The RL math (`group_advantages`, `ppo_clip_loss`, `exact_kl`, `k3_kl`, `rce_weights`) are pure functions of tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The selector
+
+
+@dataclass(frozen=True)
+class SelectorConfig:
+    """Architecture of the pointer selector (saved beside its weights as model.json)."""
+
+    dim: int = 512
+    """Input embedding size (CLIP ViT-B/32 fused image+question vectors are 512-d)."""
+    hidden: int = 256
+    """Width of the projected query/candidate space."""
+    num_layers: int = 1
+    """Cross-attention layers (query attends over its pool)."""
+    num_heads: int = 4
+    """Attention heads; must divide `hidden`."""
+    dropout: float = 0.1
+    """Dropout after attention and on the projected features (train mode only)."""
+    temperature: float = 0.1
+    """Scores are cosine / temperature."""
+
+    def __post_init__(self):
+        if self.hidden % self.num_heads:
+            raise ValueError(f"SelectorConfig: hidden={self.hidden} is not divisible by num_heads={self.num_heads}")
+        if self.temperature <= 0:
+            raise ValueError(f"SelectorConfig: temperature must be > 0, got {self.temperature}")
+
+
+class Steps(NamedTuple):
+    """Teacher-forced outputs of `PointerSelector.forward` (entries of masked sequences are 0)."""
+
+    logp: Tensor  # (B, G, S) log-probability of each step's pick
+    entropy: Tensor  # (B, G, S) entropy of each step's distribution
+    log_dist: Tensor | None  # (B, G, S, K) full per-step log-distribution (-inf on unavailable), if asked
+
+
+class CrossAttention(nn.Module):
+    """One query vector attends over its pool; residual + LayerNorm (post-norm)."""
+
+    def __init__(self, hidden: int, num_heads: int, dropout: float):
+        super().__init__()
+        self.num_heads = num_heads
+        self.q = nn.Linear(hidden, hidden)
+        self.kv = nn.Linear(hidden, 2 * hidden)
+        self.out = nn.Linear(hidden, hidden)
+        self.drop = nn.Dropout(dropout)
+        self.norm = nn.LayerNorm(hidden)
+
+    def forward(self, x: Tensor, pool: Tensor, pool_mask: Tensor) -> Tensor:
+        B, K, H = pool.shape
+        q = self.q(x).view(B, self.num_heads, -1)  # (B, nh, hd)
+        k, v = self.kv(pool).view(B, K, 2, self.num_heads, -1).unbind(2)  # (B, K, nh, hd) each
+        att = torch.einsum("bnd,bknd->bnk", q, k) / q.shape[-1] ** 0.5  # (B, nh, K)
+        att = att.masked_fill(~pool_mask[:, None, :], float("-inf")).softmax(-1)
+        y = torch.einsum("bnk,bknd->bnd", att, v).reshape(B, H)  # (B, H)
+        return self.norm(x + self.drop(self.out(y)))
+
+
+def _near_identity(n: int) -> nn.Linear:
+    lin = nn.Linear(n, n)
+    with torch.no_grad():
+        lin.weight.copy_(torch.eye(n) + 0.01 * torch.randn(n, n))
+        lin.bias.zero_()
+    return lin
+
+
+class PointerSelector(nn.Module):
+    """Pointer network over a per-query candidate pool. All methods are batched over queries (B) and sequences (G)."""
+
+    def __init__(self, cfg: SelectorConfig = SelectorConfig()):
+        super().__init__()
+        self.cfg = cfg
+        self.in_proj = nn.Linear(cfg.dim, cfg.hidden)
+        self.layers = nn.ModuleList(CrossAttention(cfg.hidden, cfg.num_heads, cfg.dropout) for _ in range(cfg.num_layers))
+        self.drop = nn.Dropout(cfg.dropout)
+        self.query_proj = _near_identity(cfg.hidden)
+        self.cand_proj = _near_identity(cfg.hidden)
+        self.gate = nn.Linear(2 * cfg.hidden, cfg.hidden)
+
+    def backbone_parameters(self) -> list[nn.Parameter]:
+        """Input projection and cross-attention: what `--freeze-backbone` freezes."""
+        return [*self.in_proj.parameters(), *self.layers.parameters()]
+
+    # -- building blocks ------------------------------------------------------------------------------------------------
+    def encode(self, query: Tensor, pool: Tensor, pool_mask: Tensor) -> tuple[Tensor, Tensor]:
+        """(B, d), (B, K, d), (B, K) -> initial state (B, H) and candidate keys (B, K, H), both unit-norm."""
+        x = self.in_proj(query)  # (B, H)
+        c = self.in_proj(pool)  # (B, K, H)
+        for layer in self.layers:
+            x = layer(x, c, pool_mask)
+        s = F.normalize(self.query_proj(self.drop(x)), dim=-1)  # (B, H)
+        keys = F.normalize(self.cand_proj(self.drop(c)), dim=-1)  # (B, K, H)
+        return s, keys
+
+    def step_log_dist(self, s: Tensor, keys: Tensor, avail: Tensor) -> Tensor:
+        """State (B, M, H), keys (B, K, H), available (B, M, K) -> log-distribution (B, M, K), -inf where unavailable."""
+        scores = torch.einsum("bmh,bkh->bmk", s, keys) / self.cfg.temperature  # (B, M, K)
+        return scores.masked_fill(~avail, float("-inf")).log_softmax(-1)
+
+    def advance(self, s: Tensor, keys: Tensor, pick: Tensor) -> Tensor:
+        """Gated state update with the picked candidates: s (B, M, H), pick (B, M) -> s (B, M, H)."""
+        c = keys[torch.arange(keys.shape[0], device=keys.device)[:, None], pick]  # (B, M, H)
+        g = torch.sigmoid(self.gate(torch.cat([s, c], -1)))  # (B, M, H)
+        return F.normalize(g * s + (1 - g) * c, dim=-1)
+
+    # -- teacher forcing ------------------------------------------------------------------------------------------------
+    def forward(
+        self,
+        query: Tensor,
+        pool: Tensor,
+        pool_mask: Tensor,
+        seqs: Tensor,
+        seq_mask: Tensor,
+        with_dists: bool = False,
+    ) -> Steps:
+        """Teacher-forced per-step log-probs and entropies of G given sequences per query.
+
+        query (B, d), pool (B, K, d), pool_mask (B, K) bool, seqs (B, G, S) long pool positions, seq_mask (B, G) bool.
+        Masked sequences may hold anything (e.g. -1 padding); their outputs are exactly 0.
+        """
+        check_inputs(query, pool, pool_mask, seqs, seq_mask)
+        B, G, S = seqs.shape
+        # Masked sequences get a harmless stand-in (the first S valid candidates) so no garbage index is touched.
+        filler = pool_mask.float().argsort(dim=-1, descending=True, stable=True)[:, :S]  # (B, S)
+        seqs = torch.where(seq_mask[..., None], seqs, filler[:, None, :])  # (B, G, S)
+        s, keys = self.encode(query, pool, pool_mask)
+        s = s[:, None, :].expand(B, G, -1)  # (B, G, H): one encoding shared by the whole group
+        avail = pool_mask[:, None, :].expand(B, G, -1).clone()  # (B, G, K)
+        logps, ents, dists = [], [], []
+        for t in range(S):
+            log_dist = self.step_log_dist(s, keys, avail)  # (B, G, K)
+            pick = seqs[:, :, t]  # (B, G)
+            logps.append(log_dist.gather(-1, pick[..., None])[..., 0])
+            ents.append(_entropy(log_dist, avail))
+            if with_dists:
+                dists.append(log_dist)
+            avail = avail.scatter(-1, pick[..., None], False)
+            if t + 1 < S:
+                s = self.advance(s, keys, pick)
+        m = seq_mask[..., None]  # (B, G, 1)
+        logp = torch.stack(logps, -1).where(m, 0.0)  # (B, G, S)
+        entropy = torch.stack(ents, -1).where(m, 0.0)  # (B, G, S)
+        log_dist = torch.stack(dists, 2).where(m[..., None], 0.0) if with_dists else None  # (B, G, S, K)
+        return Steps(logp, entropy, log_dist)
+
+    def log_probs(self, query: Tensor, pool: Tensor, pool_mask: Tensor, seqs: Tensor, seq_mask: Tensor) -> Tensor:
+        """(B, G, S) teacher-forced per-step log-probabilities (0 for masked sequences)."""
+        return self(query, pool, pool_mask, seqs, seq_mask).logp
+
+    # -- decoding -------------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def greedy(self, query: Tensor, pool: Tensor, pool_mask: Tensor, steps: int) -> tuple[Tensor, Tensor]:
+        """Argmax decoding: -> picks (B, S) and their summed log-prob (B,)."""
+        seqs, logp = self._decode(query, pool, pool_mask, steps, 1, None, None)
+        return seqs[:, 0], logp[:, 0]
+
+    @torch.no_grad()
+    def sample(
+        self,
+        query: Tensor,
+        pool: Tensor,
+        pool_mask: Tensor,
+        steps: int,
+        num_samples: int,
+        generator: torch.Generator | None = None,
+        temperature: float = 1.0,
+    ) -> tuple[Tensor, Tensor]:
+        """Ancestral sampling at `temperature`: -> picks (B, N, S) and their log-prob under the policy (B, N).
+
+        Samples are independent, so they may repeat; callers that need distinct sequences deduplicate.
+        """
+        if temperature <= 0:
+            raise ValueError(f"sample: temperature must be > 0, got {temperature}")
+        return self._decode(query, pool, pool_mask, steps, num_samples, generator, temperature)
+
+    def _decode(self, query, pool, pool_mask, steps, num, generator, temperature) -> tuple[Tensor, Tensor]:
+        _check_pool(query, pool, pool_mask, steps)
+        B = query.shape[0]
+        s, keys = self.encode(query, pool, pool_mask)
+        s = s[:, None, :].expand(B, num, -1)  # (B, N, H)
+        avail = pool_mask[:, None, :].expand(B, num, -1).clone()  # (B, N, K)
+        picks, total = [], torch.zeros(B, num, device=query.device)
+        for t in range(steps):
+            log_dist = self.step_log_dist(s, keys, avail)  # (B, N, K)
+            if temperature is None:
+                pick = log_dist.argmax(-1)  # (B, N)
+            else:
+                probs = (log_dist / temperature).softmax(-1).flatten(0, 1)  # (B*N, K)
+                pick = torch.multinomial(probs, 1, generator=generator).view(B, num)
+            total = total + log_dist.gather(-1, pick[..., None])[..., 0]
+            picks.append(pick)
+            avail = avail.scatter(-1, pick[..., None], False)
+            if t + 1 < steps:
+                s = self.advance(s, keys, pick)
+        return torch.stack(picks, -1), total
+
+    @torch.no_grad()
+    def beam_search(self, query: Tensor, pool: Tensor, pool_mask: Tensor, steps: int, width: int) -> tuple[Tensor, Tensor]:
+        """Beam search: -> the `width` best sequences (B, W, S) with their summed log-probs (B, W), best first.
+
+        Beams beyond the number of distinct sequences a pool allows come back with score -inf.
+        """
+        _check_pool(query, pool, pool_mask, steps)
+        B, K = pool_mask.shape
+        s, keys = self.encode(query, pool, pool_mask)
+        s = s[:, None, :].expand(B, width, -1)  # (B, W, H)
+        avail = pool_mask[:, None, :].expand(B, width, -1).clone()  # (B, W, K)
+        # All beams start identical: only beam 0 is live, so step 0 cannot produce duplicates.
+        score = torch.full((B, width), float("-inf"), device=query.device)
+        score[:, 0] = 0.0
+        seqs = torch.zeros(B, width, 0, dtype=torch.long, device=query.device)
+        rows = torch.arange(B, device=query.device)[:, None]
+        for t in range(steps):
+            cand = score[..., None] + self.step_log_dist(s, keys, avail)  # (B, W, K)
+            score, flat = cand.flatten(1).topk(width, -1)  # (B, W) best first
+            beam, pick = flat // K, flat % K  # (B, W) parent beam and its new pick
+            seqs = torch.cat([seqs[rows, beam], pick[..., None]], -1)  # (B, W, t+1)
+            avail = avail[rows, beam].scatter(-1, pick[..., None], False)
+            if t + 1 < steps:
+                s = self.advance(s[rows, beam], keys, pick)
+        return seqs, score
+
+    # -- persistence ----------------------------------------------------------------------------------------------------
+    def save(self, directory: str | os.PathLike) -> None:
+        """Write `model.safetensors` (config also in its metadata) and `model.json`, each atomically."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        config = json.dumps(asdict(self.cfg), indent=2)
+        save_tensors(directory / "model.safetensors", self.state_dict(), {"config": config})
+        atomic_write_text(directory / "model.json", config + "\n")
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike, map_location: str = "cpu") -> PointerSelector:
+        """Strict load from a folder written by `save`: any missing, unexpected or mis-shaped tensor is an error."""
+        directory = Path(directory)
+        cfg = read_config(directory / "model.json")
+        model = cls(cfg)
+        load_state_strict(model, read_tensors(directory / "model.safetensors", map_location), directory / "model.safetensors")
+        return model
+
+
+def _entropy(log_dist: Tensor, avail: Tensor) -> Tensor:
+    """Entropy over available entries only (0 * -inf would be NaN): (..., K) -> (...)."""
+    safe = log_dist.masked_fill(~avail, 0.0)
+    return -(safe.exp() * safe).where(avail, 0.0).sum(-1)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Input validation: one ValueError naming the query/sequence and what was expected; cheap checks, message on failure only
+
+
+def _check_pool(query: Tensor, pool: Tensor, pool_mask: Tensor, steps: int) -> None:
+    if query.dim() != 2 or pool.dim() != 3 or pool_mask.dim() != 2:
+        raise ValueError(
+            f"expected query (B, d), pool (B, K, d), pool_mask (B, K); got {tuple(query.shape)}, "
+            f"{tuple(pool.shape)}, {tuple(pool_mask.shape)}"
+        )
+    B, K, d = pool.shape
+    if query.shape != (B, d) or pool_mask.shape != (B, K):
+        raise ValueError(
+            f"shape mismatch: pool is {tuple(pool.shape)} so query must be {(B, d)} and pool_mask {(B, K)}; "
+            f"got query {tuple(query.shape)}, pool_mask {tuple(pool_mask.shape)}"
+        )
+    if pool_mask.dtype != torch.bool:
+        raise ValueError(f"pool_mask must be bool, got {pool_mask.dtype}")
+    n_valid = pool_mask.sum(-1)  # (B,)
+    if (n_valid < steps).any():
+        b = int((n_valid < steps).nonzero()[0, 0])
+        raise ValueError(f"query {b}: its pool has {int(n_valid[b])} valid candidates, fewer than {steps} steps")
+    if not (torch.isfinite(query).all() and torch.isfinite(pool).all()):
+        raise ValueError("query or pool embeddings contain NaN or inf")
+
+
+def check_inputs(query: Tensor, pool: Tensor, pool_mask: Tensor, seqs: Tensor, seq_mask: Tensor) -> None:
+    """Validate a teacher-forcing batch; raises ValueError naming the first bad query/sequence."""
+    if seqs.dim() != 3 or seq_mask.shape != seqs.shape[:2] or seqs.shape[0] != query.shape[0]:
+        raise ValueError(
+            f"expected seqs (B, G, S) and seq_mask (B, G) with B={query.shape[0]}; "
+            f"got {tuple(seqs.shape)} and {tuple(seq_mask.shape)}"
+        )
+    if seq_mask.dtype != torch.bool or seqs.dtype != torch.long:
+        raise ValueError(f"seqs must be long and seq_mask bool, got {seqs.dtype} and {seq_mask.dtype}")
+    B, G, S = seqs.shape
+    K = pool.shape[1]
+    _check_pool(query, pool, pool_mask, S)
+    live = seq_mask[..., None].expand(B, G, S)  # (B, G, S)
+    outside = live & ((seqs < 0) | (seqs >= K))
+    if outside.any():
+        b, g, t = outside.nonzero()[0].tolist()
+        raise ValueError(f"query {b}, sequence {g}: step {t} points to {int(seqs[b, g, t])}, outside its pool 0..{K - 1}")
+    inside = seqs.clamp(0, K - 1)
+    padded = live & ~pool_mask.gather(1, inside.flatten(1)).view(B, G, S)
+    if padded.any():
+        b, g, t = padded.nonzero()[0].tolist()
+        raise ValueError(f"query {b}, sequence {g}: step {t} points to padded candidate {int(seqs[b, g, t])}")
+    repeats = (inside[..., :, None] == inside[..., None, :]).triu(1).any(-1) & live  # (B, G, S)
+    if repeats.any():
+        b, g, t = repeats.nonzero()[0].tolist()
+        raise ValueError(f"query {b}, sequence {g}: candidate {int(seqs[b, g, t])} is picked twice: {seqs[b, g].tolist()}")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Safetensors I/O, strict and atomic (a killed run never leaves a half-written file)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_tensors(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str] | None = None) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+
+
+def read_tensors(path: Path, map_location: str = "cpu") -> dict[str, Tensor]:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    try:
+        with safe_open(str(path), framework="pt", device=map_location) as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def read_config(path: Path) -> SelectorConfig:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file (a selector folder holds model.json + model.safetensors)")
+    raw = json.loads(path.read_text())
+    known = {f.name for f in fields(SelectorConfig)}
+    if unknown := set(raw) - known:
+        raise ValueError(f"{path}: unknown config fields {sorted(unknown)}; expected a subset of {sorted(known)}")
+    return SelectorConfig(**raw)
+
+
+def load_state_strict(model: nn.Module, tensors: dict[str, Tensor], source: str | os.PathLike) -> None:
+    """load_state_dict that names every missing, unexpected or mis-shaped tensor instead of skipping it."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(tensors))
+    unexpected = sorted(set(tensors) - set(own))
+    shapes = [f"{k}: {tuple(tensors[k].shape)} in file, {tuple(v.shape)} in model" for k, v in own.items()
+              if k in tensors and tensors[k].shape != v.shape]
+    problems = [f"missing tensors {missing}"] * bool(missing) + [f"unexpected tensors {unexpected}"] * bool(unexpected)
+    problems += [f"shape mismatch {s}" for s in shapes]
+    if problems:
+        raise ValueError(f"{source}: does not match the selector architecture: " + "; ".join(problems))
+    model.load_state_dict(tensors, strict=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# RL math: pure functions of (B, G) tensors; masked entries never influence valid ones and come out exactly 0
+
+
+def _masked_mean(x: Tensor, mask: Tensor, dim=None) -> Tensor:
+    n = mask.sum(dim) if dim is not None else mask.sum()
+    return x.where(mask, 0.0).sum(dim) / n.clamp_min(1)
+
+
+def group_advantages(
+    rewards: Tensor, mask: Tensor, scale: str = "group", rank: bool = False, eps: float = 1e-4
+) -> Tensor:
+    """GRPO advantages (B, G) from rewards (B, G) over each group's valid entries.
+
+    scale="group": (r - group mean) / (group std + eps); "batch": divided by the std of all valid entries; "none":
+    centred only. Std is the population std (ddof=0). rank=True replaces rewards by their within-group rank mapped
+    evenly onto [-1, 1] (best +1, worst -1, ties share their mean rank); those are centred and bounded already, so
+    `scale` does not apply. A group whose valid rewards are all equal gets exactly 0; masked entries are exactly 0.
+    """
+    if scale not in ("group", "batch", "none"):
+        raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
+    if rewards.shape != mask.shape or mask.dtype != torch.bool:
+        raise ValueError(f"rewards {tuple(rewards.shape)} and bool mask {tuple(mask.shape)} must have the same shape")
+    r = rewards.double().where(mask, 0.0)
+    if not torch.isfinite(r).all():
+        raise ValueError("rewards contain NaN or inf")
+    big = torch.finfo(r.dtype).max
+    flat = (r.where(mask, -big).amax(-1) == r.where(mask, big).amin(-1)) | ~mask.any(-1)  # (B,) all-equal groups
+    if rank:
+        pair = mask[:, None, :] & mask[:, :, None]  # (B, G, G) both valid
+        less = ((r[:, None, :] < r[:, :, None]) & pair).sum(-1)  # (B, G) valid entries below each entry
+        equal = ((r[:, None, :] == r[:, :, None]) & pair).sum(-1)  # (B, G) including itself
+        n = mask.sum(-1, keepdim=True).to(r.dtype)  # (B, 1)
+        mean_rank = less.to(r.dtype) + (equal.to(r.dtype) - 1) / 2  # (B, G) in 0..n-1
+        adv = 2 * mean_rank / (n - 1).clamp_min(1) - 1
+    else:
+        mean = _masked_mean(r, mask, -1)[:, None]  # (B, 1)
+        adv = r - mean
+        if scale == "group":
+            std = _masked_mean(adv**2, mask, -1).sqrt()[:, None]  # (B, 1)
+            adv = adv / (std + eps)
+        elif scale == "batch":
+            adv = adv / (_masked_mean(adv**2, mask).sqrt() + eps)
+    adv = adv.where(mask & ~flat[:, None], 0.0)
+    return adv.to(rewards.dtype)
+
+
+def ppo_clip_loss(
+    logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps_low: float = 0.2, eps_high: float | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate over per-sequence log-probs (B, G); returns (loss, stats).
+
+    loss = -mean_valid min(rho A, clip(rho, 1-eps_low, 1+eps_high) A), rho = exp(logp - old_logp).
+    clip_frac_low/high: share of valid entries where the clip is active (rho < 1-eps_low with A < 0, or
+    rho > 1+eps_high with A > 0), i.e. where the gradient is zeroed.
+    """
+    eps_high = eps_low if eps_high is None else eps_high
+    if eps_low <= 0 or eps_high <= 0:
+        raise ValueError(f"clip epsilons must be > 0, got eps_low={eps_low}, eps_high={eps_high}")
+    ratio = (logp - old_logp).where(mask, 0.0).exp()  # (B, G)
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
+    obj = torch.minimum(ratio * adv, clipped * adv)  # (B, G)
+    loss = -_masked_mean(obj, mask)
+    with torch.no_grad():
+        stats = {
+            "clip_frac_low": _masked_mean(((ratio < 1 - eps_low) & (adv < 0)).float(), mask),
+            "clip_frac_high": _masked_mean(((ratio > 1 + eps_high) & (adv > 0)).float(), mask),
+            "ratio_mean": _masked_mean(ratio, mask),
+        }
+    return loss, stats
+
+
+def exact_kl(logp_dist: Tensor, ref_logp_dist: Tensor, step_mask: Tensor) -> Tensor:
+    """Sum over valid steps of KL(pi || pi_ref), exact over the K candidates: (B, G, S, K) x2, (B, G, S) -> (B, G).
+
+    Entries where pi is 0 (chosen/padded, -inf) contribute 0; finite stand-ins keep -inf out of the arithmetic so
+    gradients stay finite.
+    """
+    live = torch.isfinite(logp_dist)
+    lp = logp_dist.masked_fill(~live, 0.0)
+    lq = ref_logp_dist.masked_fill(~live, 0.0)
+    per_step = (lp.exp() * (lp - lq)).where(live, 0.0).sum(-1)  # (B, G, S)
+    return per_step.where(step_mask, 0.0).sum(-1)
+
+
+def k3_kl(logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
+    """The k3 estimator of KL(pi || pi_ref) at the sampled actions: mean_valid exp(r) - r - 1, r = ref_logp - logp."""
+    r = (ref_logp - logp).where(mask, 0.0)
+    return _masked_mean((torch.expm1(r) - r).clamp_min(0.0), mask)  # >= 0 exactly; clamp only removes rounding
+
+
+def rce_weights(rewards: Tensor, mask: Tensor, temperature: float) -> Tensor:
+    """Reward-weighted CE weights: softmax(reward / tau) over each group's valid entries (B, G); 0 when masked."""
+    if temperature <= 0:
+        raise ValueError(f"RCE temperature must be > 0, got {temperature}")
+    logits = (rewards / temperature).masked_fill(~mask, float("-inf"))
+    w = logits.softmax(-1)
+    return w.nan_to_num(0.0)  # a group with no valid entry is all -inf -> NaN -> weights 0

@@ -1,0 +1,247 @@
+"""Tensor tests for the pointer selector: distributions, equivariance, padding, batching, decoding, persistence."""
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from model import PointerSelector, SelectorConfig
+from strategies import rng, seeds
+
+CFG = SelectorConfig(dim=12, hidden=16, num_heads=2, num_layers=2, dropout=0.3)
+
+
+def make_model(seed: int, cfg: SelectorConfig = CFG) -> PointerSelector:
+    torch.manual_seed(seed)  # parameter init only; the inputs below come from explicit generators
+    return PointerSelector(cfg).eval()
+
+
+@st.composite
+def batches(draw, max_b=4, max_g=5, max_s=4, max_k=9):
+    """A random batch: query, pool, pool_mask (some padding), seqs of distinct valid picks, seq_mask."""
+    B, G, S = draw(st.integers(1, max_b)), draw(st.integers(1, max_g)), draw(st.integers(1, max_s))
+    K = draw(st.integers(S, max_k))
+    g = rng(draw(seeds))
+    query, pool = torch.randn(B, CFG.dim, generator=g), torch.randn(B, K, CFG.dim, generator=g)
+    n_valid = torch.randint(S, K + 1, (B,), generator=g)
+    keys = torch.rand(B, K, generator=g)
+    pool_mask = keys.argsort(-1).argsort(-1) < n_valid[:, None]  # n_valid random valid slots per query
+    order = torch.rand(B, G, K, generator=g).masked_fill(~pool_mask[:, None], 2).argsort(-1)  # valid slots first
+    seqs = order[..., :S]
+    seq_mask = torch.rand(B, G, generator=g) < 0.8
+    seq_mask[:, 0] = True
+    seqs = seqs.masked_fill(~seq_mask[..., None], -1)  # padded sequences hold garbage
+    return query, pool, pool_mask, seqs, seq_mask, draw(seeds)
+
+
+@given(batches())
+def test_distributions_normalised_and_zero_on_unavailable(batch):
+    query, pool, pool_mask, seqs, seq_mask, seed = batch
+    out = make_model(seed)(query, pool, pool_mask, seqs, seq_mask, with_dists=True)
+    p = out.log_dist.exp()  # (B, G, S, K)
+    B, G, S, K = p.shape
+    for b, g in zip(*seq_mask.nonzero(as_tuple=True)):
+        for t in range(S):
+            unavailable = ~pool_mask[b].clone()
+            unavailable[seqs[b, g, :t]] = True
+            assert (p[b, g, t][unavailable] == 0).all()
+            assert torch.allclose(p[b, g, t].sum(), torch.tensor(1.0), atol=1e-5)
+            assert torch.allclose(out.logp[b, g, t], out.log_dist[b, g, t, seqs[b, g, t]])
+    assert (out.logp[~seq_mask] == 0).all() and (out.entropy[~seq_mask] == 0).all()
+    assert torch.isfinite(out.logp).all() and torch.isfinite(out.entropy).all() and (out.entropy >= -1e-6).all()
+
+
+@given(batches())
+def test_pool_permutation_equivariance(batch):
+    query, pool, pool_mask, seqs, seq_mask, seed = batch
+    model = make_model(seed)
+    perm = torch.randperm(pool.shape[1], generator=rng(seed))  # new slot j holds old candidate perm[j]
+    inv = perm.argsort()
+    seqs_p = torch.where(seq_mask[..., None], inv[seqs.clamp_min(0)], -1)
+    a = model(query, pool, pool_mask, seqs, seq_mask, with_dists=True)
+    b = model(query, pool[:, perm], pool_mask[:, perm], seqs_p, seq_mask, with_dists=True)
+    assert torch.allclose(a.logp, b.logp, atol=1e-5)
+    assert torch.allclose(a.log_dist[..., perm].exp(), b.log_dist.exp(), atol=1e-5)
+
+
+@given(batches(), st.integers(1, 4), st.integers(1, 3))
+def test_padding_candidates_and_sequences_changes_nothing(batch, extra_k, extra_g):
+    query, pool, pool_mask, seqs, seq_mask, seed = batch
+    model = make_model(seed)
+    B, G, S = seqs.shape
+    g = rng(seed + 1)
+    pool2 = torch.cat([pool, torch.randn(B, extra_k, CFG.dim, generator=g) * 100], 1)
+    mask2 = torch.cat([pool_mask, torch.zeros(B, extra_k, dtype=torch.bool)], 1)
+    seqs2 = torch.cat([seqs, torch.randint(-1, 3, (B, extra_g, S), generator=g)], 1)
+    smask2 = torch.cat([seq_mask, torch.zeros(B, extra_g, dtype=torch.bool)], 1)
+    a = model(query, pool, pool_mask, seqs, seq_mask)
+    b = model(query, pool2, mask2, seqs2, smask2)
+    assert torch.allclose(a.logp, b.logp[:, :G], atol=1e-5)
+    assert torch.allclose(a.entropy, b.entropy[:, :G], atol=1e-5)
+    assert (b.logp[:, G:] == 0).all()
+
+
+@given(batches())
+def test_batched_equals_one_by_one(batch):
+    query, pool, pool_mask, seqs, seq_mask, seed = batch
+    model = make_model(seed)
+    full = model.log_probs(query, pool, pool_mask, seqs, seq_mask)
+    for b in range(len(query)):
+        one = model.log_probs(query[b : b + 1], pool[b : b + 1], pool_mask[b : b + 1], seqs[b : b + 1],
+                              seq_mask[b : b + 1])
+        assert torch.allclose(full[b : b + 1], one, atol=1e-5)
+        for g in seq_mask[b].nonzero()[:, 0].tolist():  # and each sequence on its own
+            single = model.log_probs(query[b : b + 1], pool[b : b + 1], pool_mask[b : b + 1],
+                                     seqs[b : b + 1, g : g + 1], seq_mask[b : b + 1, g : g + 1])
+            assert torch.allclose(full[b, g], single[0, 0], atol=1e-5)
+
+
+@given(batches())
+def test_encodes_each_pool_once(batch):
+    query, pool, pool_mask, seqs, seq_mask, seed = batch
+    model = make_model(seed)
+    rows = []
+    model.in_proj.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[:-1].numel()))
+    model(query, pool, pool_mask, seqs, seq_mask)
+    assert sum(rows) == query.shape[0] * (1 + pool.shape[1])  # B queries + B*K candidates, whatever G is
+
+
+@given(batches())
+def test_gradients_finite_with_padding(batch):
+    query, pool, pool_mask, seqs, seq_mask, seed = batch
+    model = make_model(seed).train()
+    out = model(query, pool, pool_mask, seqs, seq_mask, with_dists=True)
+    (out.logp.sum() + out.entropy.sum()).backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    if (pool_mask.sum(-1) >= 2).any():  # some step has a real choice, so the scores get a gradient
+        assert model.query_proj.weight.grad.abs().sum() > 0
+
+
+@given(batches())
+def test_greedy_valid_and_equals_width_one_beam_and_teacher_forcing(batch):
+    query, pool, pool_mask, seqs, _, seed = batch
+    S = seqs.shape[2]
+    model = make_model(seed)
+    picks, logp = model.greedy(query, pool, pool_mask, S)
+    assert pool_mask.gather(1, picks).all()
+    assert all(len(set(row.tolist())) == S for row in picks)
+    beam, score = model.beam_search(query, pool, pool_mask, S, 1)
+    assert torch.equal(beam[:, 0], picks) and torch.allclose(score[:, 0], logp, atol=1e-5)
+    tf = model.log_probs(query, pool, pool_mask, picks[:, None], torch.ones(len(query), 1, dtype=torch.bool))
+    assert torch.allclose(tf.sum(-1)[:, 0], logp, atol=1e-5)
+
+
+@given(seeds, st.integers(2, 5), st.integers(1, 3))
+def test_exhaustive_beam_finds_the_best_sequences(seed, K, S):
+    S = min(S, K)
+    model = make_model(seed)
+    g = rng(seed)
+    query, pool = torch.randn(1, CFG.dim, generator=g), torch.randn(1, K, CFG.dim, generator=g)
+    mask = torch.ones(1, K, dtype=torch.bool)
+    every = torch.tensor(list(itertools.permutations(range(K), S)))  # (N, S)
+    tf = model.log_probs(query, pool, mask, every[None], torch.ones(1, len(every), dtype=torch.bool)).sum(-1)[0]
+    beam, score = model.beam_search(query, pool, mask, S, len(every))  # width = every sequence: beam is exact
+    assert torch.allclose(score[0], tf.sort(descending=True).values, atol=1e-5)
+    assert len({tuple(s) for s in beam[0].tolist()}) == len(every)
+    beam2, score2 = model.beam_search(query, pool, mask, S, len(every) + 2)  # more beams than sequences: -inf
+    assert torch.isinf(score2[0, -2:]).all() and torch.isfinite(score2[0, :-2]).all()
+
+
+@given(batches(), st.integers(1, 6), st.floats(0.3, 3.0))
+def test_sampling_valid_reproducible_and_scored(batch, n, temperature):
+    query, pool, pool_mask, seqs, _, seed = batch
+    S = seqs.shape[2]
+    model = make_model(seed)
+    a, la = model.sample(query, pool, pool_mask, S, n, rng(seed), temperature)
+    b, lb = model.sample(query, pool, pool_mask, S, n, rng(seed), temperature)
+    assert torch.equal(a, b) and torch.equal(la, lb)
+    assert pool_mask.gather(1, a.flatten(1)).all()
+    assert all(len(set(row.tolist())) == S for row in a.flatten(0, 1))
+    tf = model.log_probs(query, pool, pool_mask, a, torch.ones(a.shape[:2], dtype=torch.bool)).sum(-1)
+    assert torch.allclose(tf, la, atol=1e-5)
+
+
+def test_sampling_follows_the_policy():
+    """Empirical first-pick frequencies match the step-0 distribution (temperature 1)."""
+    model = make_model(0)
+    g = rng(0)
+    query, pool = torch.randn(1, CFG.dim, generator=g), torch.randn(1, 4, CFG.dim, generator=g)
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    picks, _ = model.sample(query, pool, mask, 1, 20000, rng(1))
+    freq = torch.bincount(picks[0, :, 0], minlength=4) / 20000
+    every = torch.arange(4)[:, None]
+    p = model.log_probs(query, pool, mask, every[None], torch.ones(1, 4, dtype=torch.bool))[0, :, 0].exp()
+    assert torch.allclose(freq, p, atol=0.015)
+
+
+def test_dropout_only_in_train_mode():
+    model = make_model(0)
+    g = rng(0)
+    q, pool = torch.randn(2, CFG.dim, generator=g), torch.randn(2, 6, CFG.dim, generator=g)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    seqs, smask = torch.tensor([[[0, 1]], [[2, 3]]]), torch.ones(2, 1, dtype=torch.bool)
+    assert torch.equal(model.log_probs(q, pool, mask, seqs, smask), model.log_probs(q, pool, mask, seqs, smask))
+    model.train()
+    assert not torch.equal(model.log_probs(q, pool, mask, seqs, smask), model.log_probs(q, pool, mask, seqs, smask))
+
+
+def test_save_load_round_trip_bitwise(tmp_path):
+    model = make_model(3)
+    model.save(tmp_path)
+    loaded = PointerSelector.load(tmp_path)
+    assert loaded.cfg == model.cfg
+    for (k, a), (k2, b) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert k == k2 and torch.equal(a, b)
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_load_names_missing_unexpected_and_misshaped_tensors(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    make_model(0).save(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    state.pop("gate.bias")
+    state["extra.weight"] = torch.zeros(1)
+    state["in_proj.weight"] = torch.zeros(3, 3)
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError) as e:
+        PointerSelector.load(tmp_path)
+    for name in ("gate.bias", "extra.weight", "in_proj.weight"):
+        assert name in str(e.value)
+    (tmp_path / "model.json").unlink()
+    with pytest.raises(FileNotFoundError, match="model.json"):
+        PointerSelector.load(tmp_path)
+
+
+def test_bad_inputs_name_the_query_and_sequence():
+    model = make_model(0)
+    q, pool = torch.randn(2, CFG.dim), torch.randn(2, 5, CFG.dim)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[1, 4] = False
+    smask = torch.ones(2, 2, dtype=torch.bool)
+    good = torch.tensor([[[0, 1], [1, 2]], [[0, 1], [2, 3]]])
+    model.log_probs(q, pool, mask, good, smask)
+    cases = {
+        "query 1, sequence 1: candidate 3 is picked twice": [[[0, 1], [1, 2]], [[0, 1], [3, 3]]],
+        "query 0, sequence 0: step 1 points to 5, outside": [[[0, 5], [1, 2]], [[0, 1], [2, 3]]],
+        "query 1, sequence 0: step 0 points to padded candidate 4": [[[0, 1], [1, 2]], [[4, 1], [2, 3]]],
+    }
+    for message, seqs in cases.items():
+        with pytest.raises(ValueError, match=message):
+            model.log_probs(q, pool, mask, torch.tensor(seqs), smask)
+    small = mask.clone()
+    small[0, 1:] = False
+    with pytest.raises(ValueError, match="query 0: its pool has 1 valid candidates, fewer than 2 steps"):
+        model.log_probs(q, pool, small, good, smask)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        model.log_probs(q[:, :4], pool, mask, good, smask)
+    with pytest.raises(ValueError, match="seqs"):
+        model.log_probs(q, pool, mask, good[:, :, 0], smask)
+    with pytest.raises(ValueError, match="NaN"):
+        model.log_probs(q, pool.clone().fill_(float("nan")), mask, good, smask)
+    with pytest.raises(ValueError, match="fewer than 6 steps"):
+        model.greedy(q, pool, mask, 6)
+    with pytest.raises(ValueError, match="divisible"):
+        SelectorConfig(hidden=10, num_heads=4)
