@@ -101,7 +101,9 @@ class PointerSelector(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.in_proj = nn.Linear(cfg.dim, cfg.hidden)
-        self.layers = nn.ModuleList(CrossAttention(cfg.hidden, cfg.num_heads, cfg.dropout) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            CrossAttention(cfg.hidden, cfg.num_heads, cfg.dropout) for _ in range(cfg.num_layers)
+        )
         self.drop = nn.Dropout(cfg.dropout)
         self.query_proj = _near_identity(cfg.hidden)
         self.cand_proj = _near_identity(cfg.hidden)
@@ -111,7 +113,7 @@ class PointerSelector(nn.Module):
         """Input projection and cross-attention: what `--freeze-backbone` freezes."""
         return [*self.in_proj.parameters(), *self.layers.parameters()]
 
-    # -- building blocks ------------------------------------------------------------------------------------------------
+    # -- building blocks -----------------------------------------------------------------------------------------------
     def encode(self, query: Tensor, pool: Tensor, pool_mask: Tensor) -> tuple[Tensor, Tensor]:
         """(B, d), (B, K, d), (B, K) -> initial state (B, H) and candidate keys (B, K, H), both unit-norm."""
         x = self.in_proj(query)  # (B, H)
@@ -123,7 +125,7 @@ class PointerSelector(nn.Module):
         return s, keys
 
     def step_log_dist(self, s: Tensor, keys: Tensor, avail: Tensor) -> Tensor:
-        """State (B, M, H), keys (B, K, H), available (B, M, K) -> log-distribution (B, M, K), -inf where unavailable."""
+        """State (B, M, H), keys (B, K, H), available (B, M, K) -> log-distribution (B, M, K); -inf = unavailable."""
         scores = torch.einsum("bmh,bkh->bmk", s, keys) / self.cfg.temperature  # (B, M, K)
         return scores.masked_fill(~avail, float("-inf")).log_softmax(-1)
 
@@ -133,7 +135,7 @@ class PointerSelector(nn.Module):
         g = torch.sigmoid(self.gate(torch.cat([s, c], -1)))  # (B, M, H)
         return F.normalize(g * s + (1 - g) * c, dim=-1)
 
-    # -- teacher forcing ------------------------------------------------------------------------------------------------
+    # -- teacher forcing -----------------------------------------------------------------------------------------------
     def forward(
         self,
         query: Tensor,
@@ -177,7 +179,7 @@ class PointerSelector(nn.Module):
         """(B, G, S) teacher-forced per-step log-probabilities (0 for masked sequences)."""
         return self(query, pool, pool_mask, seqs, seq_mask).logp
 
-    # -- decoding -------------------------------------------------------------------------------------------------------
+    # -- decoding ------------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def greedy(self, query: Tensor, pool: Tensor, pool_mask: Tensor, steps: int) -> tuple[Tensor, Tensor]:
         """Argmax decoding: -> picks (B, S) and their summed log-prob (B,)."""
@@ -225,7 +227,9 @@ class PointerSelector(nn.Module):
         return torch.stack(picks, -1), total
 
     @torch.no_grad()
-    def beam_search(self, query: Tensor, pool: Tensor, pool_mask: Tensor, steps: int, width: int) -> tuple[Tensor, Tensor]:
+    def beam_search(
+        self, query: Tensor, pool: Tensor, pool_mask: Tensor, steps: int, width: int
+    ) -> tuple[Tensor, Tensor]:
         """Beam search: -> the `width` best sequences (B, W, S) with their summed log-probs (B, W), best first.
 
         Beams beyond the number of distinct sequences a pool allows come back with score -inf.
@@ -250,7 +254,7 @@ class PointerSelector(nn.Module):
                 s = self.advance(s[rows, beam], keys, pick)
         return seqs, score
 
-    # -- persistence ----------------------------------------------------------------------------------------------------
+    # -- persistence ---------------------------------------------------------------------------------------------------
     def save(self, directory: str | os.PathLike) -> None:
         """Write `model.safetensors` (config also in its metadata) and `model.json`, each atomically."""
         directory = Path(directory)
@@ -265,7 +269,9 @@ class PointerSelector(nn.Module):
         directory = Path(directory)
         cfg = read_config(directory / "model.json")
         model = cls(cfg)
-        load_state_strict(model, read_tensors(directory / "model.safetensors", map_location), directory / "model.safetensors")
+        load_state_strict(
+            model, read_tensors(directory / "model.safetensors", map_location), directory / "model.safetensors"
+        )
         return model
 
 
@@ -276,7 +282,7 @@ def _entropy(log_dist: Tensor, avail: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Input validation: one ValueError naming the query/sequence and what was expected; cheap checks, message on failure only
+# Input validation: one ValueError naming the query/sequence and what was expected (cheap; message built on failure)
 
 
 def _check_pool(query: Tensor, pool: Tensor, pool_mask: Tensor, steps: int) -> None:
@@ -317,7 +323,9 @@ def check_inputs(query: Tensor, pool: Tensor, pool_mask: Tensor, seqs: Tensor, s
     outside = live & ((seqs < 0) | (seqs >= K))
     if outside.any():
         b, g, t = outside.nonzero()[0].tolist()
-        raise ValueError(f"query {b}, sequence {g}: step {t} points to {int(seqs[b, g, t])}, outside its pool 0..{K - 1}")
+        raise ValueError(
+            f"query {b}, sequence {g}: step {t} points to {int(seqs[b, g, t])}, outside its pool 0..{K - 1}"
+        )
     inside = seqs.clamp(0, K - 1)
     padded = live & ~pool_mask.gather(1, inside.flatten(1)).view(B, G, S)
     if padded.any():
@@ -326,7 +334,9 @@ def check_inputs(query: Tensor, pool: Tensor, pool_mask: Tensor, seqs: Tensor, s
     repeats = (inside[..., :, None] == inside[..., None, :]).triu(1).any(-1) & live  # (B, G, S)
     if repeats.any():
         b, g, t = repeats.nonzero()[0].tolist()
-        raise ValueError(f"query {b}, sequence {g}: candidate {int(seqs[b, g, t])} is picked twice: {seqs[b, g].tolist()}")
+        raise ValueError(
+            f"query {b}, sequence {g}: candidate {int(seqs[b, g, t])} is picked twice: {seqs[b, g].tolist()}"
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -350,7 +360,7 @@ def read_tensors(path: Path, map_location: str = "cpu") -> dict[str, Tensor]:
         raise FileNotFoundError(f"{path}: no such file")
     try:
         with safe_open(str(path), framework="pt", device=map_location) as f:
-            return {k: f.get_tensor(k) for k in f.keys()}
+            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
     except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
         raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
 
@@ -370,8 +380,11 @@ def load_state_strict(model: nn.Module, tensors: dict[str, Tensor], source: str 
     own = model.state_dict()
     missing = sorted(set(own) - set(tensors))
     unexpected = sorted(set(tensors) - set(own))
-    shapes = [f"{k}: {tuple(tensors[k].shape)} in file, {tuple(v.shape)} in model" for k, v in own.items()
-              if k in tensors and tensors[k].shape != v.shape]
+    shapes = [
+        f"{k}: {tuple(tensors[k].shape)} in file, {tuple(v.shape)} in model"
+        for k, v in own.items()
+        if k in tensors and tensors[k].shape != v.shape
+    ]
     problems = [f"missing tensors {missing}"] * bool(missing) + [f"unexpected tensors {unexpected}"] * bool(unexpected)
     problems += [f"shape mismatch {s}" for s in shapes]
     if problems:

@@ -6,9 +6,9 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from strategies import rng, seeds
 
 from model import PointerSelector, SelectorConfig
-from strategies import rng, seeds
 
 CFG = SelectorConfig(dim=12, hidden=16, num_heads=2, num_layers=2, dropout=0.3)
 
@@ -89,12 +89,18 @@ def test_batched_equals_one_by_one(batch):
     model = make_model(seed)
     full = model.log_probs(query, pool, pool_mask, seqs, seq_mask)
     for b in range(len(query)):
-        one = model.log_probs(query[b : b + 1], pool[b : b + 1], pool_mask[b : b + 1], seqs[b : b + 1],
-                              seq_mask[b : b + 1])
+        one = model.log_probs(
+            query[b : b + 1], pool[b : b + 1], pool_mask[b : b + 1], seqs[b : b + 1], seq_mask[b : b + 1]
+        )
         assert torch.allclose(full[b : b + 1], one, atol=1e-5)
         for g in seq_mask[b].nonzero()[:, 0].tolist():  # and each sequence on its own
-            single = model.log_probs(query[b : b + 1], pool[b : b + 1], pool_mask[b : b + 1],
-                                     seqs[b : b + 1, g : g + 1], seq_mask[b : b + 1, g : g + 1])
+            single = model.log_probs(
+                query[b : b + 1],
+                pool[b : b + 1],
+                pool_mask[b : b + 1],
+                seqs[b : b + 1, g : g + 1],
+                seq_mask[b : b + 1, g : g + 1],
+            )
             assert torch.allclose(full[b, g], single[0, 0], atol=1e-5)
 
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from strategies import group_batches, rng, seeds
 
 from model import exact_kl, group_advantages, k3_kl, ppo_clip_loss, rce_weights
-from strategies import group_batches, rng, seeds
 
 SCALES = st.sampled_from(["group", "batch", "none"])
 
@@ -182,9 +182,11 @@ def dist_pairs(draw):
     g = rng(draw(seeds))
     avail = torch.rand(B, G, S, K, generator=g) < 0.7
     avail[..., 0] = True
+
     def dist():
         logits = torch.randn(B, G, S, K, generator=g, dtype=torch.float64) * 2
         return logits.masked_fill(~avail, float("-inf")).log_softmax(-1)
+
     step_mask = torch.rand(B, G, S, generator=g) < 0.8
     return dist(), dist(), step_mask
 
@@ -201,7 +203,10 @@ def test_exact_kl_nonnegative_zero_iff_equal_and_by_hand(pair):
         for g_ in range(G):
             ref = sum(
                 math.exp(p[b, g_, t, k]) * (p[b, g_, t, k] - q[b, g_, t, k])
-                for t in range(S) if step_mask[b, g_, t] for k in range(K) if math.isfinite(p[b, g_, t, k])
+                for t in range(S)
+                if step_mask[b, g_, t]
+                for k in range(K)
+                if math.isfinite(p[b, g_, t, k])
             )
             assert math.isclose(float(kl[b, g_]), ref, abs_tol=1e-9)
     differs = ((p - q).abs().nan_to_num(0).amax(-1) > 1e-3) & step_mask  # (B, G, S) steps where p != q
