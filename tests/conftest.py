@@ -9,7 +9,23 @@ from hypothesis import HealthCheck, settings
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # Tensor tests are slower than hypothesis' default 200 ms deadline on a loaded 2-core CI machine.
-settings.register_profile("ci", max_examples=30, deadline=None, derandomize=True,
-                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "ci", max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 settings.register_profile("dev", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+import pytest  # noqa: E402  (after the sys.path setup above)
+
+SMALL = dict(num_train=600, num_val=150, num_queries=48, group_size=8, pool_size=24)
+
+
+@pytest.fixture(scope="session")
+def small_data(tmp_path_factory):
+    """A small simulated dataset folder, built once per test session (tests must copy it before modifying it)."""
+    from gen_rl_data import Args, generate
+
+    out = tmp_path_factory.mktemp("data") / "sim"
+    generate(Args(out=out, **SMALL))
+    return out

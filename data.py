@@ -1,0 +1,380 @@
+"""Dataset folders (DESIGN §2.1): reading, strict validation, rewards, and tensors ready for training.
+
+A dataset folder holds meta.json, items.json, embeddings.safetensors, rl_data.jsonl and eval_pools.json. Every
+malformed input raises one `DataError` naming the file, the line (jsonl) and the field; stages call
+`load_dataset` before writing anything, so bad input never leaves a half-made run behind.
+
+Rewards are computed here, from the per-sequence fields every backend stores (acc, correct, gt_prob, rel), by a
+`reward_mode` (the user's names):
+    hard_plus_soft             hard_w * correct + soft_w * acc
+    separated                  correct ? 2 + acc : acc
+    hard_only                  correct
+    soft_only                  acc
+    hard_plus_gtprob           hard_w * correct + soft_w * gt_prob
+    hard_plus_gtprob_plus_rel  hard_w * correct + soft_w * gt_prob + rel_w * (1 - correct) * rel
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, get_args
+
+import torch
+import tyro
+from torch import Tensor
+
+from model import read_tensors
+
+FORMAT_VERSION = 1
+RewardMode = Literal[
+    "hard_plus_soft", "separated", "hard_only", "soft_only", "hard_plus_gtprob", "hard_plus_gtprob_plus_rel"
+]
+REWARD_MODES: tuple[str, ...] = get_args(RewardMode)
+Quality = Literal["high", "medium", "all"]
+SEQ_FIELDS = ("acc", "correct", "gt_prob", "rel")
+
+
+class DataError(ValueError):
+    """Malformed input data; the message names the file, the line and the field."""
+
+
+def run_cli(main: Callable, args_type: type) -> None:
+    """Parse flags with tyro and run `main`; bad input ends in one line on stderr and exit code 2, no traceback.
+
+    Set ICL_SELECT_DEBUG=1 to get the traceback instead.
+    """
+    args = tyro.cli(args_type)
+    try:
+        main(args)
+    except (ValueError, FileNotFoundError) as e:
+        if os.environ.get("ICL_SELECT_DEBUG"):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+@dataclass
+class RewardArgs:
+    """How a scored sequence becomes a scalar reward (shared by rce.py, grpo.py and the data report)."""
+
+    reward_mode: RewardMode = "hard_plus_soft"
+    """hard_plus_soft | separated | hard_only | soft_only | hard_plus_gtprob | hard_plus_gtprob_plus_rel."""
+    hard_weight: float = 1.0
+    """Weight of `correct` (0/1) in the modes that have one."""
+    soft_weight: float = 1.0
+    """Weight of the soft term (acc or gt_prob)."""
+    rel_weight: float = 0.2
+    """hard_plus_gtprob_plus_rel: weight of the answer's closeness to the truth, on wrong answers only."""
+
+
+def compute_reward(fields: dict[str, Tensor], args: RewardArgs) -> Tensor:
+    """Per-sequence reward from the stored fields (any shape, e.g. (Q, G))."""
+    c, acc, p, rel = (fields[k].double() for k in ("correct", "acc", "gt_prob", "rel"))
+    h, s, w = args.hard_weight, args.soft_weight, args.rel_weight
+    match args.reward_mode:
+        case "hard_plus_soft":
+            return h * c + s * acc
+        case "separated":
+            return 2 * c + acc
+        case "hard_only":
+            return c
+        case "soft_only":
+            return acc
+        case "hard_plus_gtprob":
+            return h * c + s * p
+        case "hard_plus_gtprob_plus_rel":
+            return h * c + s * p + w * (1 - c) * rel
+    raise ValueError(f"unknown reward mode {args.reward_mode!r}")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Reading and validating the folder
+
+
+def read_json(path: Path) -> object:
+    if not path.is_file():
+        raise DataError(f"{path}: missing file")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: not valid JSON ({e})") from None
+
+
+def read_meta(folder: Path) -> dict:
+    meta = read_json(folder / "meta.json")
+    if not isinstance(meta, dict) or "format_version" not in meta:
+        raise DataError(f"{folder / 'meta.json'}: field 'format_version' is missing; is this an icl-select dataset?")
+    if meta["format_version"] != FORMAT_VERSION:
+        raise DataError(
+            f"{folder / 'meta.json'}: field 'format_version' is {meta['format_version']!r}, this kit reads version "
+            f"{FORMAT_VERSION}; regenerate the folder with gen_rl_data.py"
+        )
+    return meta
+
+
+def read_jsonl(path: Path, allow_truncated: bool = False) -> list[tuple[int, dict]]:
+    """(line number, object) pairs. A final line without newline that does not parse is a truncated write."""
+    if not path.is_file():
+        raise DataError(f"{path}: missing file")
+    text = path.read_text()
+    lines = text.split("\n")
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append((i, json.loads(line)))
+        except json.JSONDecodeError as e:
+            if i == len(lines) and not text.endswith("\n"):
+                if allow_truncated:
+                    print(f"warning: {path} line {i}: truncated last line ignored", file=sys.stderr)
+                    continue
+                raise DataError(
+                    f"{path} line {i}: truncated last line (an interrupted write?); re-run gen_rl_data.py with the "
+                    f"same flags to finish it, or pass --allow-truncated to ignore it"
+                ) from None
+            raise DataError(f"{path} line {i}: not valid JSON ({e})") from None
+    return out
+
+
+def _ids(value, where: str, n: int, distinct: bool = True) -> list[int]:
+    """A list of ints in [0, n), distinct unless told otherwise."""
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise DataError(f"{where}: expected a list of integers, got {value!r:.80}")
+    if bad := [v for v in value if not 0 <= v < n]:
+        raise DataError(f"{where}: id {bad[0]} is out of range 0..{n - 1}")
+    if distinct and len(set(value)) != len(value):
+        dup = next(v for v in value if value.count(v) > 1)
+        raise DataError(f"{where}: id {dup} is repeated in {value}")
+    return value
+
+
+def _number(value, where: str, lo: float = 0.0, hi: float = 1.0) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise DataError(f"{where}: expected a finite number, got {value!r}")
+    if not lo <= value <= hi:
+        raise DataError(f"{where}: {value} is outside [{lo}, {hi}]")
+    return float(value)
+
+
+@dataclass
+class Groups:
+    """Padded anchor-query groups (Q queries, up to G scored sequences each, S steps, pools of up to K)."""
+
+    queries: Tensor  # (Q,) train rows of the anchor queries
+    pools: Tensor  # (Q, K) train rows, -1 where padded
+    pool_mask: Tensor  # (Q, K) bool
+    seqs: Tensor  # (Q, G, S) pool positions, -1 where padded
+    seq_mask: Tensor  # (Q, G) bool
+    fields: dict[str, Tensor]  # acc, correct, gt_prob, rel: (Q, G), 0 where padded
+    sources: list[list[str]]  # per query, per sequence
+
+    def __len__(self) -> int:
+        return len(self.queries)
+
+    def subset(self, idx: Tensor) -> Groups:
+        return Groups(
+            self.queries[idx],
+            self.pools[idx],
+            self.pool_mask[idx],
+            self.seqs[idx],
+            self.seq_mask[idx],
+            {k: v[idx] for k, v in self.fields.items()},
+            [self.sources[i] for i in idx.tolist()],
+        )
+
+
+def parse_groups(path: Path, records: list[tuple[int, dict]], num_train: int, seq_len: int) -> Groups:
+    """Validate rl_data.jsonl records and pad them into tensors."""
+    queries, pools, seqs, sources = [], [], [], []
+    fields = {k: [] for k in SEQ_FIELDS}
+    seen: dict[int, int] = {}
+    for line, rec in records:
+        at = f"{path} line {line}"
+        if not isinstance(rec, dict):
+            raise DataError(f"{at}: expected a JSON object")
+        for key in ("query", "pool", "seqs"):
+            if key not in rec:
+                raise DataError(f"{at}: field '{key}' is missing")
+        [q] = _ids([rec["query"]], f"{at}: field 'query'", num_train)
+        if q in seen:
+            raise DataError(f"{at}: field 'query': query {q} already appears on line {seen[q]}")
+        seen[q] = line
+        pool = _ids(rec["pool"], f"{at}: field 'pool'", num_train)
+        if q in pool:
+            raise DataError(f"{at}: field 'pool' contains the query itself ({q})")
+        if len(pool) < seq_len:
+            raise DataError(f"{at}: field 'pool' has {len(pool)} candidates, fewer than the sequence length {seq_len}")
+        if not isinstance(rec["seqs"], list) or not rec["seqs"]:
+            raise DataError(f"{at}: field 'seqs' must be a non-empty list")
+        group, codes = [], set()
+        for j, s in enumerate(rec["seqs"]):
+            where = f"{at}: field 'seqs[{j}]"
+            if not isinstance(s, dict):
+                raise DataError(f"{where}': expected an object")
+            for key in ("icds", *SEQ_FIELDS):
+                if key not in s:
+                    raise DataError(f"{where}.{key}' is missing")
+            icds = _ids(s["icds"], f"{where}.icds'", len(pool))
+            if len(icds) != seq_len:
+                raise DataError(f"{where}.icds' has {len(icds)} picks, expected the sequence length {seq_len}")
+            if tuple(icds) in codes:
+                raise DataError(f"{where}.icds' repeats an earlier sequence of this group: {icds}")
+            codes.add(tuple(icds))
+            group.append(icds)
+            for key in SEQ_FIELDS:
+                fields[key].append((len(queries), j, _number(s[key], f"{where}.{key}'")))
+        queries.append(q)
+        pools.append(pool)
+        seqs.append(group)
+        sources.append([str(s.get("source", "")) for s in rec["seqs"]])
+    if not queries:
+        raise DataError(f"{path}: no anchor queries")
+    Q, K, G = len(queries), max(map(len, pools)), max(map(len, seqs))
+    pool_t = torch.full((Q, K), -1, dtype=torch.long)
+    seq_t = torch.full((Q, G, seq_len), -1, dtype=torch.long)
+    for i, (p, g) in enumerate(zip(pools, seqs)):
+        pool_t[i, : len(p)] = torch.tensor(p)
+        seq_t[i, : len(g)] = torch.tensor(g)
+    field_t = {}
+    for key, entries in fields.items():
+        t = torch.zeros(Q, G, dtype=torch.float64)
+        i, j, v = zip(*entries)
+        t[list(i), list(j)] = torch.tensor(v, dtype=torch.float64)
+        field_t[key] = t
+    seq_mask = seq_t[..., 0] >= 0
+    return Groups(torch.tensor(queries), pool_t, pool_t >= 0, seq_t, seq_mask, field_t, sources)
+
+
+@dataclass
+class Dataset:
+    """A validated dataset folder."""
+
+    folder: Path
+    meta: dict
+    items: dict[str, list[dict]]
+    emb: dict[str, Tensor]  # "train" (N_train, d), "val" (N_val, d) (+ optional image/text views)
+    groups: Groups
+    eval_pools: Tensor  # (N_val, K) train rows
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.meta["seq_len"])
+
+    @property
+    def is_sim(self) -> bool:
+        return self.meta.get("source") == "sim"
+
+
+def load_dataset(folder: str | Path, allow_truncated: bool = False) -> Dataset:
+    """Read and validate a whole dataset folder (raises DataError on the first problem)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DataError(f"{folder}: no such dataset folder (build one with: python gen_rl_data.py --out {folder})")
+    meta = read_meta(folder)
+    for key in ("seq_len", "pool_size", "source"):
+        if key not in meta:
+            raise DataError(f"{folder / 'meta.json'}: field '{key}' is missing")
+    items = read_items(folder / "items.json")
+    emb = read_embeddings(folder / "embeddings.safetensors", {k: len(v) for k, v in items.items()})
+    n_train = len(items["train"])
+    groups = parse_groups(
+        folder / "rl_data.jsonl", read_jsonl(folder / "rl_data.jsonl", allow_truncated), n_train, int(meta["seq_len"])
+    )
+    eval_pools = read_eval_pools(folder / "eval_pools.json", len(items["val"]), n_train)
+    return Dataset(folder, meta, items, emb, groups, eval_pools)
+
+
+def read_items(path: Path) -> dict[str, list[dict]]:
+    items = read_json(path)
+    if not isinstance(items, dict):
+        raise DataError(f"{path}: expected an object with 'train' and 'val' lists")
+    for split in ("train", "val"):
+        rows = items.get(split)
+        if not isinstance(rows, list) or not rows:
+            raise DataError(f"{path}: field '{split}' must be a non-empty list of items")
+        for i, it in enumerate(rows):
+            for key in ("question_id", "image_id", "question", "answers"):
+                if not isinstance(it, dict) or key not in it:
+                    raise DataError(f"{path}: field '{split}[{i}].{key}' is missing")
+            if not isinstance(it["answers"], list) or not it["answers"]:
+                raise DataError(f"{path}: field '{split}[{i}].answers' must be a non-empty list of strings")
+    return items
+
+
+def read_embeddings(path: Path, counts: dict[str, int]) -> dict[str, Tensor]:
+    try:
+        emb = read_tensors(path)
+    except (FileNotFoundError, ValueError) as e:
+        raise DataError(str(e)) from None
+    dims = set()
+    for name, t in emb.items():
+        split = name.split("_")[0]
+        if split not in counts:
+            continue
+        if t.dim() != 2 or t.shape[0] != counts[split]:
+            raise DataError(
+                f"{path}: tensor '{name}' has shape {tuple(t.shape)}, but items.json has {counts[split]} "
+                f"'{split}' items (expected ({counts[split]}, d))"
+            )
+        if not torch.isfinite(t).all():
+            row = int((~torch.isfinite(t)).any(-1).nonzero()[0, 0])
+            raise DataError(f"{path}: tensor '{name}' row {row} contains NaN or inf")
+        dims.add(t.shape[1])
+    for split in counts:
+        if split not in emb:
+            raise DataError(f"{path}: tensor '{split}' is missing")
+    if len(dims) > 1:
+        raise DataError(f"{path}: embeddings have different widths {sorted(dims)}")
+    return {k: v.float() for k, v in emb.items()}
+
+
+def read_eval_pools(path: Path, n_val: int, n_train: int) -> Tensor:
+    raw = read_json(path)
+    pools = raw.get("pools") if isinstance(raw, dict) else None
+    if not isinstance(pools, list) or len(pools) != n_val:
+        got = len(pools) if isinstance(pools, list) else "none"
+        raise DataError(f"{path}: field 'pools' must hold one pool per val item ({n_val}), got {got}")
+    for i, p in enumerate(pools):
+        _ids(p, f"{path}: field 'pools[{i}]'", n_train)
+    if len({len(p) for p in pools}) != 1:
+        raise DataError(f"{path}: field 'pools': all pools must have the same size")
+    return torch.tensor(pools, dtype=torch.long)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Query statistics shared by the data report and the curriculum filters
+
+
+def group_stats(groups: Groups, reward: Tensor) -> dict[str, Tensor]:
+    """Per query (Q,): reward gap (max - min), positives (correct) and negatives among its valid sequences."""
+    m = groups.seq_mask
+    big = torch.finfo(reward.dtype).max
+    gap = reward.where(m, -big).amax(-1) - reward.where(m, big).amin(-1)
+    pos = ((groups.fields["correct"] > 0) & m).sum(-1)
+    return {"gap": gap, "positives": pos, "negatives": m.sum(-1) - pos}
+
+
+def quality_labels(groups: Groups, reward: Tensor) -> list[str]:
+    """high: gap >= 1.5 with >= 3 positives and >= 3 negatives; medium: gap >= 1.0 with >= 2 of each; else low."""
+    st = group_stats(groups, reward)
+    both = torch.minimum(st["positives"], st["negatives"])
+    high = (st["gap"] >= 1.5) & (both >= 3)
+    medium = (st["gap"] >= 1.0) & (both >= 2) & ~high
+    return ["high" if h else "medium" if m else "low" for h, m in zip(high.tolist(), medium.tolist())]
+
+
+def filter_queries(groups: Groups, reward: Tensor, quality: Quality, require_positive: bool) -> Tensor:
+    """Indices of the queries kept by the curriculum filters: quality high (high only), medium (high + medium), all."""
+    labels = quality_labels(groups, reward)
+    allowed = {"high": {"high"}, "medium": {"high", "medium"}, "all": {"high", "medium", "low"}}[quality]
+    keep = torch.tensor([lab in allowed for lab in labels], dtype=torch.bool)
+    if require_positive:
+        keep &= group_stats(groups, reward)["positives"] > 0
+    return keep.nonzero()[:, 0]

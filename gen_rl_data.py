@@ -1,0 +1,376 @@
+"""Stage 1: embeddings, per-query candidate pools, and LVLM-scored demonstration sequences.
+
+For each anchor query (a train item) it builds a pool of K train items (never the query nor another question on
+its image), makes G distinct sequences of S picks from it (a selector's greedy/beam/sampled picks with `--init`,
+one similarity-retrieval sequence, random ones to fill the group), and scores every sequence with the LVLM:
+official VQA accuracy `acc`, `correct = acc > 0`, `gt_prob` and `rel`. It also builds one pool per validation
+query (eval_pools.json) with the same sampler, so training and inference see the same kind of pool.
+
+The default LVLM is the built-in simulator (`--lvlm sim`), labelled as simulation in every output.
+
+Departures from the user's earlier generator: each query's line is appended and flushed as soon as it is scored
+(a crash loses at most the queries in flight) and a re-run resumes; the folder records every setting and refuses
+to mix with different ones; sequences are distinct within a group; no top-k filtering of the sequences.
+
+Usage:
+    python gen_rl_data.py                              # builds data/sim/ (800 anchors, G=16, S=4, K=64)
+    python gen_rl_data.py --calibrate                  # print the simulator's calibration table
+    python gen_rl_data.py --report data/sim            # Markdown report of a dataset folder
+    python gen_rl_data.py --init runs/rce --out data/sim-r2   # add sequences decoded by a trained selector
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+import pools
+from backends import SimBackend
+from data import (
+    FORMAT_VERSION,
+    REWARD_MODES,
+    RewardArgs,
+    compute_reward,
+    load_dataset,
+    quality_labels,
+    read_jsonl,
+    read_meta,
+    run_cli,
+)
+from model import PointerSelector, atomic_write_text, save_tensors
+from sim import SimConfig, Simulator, calibrate
+
+
+@dataclass
+class Args(RewardArgs):
+    out: Path = Path("data/sim")
+    """Dataset folder to write (created; re-running the same command resumes it)."""
+    num_queries: int = 800
+    """Anchor queries (train items) to score."""
+    num_train: int = 5000
+    """Train items, the ICD source (simulator only; real datasets use their whole train split)."""
+    num_val: int = 1200
+    """Validation questions (simulator only; real datasets use their whole val split)."""
+    pool_size: int = 64
+    """Candidates per query pool (K)."""
+    group_size: int = 16
+    """Distinct scored sequences per anchor query (G)."""
+    seq_len: int = 4
+    """Demonstrations per sequence (S), i.e. the largest shot count."""
+    sampler: Literal["random", "image", "text", "mix"] = "random"
+    """How pools are built: random, most image-similar, most text-similar, or half of each similarity."""
+    init: Path | None = None
+    """A trained selector run folder: add its greedy, beam and sampled sequences to each group."""
+    init_beams: int = 4
+    """With --init: beam width (the beams join the group)."""
+    init_samples: int = 6
+    """With --init: sequences sampled from the selector."""
+    init_temperature: float = 1.0
+    """With --init: sampling temperature."""
+    seed: int = 0
+    """Seed of the simulator, the anchors, the pools and the random sequences."""
+    lvlm: str = "sim"
+    """`sim` (the built-in simulator) or a Hugging Face model id / path (real backend)."""
+    chunk: int = 32
+    """Anchor queries scored per backend call (each query's line is flushed as soon as its chunk is scored)."""
+    calibrate: bool = False
+    """Print the simulator's calibration table (zero-shot, random, similarity, oracle at 1..S shots) and exit."""
+    report: Path | None = None
+    """Print a Markdown report of this dataset folder and exit."""
+    allow_truncated: bool = False
+    """With --report: ignore a truncated last line of rl_data.jsonl instead of failing."""
+
+
+def rng(seed: int, stream: int) -> torch.Generator:
+    """Independent, reproducible random streams (anchors, pools, sequences, ...) from one seed."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + stream)
+
+
+def make_sim(args: Args) -> Simulator:
+    return Simulator(SimConfig(seed=args.seed, num_train=args.num_train, num_val=args.num_val))
+
+
+def check_args(args: Args) -> None:
+    for name in ("num_queries", "num_train", "num_val", "pool_size", "group_size", "seq_len", "chunk"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.seq_len > args.pool_size:
+        raise ValueError(f"--seq-len {args.seq_len} is larger than --pool-size {args.pool_size}")
+    if args.lvlm != "sim":
+        raise ValueError(f"--lvlm {args.lvlm}: the real LVLM backend is not available yet; use --lvlm sim")
+
+
+def settings(args: Args, backend: SimBackend) -> dict:
+    """Everything that determines the folder's content: a resumed run must match these exactly."""
+    init = None
+    if args.init is not None:
+        init = {
+            "run": str(args.init),
+            "beams": args.init_beams,
+            "samples": args.init_samples,
+            "temperature": args.init_temperature,
+        }
+    return {
+        "format_version": FORMAT_VERSION,
+        "source": "sim",
+        **backend.describe(),
+        "sampler": args.sampler,
+        "pool_size": args.pool_size,
+        "group_size": args.group_size,
+        "seq_len": args.seq_len,
+        "seed": args.seed,
+        "num_queries": args.num_queries,
+        "init": init,
+        "encoder": "sim",
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Pools and groups
+
+
+def similarity_matrices(emb: dict[str, Tensor], split: str, queries: Tensor) -> dict[str, Tensor]:
+    """Image and text cosine similarities (Q, N) of the queries against the train split."""
+    return {f"{view}_sim": emb[f"{split}_{view}"][queries] @ emb[f"train_{view}"].T for view in ("image", "text")}
+
+
+def make_pools(sim: Simulator, args: Args, split: str, queries: Tensor, query_rows: Tensor, stream: int) -> Tensor:
+    """(Q,) query rows of `split` -> (Q, K) train rows, built by the chosen sampler."""
+    image_ids = torch.tensor([it["image_id"] for it in sim.items[split]])
+    train_ids = torch.tensor([it["image_id"] for it in sim.items["train"]])
+    exclude = pools.exclusion_mask(image_ids[queries], train_ids, query_rows)
+    return pools.build_pools(
+        args.sampler, args.pool_size, exclude, rng(args.seed, stream), **similarity_matrices(sim.emb, split, queries)
+    )
+
+
+def init_candidates(args: Args, query: Tensor, pool: Tensor) -> tuple[Tensor, list[str]]:
+    """Sequences decoded by a trained selector: greedy, beams, samples -> (Q, C, S) and their sources."""
+    model = PointerSelector.load(args.init).eval()
+    mask = torch.ones(pool.shape[:2], dtype=torch.bool)
+    greedy, _ = model.greedy(query, pool, mask, args.seq_len)
+    beams, _ = model.beam_search(query, pool, mask, args.seq_len, args.init_beams)
+    samples, _ = model.sample(
+        query, pool, mask, args.seq_len, args.init_samples, rng(args.seed, 4), args.init_temperature
+    )
+    seqs = torch.cat([greedy[:, None], beams, samples], 1)
+    return seqs, ["greedy"] + ["beam"] * args.init_beams + ["sample"] * args.init_samples
+
+
+def build_groups(sim: Simulator, args: Args, anchors: Tensor, anchor_pools: Tensor) -> tuple[Tensor, list[list[str]]]:
+    """G distinct sequences per anchor (Q, G, S) in pool positions, with their sources: the selector's picks
+    (with --init), one similarity-retrieval sequence, then random ones."""
+    emb = sim.emb["train"]
+    prefix, prefix_sources = None, None
+    if args.init is not None:
+        prefix, prefix_sources = init_candidates(args, emb[anchors], emb[anchor_pools])
+    return pools.candidate_groups(
+        emb[anchors], emb[anchor_pools], args.group_size, args.seq_len, rng(args.seed, 3), prefix, prefix_sources
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Generation
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}, so a settings mismatch names the exact field."""
+    out = {}
+    for k, v in d.items():
+        out.update(flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def prepare_folder(out: Path, want: dict) -> dict | None:
+    """The existing meta.json if this folder was started with the same settings, None if the folder is new."""
+    if not out.exists() or not any(out.iterdir()):
+        return None
+    if not (out / "meta.json").is_file():
+        raise ValueError(f"{out} exists, is not empty and has no meta.json: not a dataset folder, refusing to write")
+    meta = read_meta(out)
+    have, want = flatten(meta.get("settings", {})), flatten(json.loads(json.dumps(want)))  # tuples -> lists
+    if diff := sorted(k for k in have.keys() | want.keys() if have.get(k) != want.get(k)):
+        details = "; ".join(f"{k}: folder has {have.get(k)!r}, this run {want.get(k)!r}" for k in diff)
+        raise ValueError(f"{out} was made with different settings ({details}); use another --out")
+    return meta
+
+
+def done_queries(path: Path) -> set[int]:
+    """Queries already in rl_data.jsonl; a truncated last line (a killed write) is cut off first."""
+    if not path.exists():
+        return set()
+    text = path.read_text()
+    if text and not text.endswith("\n"):
+        keep = text[: text.rfind("\n") + 1]
+        print(f"note: {path}: dropping a truncated last line from an interrupted run", file=sys.stderr)
+        path.write_text(keep)
+    return {rec["query"] for _, rec in read_jsonl(path)}
+
+
+def seq_record(icds: list[int], source: str, res: dict, i: int) -> dict:
+    return {
+        "icds": icds,
+        "source": source,
+        "acc": round(float(res["acc"][i]), 6),
+        "correct": int(res["correct"][i]),
+        "gt_prob": round(float(res["gt_prob"][i]), 6),
+        "rel": round(float(res["rel"][i]), 6),
+        "prediction": res["prediction"][i],
+    }
+
+
+def generate(args: Args) -> None:
+    check_args(args)
+    sim = make_sim(args)
+    backend = SimBackend(sim)
+    n_train = len(sim.items["train"])
+    if args.num_queries > n_train:
+        raise ValueError(f"--num-queries {args.num_queries} exceeds the {n_train} train items")
+    want = settings(args, backend)
+    meta = prepare_folder(args.out, want)
+    if args.init is not None:
+        PointerSelector.load(args.init)  # fail on a bad --init before anything is written
+
+    anchors = torch.randperm(n_train, generator=rng(args.seed, 1))[: args.num_queries]  # (Q,)
+    anchor_pools = make_pools(sim, args, "train", anchors, anchors, stream=2)  # (Q, K)
+    groups, sources = build_groups(sim, args, anchors, anchor_pools)  # (Q, G, S)
+    n_val = len(sim.items["val"])
+    val_pools = make_pools(sim, args, "val", torch.arange(n_val), torch.full((n_val,), -1), stream=5)
+
+    out = args.out
+    if meta is None:
+        out.mkdir(parents=True, exist_ok=True)
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "kind": "icl-select dataset",
+            **want,
+            "settings": want,
+            "complete": False,
+            "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        }
+        atomic_write_text(out / "items.json", json.dumps(sim.items) + "\n")
+        save_tensors(out / "embeddings.safetensors", sim.emb)
+        atomic_write_text(out / "eval_pools.json", json.dumps({"sampler": args.sampler, "pools": val_pools.tolist()}))
+        atomic_write_text(out / "meta.json", json.dumps(meta, indent=2) + "\n")
+
+    path = out / "rl_data.jsonl"
+    done = done_queries(path)
+    todo = [i for i, q in enumerate(anchors.tolist()) if q not in done]
+    G, S = groups.shape[1:]
+    bar = tqdm(total=len(anchors), initial=len(anchors) - len(todo), unit="query", desc="scoring", dynamic_ncols=True)
+    start, scored = time.perf_counter(), 0
+    with path.open("a") as f:
+        for c in range(0, len(todo), args.chunk):
+            idx = torch.tensor(todo[c : c + args.chunk])  # (C,)
+            icds = anchor_pools[idx].gather(1, groups[idx].flatten(1)).view(-1, S)  # (C*G, S) train rows
+            res = backend.score("train", anchors[idx].repeat_interleave(G), icds)
+            for j, i in enumerate(idx.tolist()):
+                seqs = [seq_record(groups[i, g].tolist(), sources[i][g], res, j * G + g) for g in range(G)]
+                line = {"query": int(anchors[i]), "pool": anchor_pools[i].tolist(), "seqs": seqs}
+                f.write(json.dumps(line, separators=(",", ":")) + "\n")
+            f.flush()
+            scored += len(idx) * G
+            bar.update(len(idx))
+            bar.set_postfix(seq_per_s=f"{scored / (time.perf_counter() - start):.0f}")
+    bar.close()
+
+    if not meta["complete"]:
+        cal = calibrate(sim, args.pool_size, args.group_size, args.seq_len, args.num_queries, args.seed)
+        meta.update(complete=True, counts={"train": n_train, "val": n_val, "anchors": len(anchors)}, calibration=cal)
+        atomic_write_text(out / "meta.json", json.dumps(meta, indent=2) + "\n")
+    print(f"wrote {out} ({len(anchors)} anchor queries x {G} sequences, {n_val} val queries; simulated LVLM)")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Calibration and report
+
+
+def calibration_table(cal: dict, seq_len: int) -> str:
+    rows = ["| ICDs | " + " | ".join(f"{k}-shot" for k in range(1, seq_len + 1)) + " |", "|---|" + "---|" * seq_len]
+    for name, label in (("random", "random"), ("similar", "most similar"), ("oracle", "oracle")):
+        rows.append(f"| {label} | " + " | ".join(f"{cal[f'{name}_{k}']:.2f}" for k in range(1, seq_len + 1)) + " |")
+    rows.append(
+        f"\nzero-shot: {cal['zero_shot']:.2f}; anchors whose sequences differ in reward: "
+        f"{100 * cal['varying_reward_frac']:.1f}%"
+    )
+    return "\n".join(rows)
+
+
+def quantiles(x: Tensor) -> str:
+    q = torch.quantile(x.double(), torch.tensor([0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0], dtype=torch.float64))
+    return " | ".join(f"{v:.3f}" for v in q.tolist())
+
+
+def report(folder: Path, args: Args) -> str:
+    ds = load_dataset(folder, args.allow_truncated)
+    g = ds.groups
+    m = g.seq_mask
+    sizes = m.sum(-1).tolist()
+    correct = (g.fields["correct"] > 0) & m
+    reward = compute_reward(g.fields, args)
+    big = torch.finfo(reward.dtype).max
+    varies = (reward.where(m, -big).amax(-1) > reward.where(m, big).amin(-1)).double().mean()
+    labels = quality_labels(g, reward)
+    lines = [
+        f"# Data report: {folder}" + (" (simulated LVLM)" if ds.is_sim else f" ({ds.meta.get('lvlm')})"),
+        "",
+        "| | |",
+        "|---|---|",
+        f"| anchor queries | {len(g)} |",
+        f"| scored sequences | {int(m.sum())} |",
+        f"| group size min / median / max | {min(sizes)} / {statistics.median(sizes):g} / {max(sizes)} |",
+        f"| correct sequences | {100 * correct.sum() / m.sum():.1f}% |",
+        f"| queries with >= 1 correct sequence | {100 * correct.any(-1).double().mean():.1f}% |",
+        f"| queries whose rewards vary ({args.reward_mode}) | {100 * varies:.1f}% |",
+        "",
+        "## Reward quantiles per mode",
+        "",
+        "| mode | min | 10% | 25% | 50% | 75% | 90% | max |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for mode in REWARD_MODES:
+        r = compute_reward(g.fields, RewardArgs(mode, args.hard_weight, args.soft_weight, args.rel_weight))
+        lines.append(f"| {mode} | {quantiles(r[m])} |")
+    lines += ["", f"## Query quality ({args.reward_mode})", "", "| quality | queries | share |", "|---|---|---|"]
+    for q, rule in (
+        ("high", "gap >= 1.5, >= 3 positives and >= 3 negatives"),
+        ("medium", "gap >= 1.0, >= 2 of each"),
+        ("low", "the rest"),
+    ):
+        n = labels.count(q)
+        lines.append(f"| {q} ({rule}) | {n} | {100 * n / len(labels):.1f}% |")
+    if "calibration" in ds.meta:
+        lines += [
+            "",
+            "## Simulator calibration (val queries, VQA accuracy %)",
+            "",
+            calibration_table(ds.meta["calibration"], ds.seq_len),
+        ]
+    return "\n".join(lines)
+
+
+def main(args: Args) -> None:
+    if args.report is not None:
+        print(report(args.report, args))
+    elif args.calibrate:
+        check_args(args)
+        sim = make_sim(args)
+        cal = calibrate(sim, args.pool_size, args.group_size, args.seq_len, args.num_queries, args.seed)
+        print("Simulated LVLM calibration (val queries, VQA accuracy %)\n")
+        print(calibration_table(cal, args.seq_len))
+    else:
+        generate(args)
+
+
+if __name__ == "__main__":
+    run_cli(main, Args)

@@ -1,0 +1,604 @@
+"""A seeded, deterministic simulated "LVLM + VQA dataset" with a planted, known optimum (DESIGN.md section 6).
+
+Real LVLMs and COCO images are not available everywhere, and the selection algorithms need a testbed where the
+right answer is known. `Simulator` stands in for both: it holds a train split (the ICD source and the RL anchor
+queries) and a val split (evaluation queries) of synthetic VQA items with CLIP-like embeddings, and answers a
+query given an ordered sequence of in-context demonstrations (ICDs) instantly and deterministically.
+
+Latent structure (all drawn from one `torch.Generator` seeded with `SimConfig.seed`):
+- 40 topics (scenes) in 8 supertopics; 1-3 questions share an image, and so its topic and its image embedding;
+- an answer type per question (yes/no, number, color, other), an ICD quality ~ N(0, 1), a misleading flag;
+- per query: a difficulty, an ICD sensitivity > 0 and an answer threshold (logit space).
+
+Answer model, for query q and ICDs c_1..c_k in prompt order (c_k next to the query):
+    logit = difficulty_q + sensitivity_q * (sum_i w_i * h(q, c_i) - redundancy(c)) - shot_cost * k
+    w_i = position_decay ** (k - i)                  (later positions weigh more; the last one weighs 1)
+    h(q, c) = help_base + affinity(q, c) * topical(c) + help_type * [same answer type] + help_quality * quality_c
+    affinity = 1 for the same topic, help_supertopic for another topic of the same supertopic, else 0
+    topical(c) = help_topic + help_topic_quality * quality_c, or -help_misleading if c is misleading
+    redundancy = redundancy_weight * sum_{i<j} relu(cos(e_i, e_j) - t) / (1 - t), on fused embeddings, t fixed
+The answer is the majority annotator answer iff logit > threshold_q (deterministic, like greedy decoding); a band
+just below the threshold yields a minority annotator answer (VQA acc 0.3/0.6), further below a near miss, then a
+far wrong answer. gt_prob = sigmoid(logit); acc is the official VQA accuracy of the prediction over the query's
+10 annotator answers; rel = vqa.answer_rel(prediction, answers); correct = acc > 0.
+
+What a selector can learn from embeddings alone: topic (noisy: image and text views), answer type (text view),
+and, along two fixed directions of the text view, a noisy read-out of quality and of the misleading flag. Plain
+cosine similarity uses topic and type but is blind to quality and walks into misleading same-topic items, so a
+trained selector has room above it; the oracle (search over the known logit) bounds that room.
+
+Departure from a real LVLM: scores are additive over ICDs apart from the pairwise redundancy term, so for a
+fixed set of ICDs the best order is the most helpful last (`oracle` relies on this).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import pools
+from vqa import answer_rel, vqa_score
+
+__all__ = ["SimConfig", "Simulator", "calibrate", "SPLITS", "ANSWER_TYPES"]
+
+SPLITS: tuple[str, ...] = ("train", "val")
+ANSWER_TYPES: tuple[str, ...] = ("yes/no", "number", "color", "other")
+
+# Supertopic -> (scenes = its topics, objects seen there). Topic t is scene t % 5 of supertopic t // 5.
+SUPERTOPICS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
+    (
+        ("kitchen", "dining room", "bakery", "restaurant", "cafe"),
+        ("plate", "cup", "bowl", "spoon", "fork", "oven", "sandwich", "cake", "pizza", "banana"),
+    ),
+    (
+        ("street", "parking lot", "bus stop", "intersection", "sidewalk"),
+        ("car", "bus", "truck", "traffic light", "bicycle", "motorcycle", "stop sign", "fire hydrant", "van", "taxi"),
+    ),
+    (
+        ("tennis court", "baseball field", "ski slope", "skate park", "soccer field"),
+        ("ball", "racket", "bat", "helmet", "skateboard", "snowboard", "frisbee", "glove", "net", "goal"),
+    ),
+    (
+        ("farm", "zoo", "pasture", "savanna", "barn"),
+        ("horse", "cow", "goat", "giraffe", "elephant", "zebra", "dog", "bird", "fence", "tractor"),
+    ),
+    (
+        ("living room", "bedroom", "bathroom", "office", "hallway"),
+        ("couch", "bed", "chair", "lamp", "television", "laptop", "clock", "vase", "mirror", "rug"),
+    ),
+    (
+        ("beach", "park", "mountain", "lake", "forest"),
+        ("tree", "bench", "kite", "umbrella", "boat", "rock", "surfboard", "tent", "dog", "bird"),
+    ),
+    (
+        ("airport", "train station", "harbor", "runway", "platform"),
+        ("airplane", "train", "suitcase", "ship", "backpack", "sign", "clock", "bench", "cart", "flag"),
+    ),
+    (
+        ("market", "grocery store", "plaza", "shop", "rooftop"),
+        ("basket", "orange", "apple", "umbrella", "cart", "flag", "bottle", "box", "carrot", "bag"),
+    ),
+)
+SCENES_PER_SUPERTOPIC = 5
+NUM_TOPICS = len(SUPERTOPICS) * SCENES_PER_SUPERTOPIC
+OBJECTS_PER_SUPERTOPIC = 10
+COLORS: tuple[str, ...] = (
+    "red",
+    "blue",
+    "green",
+    "yellow",
+    "white",
+    "black",
+    "brown",
+    "gray",
+    "orange",
+    "pink",
+    "purple",
+)
+MAX_COUNT = 8  # number answers are 0..MAX_COUNT
+YES_NO_MINORITY: tuple[str, ...] = ("maybe", "not sure")
+TEMPLATES: tuple[tuple[str, ...], ...] = (
+    (
+        "Is there {a_obj} in the {scene}?",
+        "Is the {obj} {color}?",
+        "Are there any {objs} in this picture?",
+        "Is this picture taken at {a_scene}?",
+    ),
+    ("How many {objs} are in the {scene}?", "How many {objs} can you see?", "How many {objs} are in this photo?"),
+    ("What color is the {obj}?", "What is the color of the {obj} in the {scene}?", "What color is the {obj} here?"),
+    (
+        "What is next to the {obj}?",
+        "What is on the {obj} in the {scene}?",
+        "What is the person near the {obj} holding?",
+    ),
+)
+NUM_ANNOTATORS = 10
+MIN_MAJORITY = 3  # majority_count_probs[i] is the probability of MIN_MAJORITY + i agreeing annotators
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Every parameter of the simulator. Lengths are in unit-free embedding norms, effects in logit units.
+
+    Calibration at the defaults (seed 0; VQA accuracy in %, 1200 val queries, each with a random 64-pool),
+    measured with `PYTHONPATH=. python -c "import sim; print(sim.calibrate(sim.Simulator()))"` (~2 s on 2 cores):
+        zero-shot 50.0
+        random      1-4 shots: 49.8 / 49.1 / 48.8 / 48.2
+        similarity  1-4 shots: 54.9 / 56.7 / 57.3 / 57.8   (most similar last)
+        oracle      1-4 shots: 68.8 / 73.9 / 75.5 / 77.6
+        anchors whose 16 scored 4-shot sequences do not share one reward: 0.40
+    Seeds 1-4 give random 1-shot 48.3-50.2 and the same ordering of the rows.
+    """
+
+    seed: int = 0
+    """Seed of the single torch.Generator behind every random draw (same seed -> bitwise identical simulator)."""
+    dim: int = 512
+    """Embedding size (CLIP ViT-B/32 is 512)."""
+    num_train: int = 5000
+    """Train questions: the ICD source and the RL anchor queries."""
+    num_val: int = 1200
+    """Val questions: the evaluation queries (their images are disjoint from train's)."""
+    image_group_probs: tuple[float, ...] = (0.45, 0.35, 0.20)
+    """Probability that an image carries 1, 2, 3, ... questions."""
+    answer_type_probs: tuple[float, float, float, float] = (0.38, 0.12, 0.15, 0.35)
+    """Probabilities of the answer types yes/no, number, color, other (VQAv2-like)."""
+    majority_count_probs: tuple[float, ...] = (0.04, 0.05, 0.06, 0.07, 0.09, 0.12, 0.17, 0.40)
+    """Probability that 3, 4, ..., 10 of the 10 annotators give the majority answer (yes/no: at least 6)."""
+    supertopic_share: float = 0.35
+    """Share of a topic direction (in squared norm) that is its supertopic's direction."""
+    image_topic: float = 1.0
+    """Norm of the topic direction in the image view."""
+    image_noise: float = 1.6
+    """Norm of the isotropic per-image noise in the image view."""
+    text_topic: float = 0.4
+    """Norm of the topic direction in the text view."""
+    text_type: float = 0.8
+    """Norm of the answer-type direction in the text view."""
+    text_quality: float = 0.45
+    """Scale of the (noisy) quality read-out along a fixed direction of the text view."""
+    text_misleading: float = 0.6
+    """Scale of the (noisy) misleading-flag read-out along another fixed direction of the text view."""
+    readout_noise: float = 1.0
+    """Std of the noise added to quality and to the misleading flag before they are written into the text view."""
+    text_noise: float = 1.0
+    """Norm of the isotropic per-question noise in the text view."""
+    difficulty_mean: float = -0.1
+    """Mean of the per-query difficulty (the zero-shot logit before the threshold)."""
+    difficulty_std: float = 1.7
+    """Std of the per-query difficulty; large, so that most queries do not depend on their ICDs."""
+    threshold_std: float = 0.3
+    """Std of the per-query answer threshold in logit space (around 0, i.e. sigmoid threshold around 0.5)."""
+    sensitivity_log_mean: float = 0.1
+    """Mean of log sensitivity (how strongly a query's answer reacts to its ICDs)."""
+    sensitivity_log_std: float = 0.6
+    """Std of log sensitivity."""
+    help_base: float = -0.06
+    """Helpfulness of an unrelated ICD (a distraction: slightly negative)."""
+    help_topic: float = 0.55
+    """Extra helpfulness of a same-topic ICD of average quality."""
+    help_topic_quality: float = 0.8
+    """How much a same-topic ICD's help grows per unit of its quality."""
+    help_supertopic: float = 0.1
+    """Affinity of an ICD from another topic of the query's supertopic (1 = same topic)."""
+    help_type: float = 0.15
+    """Extra helpfulness of an ICD with the query's answer type (it shows the answer format)."""
+    help_quality: float = 0.12
+    """Topic-independent helpfulness per unit of ICD quality."""
+    misleading_frac: float = 0.18
+    """Share of items whose answers mislead (wrong/odd labels)."""
+    help_misleading: float = 1.0
+    """A misleading ICD's topical term is -help_misleading (it hurts same-topic queries most)."""
+    position_decay: float = 0.8
+    """Weight of position i of k is position_decay ** (k - i): the ICD next to the query weighs 1."""
+    shot_cost: float = 0.015
+    """Logit cost per shot (longer prompts distract)."""
+    redundancy_weight: float = 1.5
+    """Penalty for a pair of identical ICDs (scaled down linearly to 0 at the redundancy threshold)."""
+    redundancy_threshold: float = 0.5
+    """Fused-embedding cosine above which two ICDs count as near-duplicates (same-image pairs mostly are)."""
+    band: float = 0.35
+    """Width (logit units) of the band below the threshold where a minority annotator answer comes out."""
+    near_miss: float = 1.0
+    """Width below the band where the wrong answer is a near miss (higher rel) rather than a far one."""
+
+    def __post_init__(self):
+        for name in ("dim", "num_train", "num_val"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SimConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if len(self.majority_count_probs) != NUM_ANNOTATORS - MIN_MAJORITY + 1:
+            raise ValueError(f"majority_count_probs needs {NUM_ANNOTATORS - MIN_MAJORITY + 1} entries (3..10)")
+        if not 0 <= self.redundancy_threshold < 1:
+            raise ValueError(f"redundancy_threshold must be in [0, 1), got {self.redundancy_threshold}")
+        if self.position_decay <= 0:
+            raise ValueError(f"position_decay must be > 0, got {self.position_decay}")
+
+
+def _unit(shape: tuple[int, ...], gen: torch.Generator) -> Tensor:
+    """Random unit vectors along the last axis (nearly orthogonal to each other in high dimension)."""
+    return F.normalize(torch.randn(shape, generator=gen), dim=-1)
+
+
+def _plural(word: str) -> str:
+    return word + ("es" if word.endswith(("s", "sh", "ch", "x")) else "s")
+
+
+def _answer_set(qtype: int, draw: dict[str, int]) -> tuple[str, list[str], str, str]:
+    """The majority answer, up to 4 distinct minority candidates, a near miss and a far miss for one question.
+
+    None of the wrong answers coincides with the majority or a minority answer, so their VQA accuracy is 0.
+    """
+    if qtype == 0:
+        gt = "yes" if draw["yes"] else "no"
+        wrong = "no" if draw["yes"] else "yes"
+        return gt, list(YES_NO_MINORITY), wrong, wrong
+    if qtype == 1:
+        n = draw["number"]
+        # Other counts ordered by distance from the truth: the closest is the near miss, the farthest the far one.
+        others = sorted((x for x in range(MAX_COUNT + 1) if x != n), key=lambda x: (abs(x - n), x))
+        return str(n), [str(x) for x in others[1:5]], str(others[0]), str(others[-1])
+    if qtype == 2:
+        c = draw["color"]
+        far = (c + draw["offset"]) % len(COLORS)
+        minority = [COLORS[(far + j) % len(COLORS)] for j in range(1, 5)]
+        return COLORS[c], minority, f"light {COLORS[c]}", COLORS[far]
+    objects = SUPERTOPICS[draw["super"]][1]
+    gt = objects[draw["answer_obj"]]
+    minority = [objects[(draw["answer_obj"] + j) % OBJECTS_PER_SUPERTOPIC] for j in range(1, 5)]
+    far_objects = SUPERTOPICS[(draw["super"] + draw["offset"] % (len(SUPERTOPICS) - 1) + 1) % len(SUPERTOPICS)][1]
+    far = next(o for o in far_objects[draw["answer_obj"] :] + far_objects if o not in objects)
+    return gt, minority, _plural(gt), far
+
+
+def _official_acc(count: int) -> float:
+    """VQA accuracy of an answer given by `count` of the 10 annotators (leave-one-out average)."""
+    return vqa_score("a", ["a"] * count + ["b"] * (NUM_ANNOTATORS - count))
+
+
+def _directions(cfg: SimConfig, gen: torch.Generator) -> dict[str, Tensor]:
+    """The fixed embedding directions shared by both splits: topic (T, d), answer type (4, d), quality, misleading."""
+    d, share = cfg.dim, cfg.supertopic_share
+    super_dir = _unit((len(SUPERTOPICS), d), gen)  # (8, d)
+    own_dir = _unit((NUM_TOPICS, d), gen)  # (T, d)
+    # Topics of one supertopic share a component, so cosine similarity also ranks related topics above others.
+    topic = F.normalize(
+        math.sqrt(share) * super_dir.repeat_interleave(SCENES_PER_SUPERTOPIC, 0) + math.sqrt(1 - share) * own_dir,
+        dim=-1,
+    )  # (T, d)
+    answer_type = _unit((len(ANSWER_TYPES), d), gen)  # (4, d)
+    quality, misleading = _unit((2, d), gen)  # (d,), (d,)
+    return {"topic": topic, "answer_type": answer_type, "quality": quality, "misleading": misleading}
+
+
+def _draw_latents(cfg: SimConfig, gen: torch.Generator, n: int, first_image: int) -> dict[str, Tensor]:
+    """The planted per-question latents of one split of n questions, (N,) each (see `Simulator.latents`)."""
+    # Images: groups of 1..3 consecutive questions sharing an image (and so its topic and its image view).
+    sizes = torch.multinomial(torch.tensor(cfg.image_group_probs), n, replacement=True, generator=gen) + 1  # (n,)
+    num_images = int((sizes.cumsum(0) < n).sum()) + 1
+    sizes = sizes[:num_images]  # (I,)
+    image_of = torch.arange(num_images).repeat_interleave(sizes)[:n]  # (N,)
+    image_topic = torch.randint(NUM_TOPICS, (num_images,), generator=gen)  # (I,)
+    topic = image_topic[image_of]  # (N,)
+    answer_type = torch.multinomial(torch.tensor(cfg.answer_type_probs), n, replacement=True, generator=gen)  # (N,)
+    quality = torch.randn(n, generator=gen)  # (N,)
+    misleading = torch.rand(n, generator=gen) < cfg.misleading_frac  # (N,)
+    # Stratified normal draws (one per quantile bin, randomly assigned): accuracies then vary little with the seed,
+    # because the share of easy and hard queries is fixed rather than sampled.
+    strata = (torch.randperm(n, generator=gen) + torch.rand(n, generator=gen)) / n  # (N,) in (0, 1)
+    difficulty = cfg.difficulty_mean + cfg.difficulty_std * torch.special.ndtri(strata)  # (N,)
+    log_sensitivity = cfg.sensitivity_log_mean + cfg.sensitivity_log_std * torch.randn(n, generator=gen)  # (N,)
+    threshold = cfg.threshold_std * torch.randn(n, generator=gen)  # (N,)
+    majority = MIN_MAJORITY + torch.multinomial(
+        torch.tensor(cfg.majority_count_probs), n, replacement=True, generator=gen
+    )  # (N,)
+    # yes/no has only two minority answers ("maybe", "not sure") of at most 2 annotators each.
+    majority = torch.where(answer_type == 0, majority.clamp(min=NUM_ANNOTATORS - 4), majority)  # (N,)
+    return {
+        "topic": topic,
+        "supertopic": topic // SCENES_PER_SUPERTOPIC,
+        "answer_type": answer_type,
+        "quality": quality,
+        "misleading": misleading,
+        "difficulty": difficulty,
+        "sensitivity": log_sensitivity.exp(),
+        "threshold": threshold,
+        "majority_count": majority,
+        "image_id": first_image + image_of,
+        # VQAv2-style question ids: image_id * 1000 + the question's slot on its image.
+        "question_id": (first_image + image_of) * 1000 + torch.arange(n) - (sizes.cumsum(0) - sizes)[image_of],
+    }
+
+
+def _embed(
+    cfg: SimConfig, gen: torch.Generator, latents: dict[str, Tensor], directions: dict[str, Tensor]
+) -> tuple[Tensor, Tensor]:
+    """CLIP-like image and text views of one split, (N, d) each, L2-normalised."""
+    n, d = latents["topic"].shape[0], cfg.dim
+    image_id = latents["image_id"]
+    first_of_image = torch.ones(n, dtype=torch.bool)  # (N,)
+    first_of_image[1:] = image_id[1:] != image_id[:-1]
+    # One noise draw per image, shared by its questions: they show the same picture.
+    image_noise = torch.randn(int(first_of_image.sum()), d, generator=gen) / math.sqrt(d)  # (I, d)
+    image_view = (
+        cfg.image_topic * directions["topic"][latents["topic"]]
+        + cfg.image_noise * image_noise[first_of_image.cumsum(0) - 1]
+    )  # (N, d)
+    quality_read = latents["quality"] + cfg.readout_noise * torch.randn(n, generator=gen)  # (N,)
+    misleading_read = latents["misleading"].float() + cfg.readout_noise * torch.randn(n, generator=gen)  # (N,)
+    text_view = (
+        cfg.text_topic * directions["topic"][latents["topic"]]
+        + cfg.text_type * directions["answer_type"][latents["answer_type"]]
+        + cfg.text_quality * quality_read[:, None] * directions["quality"]
+        + cfg.text_misleading * misleading_read[:, None] * directions["misleading"]
+        + cfg.text_noise * torch.randn(n, d, generator=gen) / math.sqrt(d)
+    )  # (N, d)
+    return F.normalize(image_view, dim=-1), F.normalize(text_view, dim=-1)
+
+
+def _with_article(word: str) -> str:
+    return ("an " if word[0] in "aeiou" else "a ") + word
+
+
+def _write_items(
+    gen: torch.Generator, latents: dict[str, Tensor], rel_cache: dict[tuple[str, tuple[str, ...]], float]
+) -> tuple[list[dict], list[tuple[str, ...]], Tensor, Tensor]:
+    """Question/answer strings of one split, and per question the answer, VQA acc and rel of each regime.
+
+    Returns items, predictions (N rows of 4 strings), acc (N, 4) and rel (N, 4). `rel_cache` memoises
+    `answer_rel`, whose value depends only on the prediction and the set of distinct answers.
+    """
+    n = latents["topic"].shape[0]
+    # Word choices drawn as tensors (so only the generator decides them), then assembled per question.
+    words = {
+        "template": torch.randint(12, (n,), generator=gen),  # 12 is a multiple of every template count
+        "obj": torch.randint(OBJECTS_PER_SUPERTOPIC, (n,), generator=gen),
+        "answer_obj": torch.randint(1, OBJECTS_PER_SUPERTOPIC, (n,), generator=gen),
+        "color": torch.randint(len(COLORS), (n,), generator=gen),
+        "number": torch.randint(MAX_COUNT + 1, (n,), generator=gen),
+        "yes": torch.randint(2, (n,), generator=gen),
+        "offset": torch.randint(1, len(COLORS) - 4, (n,), generator=gen),
+    }
+    annotator_order = torch.rand(n, NUM_ANNOTATORS, generator=gen).argsort(dim=1).tolist()  # (N, 10)
+    columns = {k: v.tolist() for k, v in words.items()}
+    topics, types, majorities = (latents[k].tolist() for k in ("topic", "answer_type", "majority_count"))
+    question_ids, image_ids = latents["question_id"].tolist(), latents["image_id"].tolist()
+    acc_by_count = [_official_acc(c) for c in range(NUM_ANNOTATORS + 1)]
+    items, predictions, acc, rel = [], [], [], []
+    for i in range(n):
+        draw = {k: v[i] for k, v in columns.items()} | {"super": topics[i] // SCENES_PER_SUPERTOPIC}
+        # An "other" answer object differs from the asked-about object (answer_obj was drawn as an offset >= 1).
+        draw["answer_obj"] = (draw["obj"] + draw["answer_obj"]) % OBJECTS_PER_SUPERTOPIC
+        scenes, objects = SUPERTOPICS[draw["super"]]
+        scene, obj = scenes[topics[i] % SCENES_PER_SUPERTOPIC], objects[draw["obj"]]
+        templates = TEMPLATES[types[i]]
+        question = templates[draw["template"] % len(templates)].format(
+            obj=obj,
+            a_obj=_with_article(obj),
+            objs=_plural(obj),
+            a_scene=_with_article(scene),
+            scene=scene,
+            color=COLORS[draw["color"]],
+        )
+        gt, minority, near, far = _answer_set(types[i], draw)
+        # The dissenting annotators pair up over the minority answers (2, 2, ..., then maybe 1), so no minority
+        # answer ties the majority and each minority answer scores 0.6 or 0.3.
+        dissent = [minority[j // 2] for j in range(NUM_ANNOTATORS - majorities[i])]
+        given = [gt] * majorities[i] + dissent
+        answers = [given[j] for j in annotator_order[i]]
+        row = (gt, minority[0] if dissent else near, near, far)
+        key = tuple(sorted(set(answers)))
+        for pred in row:
+            if (pred, key) not in rel_cache:
+                rel_cache[pred, key] = answer_rel(pred, answers)
+        items.append(
+            {"question_id": question_ids[i], "image_id": image_ids[i], "question": question, "answers": answers}
+        )
+        predictions.append(row)
+        acc.append([acc_by_count[answers.count(p)] for p in row])
+        rel.append([rel_cache[p, key] for p in row])
+    return items, predictions, torch.tensor(acc, dtype=torch.float32), torch.tensor(rel, dtype=torch.float32)
+
+
+class Simulator:
+    """Synthetic VQA splits with embeddings, and a deterministic simulated LVLM over them (see module docstring).
+
+    Attributes:
+        cfg: the SimConfig.
+        items: "train", "val" -> list of {"question_id", "image_id", "question", "answers" (10 str)}.
+        emb: "train", "val" -> fused (N, d) float32 L2-normalised embeddings (the selector's input);
+             "<split>_image", "<split>_text" -> the two L2-normalised views; fused = norm(image + text).
+        latents: split -> planted per-item latents, (N,) tensors: "topic", "supertopic", "answer_type" (index
+             into ANSWER_TYPES), "quality", "misleading" (bool), "difficulty", "sensitivity", "threshold" (logit
+             space), "majority_count" (annotators giving the majority answer), and "image_id", "question_id" (as
+             in `items`, for vectorised exclusion masks).
+    """
+
+    def __init__(self, cfg: SimConfig = SimConfig()):  # noqa: B008  (frozen, so sharing the default is safe)
+        self.cfg = cfg
+        gen = torch.Generator().manual_seed(cfg.seed)
+        directions = _directions(cfg, gen)
+        self.items: dict[str, list[dict]] = {}
+        self.emb: dict[str, Tensor] = {}
+        self.latents: dict[str, dict[str, Tensor]] = {}
+        # Per split, one row per query and one column per answer regime (majority, band, near miss, far miss): the
+        # answer given, its VQA acc and its rel. Precomputed so that scoring is a gather.
+        self._predictions: dict[str, list[tuple[str, ...]]] = {}
+        self._acc: dict[str, Tensor] = {}
+        self._rel: dict[str, Tensor] = {}
+        rel_cache: dict[tuple[str, tuple[str, ...]], float] = {}
+        first_image = 1
+        for split, n in (("train", cfg.num_train), ("val", cfg.num_val)):
+            latents = _draw_latents(cfg, gen, n, first_image)
+            image_view, text_view = _embed(cfg, gen, latents, directions)
+            self.latents[split] = latents
+            self.emb[f"{split}_image"] = image_view
+            self.emb[f"{split}_text"] = text_view
+            self.emb[split] = F.normalize(image_view + text_view, dim=-1)  # (N, d)
+            self.items[split], self._predictions[split], self._acc[split], self._rel[split] = _write_items(
+                gen, latents, rel_cache
+            )
+            first_image = int(latents["image_id"][-1]) + 1
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # The answer model
+
+    def position_weights(self, k: int) -> Tensor:
+        """Weight of each prompt position for k shots, (k,): the last (next to the query) weighs 1."""
+        return self.cfg.position_decay ** torch.arange(k - 1, -1, -1, dtype=torch.float32)  # (k,)
+
+    def helpfulness(self, split: str, queries: Tensor, icds: Tensor) -> Tensor:
+        """h(query, icd) for each query and each of its ICDs: (B,), (B, k) train-row ids -> (B, k)."""
+        cfg, q, c = self.cfg, self.latents[split], self.latents["train"]
+        same_topic = q["topic"][queries][:, None] == c["topic"][icds]  # (B, k)
+        same_super = q["supertopic"][queries][:, None] == c["supertopic"][icds]  # (B, k)
+        same_type = q["answer_type"][queries][:, None] == c["answer_type"][icds]  # (B, k)
+        affinity = torch.where(same_topic, 1.0, torch.where(same_super, cfg.help_supertopic, 0.0))  # (B, k)
+        quality = c["quality"][icds]  # (B, k)
+        topical = torch.where(
+            c["misleading"][icds], -cfg.help_misleading, cfg.help_topic + cfg.help_topic_quality * quality
+        )  # (B, k)
+        return cfg.help_base + affinity * topical + cfg.help_type * same_type + cfg.help_quality * quality  # (B, k)
+
+    def _pair_penalty(self, cos: Tensor) -> Tensor:
+        """Redundancy penalty of each pair from its fused-embedding cosine, same shape as `cos`."""
+        t = self.cfg.redundancy_threshold
+        return self.cfg.redundancy_weight * ((cos - t).clamp(min=0) / (1 - t))
+
+    def redundancy(self, icds: Tensor, chunk: int = 8192) -> Tensor:
+        """Near-duplicate penalty of each ICD set (order-free): (B, k) train-row ids -> (B,).
+
+        Chunked over B so that scoring a large batch never materialises more than chunk * k * d floats.
+        """
+        k = icds.shape[1]
+        upper = torch.ones(k, k, dtype=torch.bool).triu(1)  # (k, k)
+        out = []
+        for part in icds.split(chunk):
+            e = self.emb["train"][part]  # (b, k, d)
+            cos = e @ e.transpose(1, 2)  # (b, k, k)
+            out.append((self._pair_penalty(cos) * upper).sum(dim=(1, 2)))  # (b,)
+        return torch.cat(out) if out else torch.zeros(0)
+
+    def logit(self, split: str, queries: Tensor, icds: Tensor) -> Tensor:
+        """Answer logit of each query given its ICDs in prompt order: (B,), (B, k) train-row ids -> (B,)."""
+        if queries.dim() != 1 or icds.dim() != 2 or icds.shape[0] != queries.shape[0]:
+            raise ValueError(f"expected queries (B,) and icds (B, k), got {tuple(queries.shape)}, {tuple(icds.shape)}")
+        q, k = self.latents[split], icds.shape[1]
+        effect = self.helpfulness(split, queries, icds) @ self.position_weights(k) - self.redundancy(icds)  # (B,)
+        return q["difficulty"][queries] + q["sensitivity"][queries] * effect - self.cfg.shot_cost * k  # (B,)
+
+    def score(self, split: str, queries: Tensor, icds: Tensor) -> dict:
+        """Simulated greedy answer and its scores: (B,), (B, k) train-row ids (k may be 0) -> dict of (B,) values.
+
+        Keys: "prediction" (list[str]), "acc" (VQA accuracy, float), "correct" (acc > 0, bool), "gt_prob"
+        (sigmoid(logit)), "rel" (closeness of the prediction to the annotator answers, 1 when correct).
+        """
+        logit = self.logit(split, queries, icds)  # (B,)
+        margin = logit - self.latents[split]["threshold"][queries]  # (B,)
+        # Regime 0 (majority answer) above the threshold, 1 in the band below it (a minority answer), then 2 (near
+        # miss) and 3 (far miss): the columns of the precomputed answer tables.
+        cfg = self.cfg
+        regime = (
+            (margin <= 0).long() + (margin <= -cfg.band).long() + (margin <= -cfg.band - cfg.near_miss).long()
+        )  # (B,)
+        acc = self._acc[split][queries, regime]  # (B,)
+        table = self._predictions[split]
+        return {
+            "prediction": [table[i][r] for i, r in zip(queries.tolist(), regime.tolist())],
+            "acc": acc,
+            "correct": acc > 0,
+            "gt_prob": torch.sigmoid(logit),
+            "rel": self._rel[split][queries, regime],
+        }
+
+    def oracle(self, split: str, queries: Tensor, pools: Tensor, k: int, beam: int = 16) -> Tensor:
+        """The best ordered sequence of k distinct pool items under the known logit: (B,), (B, K) -> (B, k) ids.
+
+        Returns train-row ids in PROMPT order (the most helpful ICD last, next to the query): score them as they
+        are; reversing them lowers the logit. Pool entries < 0 are padding and never picked.
+
+        For a fixed set the best order puts the most helpful ICD last (weights grow towards the query and the
+        redundancy term ignores order), so the search runs over sets, built from the last position backwards in
+        order of decreasing helpfulness: each set is visited once, and its partial score is exact. Beam search
+        keeps the `beam` best partial sets; this is exhaustive (exact) whenever beam >= C(K, t) for all t < k,
+        e.g. always for k = 1, and also exact when no two candidates are redundant (the sort alone is then optimal).
+        """
+        num, pool_len = pools.shape
+        valid = pools >= 0  # (B, K)
+        num_valid = valid.sum(dim=1)  # (B,)
+        if k < 0 or (num and k > int(num_valid.min())):
+            raise ValueError(f"k={k} must be in [0, {int(num_valid.min())}], the fewest valid candidates of a pool")
+        if beam < 1:
+            raise ValueError(f"beam must be >= 1, got {beam}")
+        h = self.helpfulness(split, queries, pools.clamp(min=0)).masked_fill(~valid, float("-inf"))  # (B, K)
+        # Sensitivity > 0 and the shot cost is fixed for fixed k, so maximising sum w*h - redundancy maximises logit.
+        h_sorted, order = h.sort(dim=1, descending=True, stable=True)  # (B, K) padding sorted last
+        ids = pools.gather(1, order).clamp(min=0)  # (B, K) pool in decreasing helpfulness
+        e = self.emb["train"][ids]  # (B, K, d)
+        pair = self._pair_penalty(e @ e.transpose(1, 2))  # (B, K, K)
+        idx = torch.arange(pool_len)  # (K,)
+        score = torch.zeros(num, 1)  # (B, M)
+        last = torch.full((num, 1), -1)  # (B, M) sorted index picked last
+        penalty = torch.zeros(num, 1, pool_len)  # (B, M, K) redundancy each candidate would add
+        chosen = torch.zeros(num, 1, 0, dtype=torch.long)  # (B, M, t)
+        for t in range(k):
+            # Step t fills prompt position k-1-t (weight decay**t) with an item less helpful than those picked
+            # so far, leaving enough later items to complete the set.
+            cand = score[:, :, None] + self.cfg.position_decay**t * h_sorted[:, None, :] - penalty  # (B, M, K)
+            ok = (idx > last[:, :, None]) & (idx <= (num_valid - k + t)[:, None, None])  # (B, M, K)
+            cand = cand.masked_fill(~ok, float("-inf"))  # (B, M, K)
+            top = cand.flatten(1).topk(min(beam, cand.shape[1] * pool_len), dim=1)  # (B, M')
+            parent, pick = top.indices // pool_len, top.indices % pool_len  # (B, M'), (B, M')
+            score, last = top.values, pick
+            chosen = torch.cat([chosen.gather(1, parent[..., None].expand(-1, -1, t)), pick[..., None]], dim=2)
+            penalty = penalty.gather(1, parent[..., None].expand(-1, -1, pool_len)) + pair.gather(
+                1, pick[..., None].expand(-1, -1, pool_len)
+            )  # (B, M', K)
+        best = chosen[:, 0].flip(1)  # (B, k) prompt order: the first pick goes last
+        return ids.gather(1, best)  # (B, k)
+
+
+def calibrate(
+    sim: Simulator, pool_size: int = 64, group_size: int = 16, seq_len: int = 4, num_anchors: int = 800, seed: int = 0
+) -> dict:
+    """Measure the simulator against the calibration targets (accuracies in %, fractions in [0, 1]).
+
+    Val queries each get their own random pool of `pool_size` train items; "random_k" = first k ICDs of a random
+    sequence from the pool, "similar_k" = the k most similar by fused embedding with the most similar last,
+    "oracle_k" = `Simulator.oracle`. On `num_anchors` random train anchors with their own random pools,
+    "varying_reward_frac" = share of anchors whose group (1 similarity sequence + group_size-1 distinct random
+    ones, seq_len shots) does not share a single reward, reward = correct + acc.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    train_img = sim.latents["train"]["image_id"]  # (N,)
+    val_img = sim.latents["val"]["image_id"]  # (V,)
+    queries = torch.arange(len(val_img))  # (V,)
+    exclude = pools.exclusion_mask(val_img, train_img, torch.full_like(queries, -1))  # (V, N)
+    val_pools = pools.build_pools("random", pool_size, exclude, gen)  # (V, K)
+    full = torch.ones_like(val_pools, dtype=torch.bool)  # (V, K)
+    rand_seq = val_pools.gather(1, pools.random_sequences(full, 1, seq_len, gen)[:, 0])  # (V, S)
+    ranking = pools.similarity_ranking(sim.emb["val"], sim.emb["train"][val_pools], full)  # (V, K)
+    similar = val_pools.gather(1, ranking[:, :seq_len])  # (V, S) most similar first
+
+    def pct(icds: Tensor) -> float:
+        return 100 * sim.score("val", queries, icds)["acc"].mean().item()
+
+    out = {"zero_shot": pct(val_pools[:, :0])}
+    for k in range(1, seq_len + 1):
+        out[f"random_{k}"] = pct(rand_seq[:, :k])
+        out[f"similar_{k}"] = pct(similar[:, :k].flip(1))
+        out[f"oracle_{k}"] = pct(sim.oracle("val", queries, val_pools, k))
+
+    anchors = torch.randperm(len(train_img), generator=gen)[:num_anchors]  # (A,)
+    exclude = pools.exclusion_mask(train_img[anchors], train_img, anchors)  # (A, N)
+    anchor_pools = pools.build_pools("random", pool_size, exclude, gen)  # (A, K)
+    group, _ = pools.candidate_groups(
+        sim.emb["train"][anchors], sim.emb["train"][anchor_pools], group_size, seq_len, gen
+    )
+    icds = anchor_pools.gather(1, group.flatten(1)).view(-1, seq_len)  # (A*G, S)
+    res = sim.score("train", anchors.repeat_interleave(group_size), icds)
+    reward = (res["correct"].float() + res["acc"]).view(-1, group_size)  # (A, G)
+    out["varying_reward_frac"] = (reward.amax(dim=1) > reward.amin(dim=1)).float().mean().item()
+    return out

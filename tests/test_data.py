@@ -1,0 +1,145 @@
+"""The dataset loader: reward modes, curriculum filters, and one clear error per kind of malformed input."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+from strategies import rng, seeds
+
+from data import REWARD_MODES, DataError, RewardArgs, compute_reward, filter_queries, load_dataset, quality_labels
+
+
+@pytest.fixture
+def folder(small_data, tmp_path):
+    out = tmp_path / "d"
+    shutil.copytree(small_data, out)
+    return out
+
+
+def edit_line(folder, n, fn):
+    """Apply fn to the n-th record of rl_data.jsonl (1-based)."""
+    path = folder / "rl_data.jsonl"
+    lines = path.read_text().splitlines()
+    rec = json.loads(lines[n - 1])
+    fn(rec)
+    lines[n - 1] = json.dumps(rec)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def expect(folder, pattern):
+    with pytest.raises(DataError, match=pattern):
+        load_dataset(folder)
+
+
+def test_loads_clean_folder(small_data):
+    ds = load_dataset(small_data)
+    assert ds.groups.seqs.dtype == torch.long and ds.emb["train"].shape[0] == len(ds.items["train"])
+
+
+def test_missing_files_and_versions(folder, tmp_path):
+    expect(tmp_path / "nope", "no such dataset folder")
+    meta = json.loads((folder / "meta.json").read_text())
+    (folder / "meta.json").write_text(json.dumps({**meta, "format_version": 99}))
+    expect(folder, r"meta.json: field 'format_version' is 99, this kit reads version 1")
+    (folder / "meta.json").write_text(json.dumps(meta))
+    (folder / "eval_pools.json").unlink()
+    expect(folder, r"eval_pools.json: missing file")
+
+
+def test_truncated_last_line(folder):
+    path = folder / "rl_data.jsonl"
+    text = path.read_text()
+    path.write_text(text + text.splitlines()[0][:50])
+    n = len(text.splitlines()) + 1
+    expect(folder, rf"rl_data.jsonl line {n}: truncated last line")
+    assert len(load_dataset(folder, allow_truncated=True).groups) == n - 1
+
+
+@pytest.mark.parametrize(
+    "edit, pattern",
+    [
+        (lambda r: r["seqs"][2].__setitem__("icds", [1, 1, 2, 3]), r"line 3: field 'seqs\[2\].icds': id 1 is repeated"),
+        (lambda r: r["seqs"][1].__setitem__("icds", [0, 1, 2, 99]), r"line 3: field 'seqs\[1\].icds': id 99 is out of"),
+        (lambda r: r["pool"].__setitem__(0, 10**6), r"line 3: field 'pool': id 1000000 is out of range"),
+        (lambda r: r.__setitem__("query", r["pool"][0]), r"line 3: field 'pool' contains the query itself"),
+        (lambda r: r["seqs"][0].__setitem__("gt_prob", float("nan")), r"line 3: field 'seqs\[0\].gt_prob'.*finite"),
+        (lambda r: r["seqs"][0].__setitem__("acc", 1.5), r"line 3: field 'seqs\[0\].acc': 1.5 is outside"),
+        (lambda r: r["seqs"][0].pop("rel"), r"line 3: field 'seqs\[0\].rel' is missing"),
+        (lambda r: r.__setitem__("pool", r["pool"][:3]), r"line 3: field 'pool' has 3 candidates, fewer than the seq"),
+        (lambda r: r["seqs"][0].__setitem__("icds", [0, 1]), r"line 3: field 'seqs\[0\].icds' has 2 picks, expected"),
+        (lambda r: r["seqs"].__setitem__(1, dict(r["seqs"][0])), r"line 3: field 'seqs\[1\].icds' repeats an earlier"),
+    ],
+)
+def test_bad_rl_data_lines(folder, edit, pattern):
+    edit_line(folder, 3, edit)
+    expect(folder, pattern)
+
+
+def test_duplicate_query_line(folder):
+    path = folder / "rl_data.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines + [lines[0]]) + "\n")
+    expect(folder, rf"line {len(lines) + 1}: field 'query': query \d+ already appears on line 1")
+
+
+def test_embeddings_must_match_items(folder):
+    emb = load_file(folder / "embeddings.safetensors")
+    save_file({**emb, "train": emb["train"][:-1]}, folder / "embeddings.safetensors")
+    expect(folder, r"tensor 'train' has shape \(599, 512\), but items.json has 600 'train' items")
+    emb["val"][7, 3] = float("inf")
+    save_file(emb, folder / "embeddings.safetensors")
+    expect(folder, r"tensor 'val' row 7 contains NaN or inf")
+
+
+def test_eval_pools_validated(folder):
+    pools = json.loads((folder / "eval_pools.json").read_text())
+    pools["pools"][5][0] = pools["pools"][5][1]
+    (folder / "eval_pools.json").write_text(json.dumps(pools))
+    expect(folder, r"eval_pools.json: field 'pools\[5\]': id \d+ is repeated")
+
+
+@given(seeds, st.sampled_from(REWARD_MODES))
+def test_reward_modes(seed, mode):
+    g = rng(seed)
+    correct = (torch.rand(6, 5, generator=g) < 0.5).double()
+    acc = correct * torch.randint(1, 4, (6, 5), generator=g).double() * 0.3
+    fields = {
+        "correct": correct,
+        "acc": acc,
+        "gt_prob": torch.rand(6, 5, generator=g, dtype=torch.float64),
+        "rel": torch.rand(6, 5, generator=g, dtype=torch.float64),
+    }
+    args = RewardArgs(mode, hard_weight=1.0, soft_weight=0.5, rel_weight=0.3)
+    r = compute_reward(fields, args)
+    expected = {
+        "hard_plus_soft": correct + 0.5 * acc,
+        "separated": torch.where(correct > 0, 2 + acc, acc),
+        "hard_only": correct,
+        "soft_only": acc,
+        "hard_plus_gtprob": correct + 0.5 * fields["gt_prob"],
+        "hard_plus_gtprob_plus_rel": correct + 0.5 * fields["gt_prob"] + 0.3 * (1 - correct) * fields["rel"],
+    }[mode]
+    assert torch.allclose(r, expected)
+    # a correct answer never earns less than a wrong one with the same soft fields, in every mode
+    flipped = compute_reward({**fields, "correct": torch.ones_like(correct), "acc": acc.clamp_min(0.3)}, args)
+    assert (flipped >= r - 1e-12).all()
+
+
+def test_quality_and_filters(small_data):
+    g = load_dataset(small_data).groups
+    reward = compute_reward(g.fields, RewardArgs())
+    labels = quality_labels(g, reward)
+    for i, lab in enumerate(labels):
+        r, pos = reward[i], int(g.fields["correct"][i].sum())
+        gap, both = float(r.max() - r.min()), min(pos, len(r) - pos)
+        want = "high" if gap >= 1.5 and both >= 3 else "medium" if gap >= 1.0 and both >= 2 else "low"
+        assert lab == want
+    high = filter_queries(g, reward, "high", False).tolist()
+    medium = filter_queries(g, reward, "medium", False).tolist()
+    assert set(high) <= set(medium) and len(filter_queries(g, reward, "all", False)) == len(g)
+    positive = filter_queries(g, reward, "all", True)
+    assert (g.fields["correct"][positive].sum(-1) > 0).all()

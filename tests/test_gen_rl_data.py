@@ -1,0 +1,98 @@
+"""gen_rl_data.py on the simulator: folder contents, determinism, resume, refusal to mix settings, report."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SMALL
+
+from data import load_dataset
+from gen_rl_data import Args, generate, report
+
+ROOT = Path(__file__).resolve().parent.parent
+FILES = ("items.json", "embeddings.safetensors", "rl_data.jsonl", "eval_pools.json")
+
+
+def test_folder_contents(small_data):
+    ds = load_dataset(small_data)
+    g = ds.groups
+    assert len(g) == SMALL["num_queries"] and g.seq_mask.all() and g.seqs.shape[1:] == (SMALL["group_size"], 4)
+    assert ds.meta["complete"] and ds.meta["simulation"] and ds.meta["calibration"]["random_1"] > 0
+    image = torch.tensor([it["image_id"] for it in ds.items["train"]])
+    # pools never hold the query itself nor an item on its image
+    assert not (g.pools == g.queries[:, None]).any()
+    assert not (image[g.pools] == image[g.queries][:, None]).any()
+    # sequences distinct within a group, picks distinct within a sequence
+    for seqs in g.seqs:
+        assert len({tuple(s) for s in seqs.tolist()}) == len(seqs)
+        assert all(len(set(s)) == len(s) for s in seqs.tolist())
+    assert all(src[0] == "retrieval" and set(src[1:]) == {"random"} for src in g.sources)
+    assert ds.eval_pools.shape == (SMALL["num_val"], SMALL["pool_size"])
+
+
+def test_same_seed_byte_identical_and_resume_after_kill(small_data, tmp_path):
+    again = tmp_path / "again"
+    generate(Args(out=again, **SMALL))
+    for name in FILES:
+        assert (again / name).read_bytes() == (small_data / name).read_bytes(), name
+    meta_a, meta_b = (json.loads((d / "meta.json").read_text()) for d in (small_data, again))
+    meta_a.pop("created_at"), meta_b.pop("created_at")
+    assert meta_a == meta_b
+    # a kill mid-run: 20 complete lines plus half of the next one, and meta.json not yet finalised
+    killed = tmp_path / "killed"
+    shutil.copytree(small_data, killed)
+    lines = (small_data / "rl_data.jsonl").read_text().splitlines(keepends=True)
+    (killed / "rl_data.jsonl").write_text("".join(lines[:20]) + lines[20][: len(lines[20]) // 2])
+    meta = json.loads((killed / "meta.json").read_text())
+    meta["complete"] = False
+    (killed / "meta.json").write_text(json.dumps(meta))
+    generate(Args(out=killed, **SMALL))
+    assert (killed / "rl_data.jsonl").read_bytes() == (small_data / "rl_data.jsonl").read_bytes()
+
+
+def test_different_seed_differs_and_mixing_settings_is_refused(small_data, tmp_path):
+    other = tmp_path / "other"
+    generate(Args(out=other, **{**SMALL, "seed": 1}))
+    assert (other / "rl_data.jsonl").read_bytes() != (small_data / "rl_data.jsonl").read_bytes()
+    before = {p.name: p.read_bytes() for p in other.iterdir()}
+    with pytest.raises(ValueError, match=r"different settings \(group_size: folder has 8, this run 9"):
+        generate(Args(out=other, **{**SMALL, "seed": 1, "group_size": 9}))
+    assert {p.name: p.read_bytes() for p in other.iterdir()} == before  # nothing written
+
+
+def test_refuses_foreign_folder(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not a dataset folder"):
+        generate(Args(out=tmp_path, **SMALL))
+
+
+def test_report_and_cli_errors(small_data):
+    text = report(small_data, Args())
+    for needle in (
+        "anchor queries | 48",
+        "scored sequences | 384",
+        "group size min / median / max | 8 / 8 / 8",
+        "| hard_plus_gtprob_plus_rel |",
+        "| high (",
+        "| medium (",
+        "| low (",
+    ):
+        assert needle in text, needle
+    shares = [
+        float(line.split("|")[3].strip(" %"))
+        for line in text.splitlines()
+        if line.startswith("| high (") or line.startswith("| medium (") or line.startswith("| low (")
+    ]
+    assert abs(sum(shares) - 100) < 0.2
+    cli = subprocess.run(
+        [sys.executable, "gen_rl_data.py", "--seq-len", "30", "--pool-size", "8", "--out", "/nonexistent/x"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert cli.returncode == 2 and cli.stderr.strip() == "error: --seq-len 30 is larger than --pool-size 8"
+    assert not Path("/nonexistent/x").exists()

@@ -1,0 +1,246 @@
+"""Property tests for pools.py: exclusion, pool samplers, random candidate sequences, similarity ranking.
+
+All randomness comes from hypothesis-drawn seeds turned into torch.Generators, so failures replay.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pools
+
+seeds = st.integers(0, 2**31 - 1)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _setup(seed: int, num_train: int, num_images: int, num_queries: int):
+    """Train image ids with repeated images; queries: about half train anchors (own row), the rest outside (-1)."""
+    g = _gen(seed)
+    train_img = torch.randint(num_images, (num_train,), generator=g)  # (N,)
+    rows = torch.randint(num_train, (num_queries,), generator=g)  # (Q,)
+    is_anchor = torch.rand(num_queries, generator=g) < 0.5  # (Q,)
+    # Outside queries may still share an image with train rows (exercises exclusion by image alone).
+    outside_img = torch.randint(num_images + 3, (num_queries,), generator=g)  # (Q,)
+    # Some anchors carry an image id that differs from their row's, so the own-row rule is tested on its own.
+    own_image = is_anchor & (torch.rand(num_queries, generator=g) < 0.7)  # (Q,)
+    query_img = torch.where(own_image, train_img[rows], outside_img)  # (Q,)
+    query_rows = torch.where(is_anchor, rows, torch.full_like(rows, -1))  # (Q,)
+    return query_img, train_img, query_rows, g
+
+
+@given(seed=seeds, num_train=st.integers(1, 40), num_images=st.integers(1, 15), num_queries=st.integers(1, 8))
+def test_exclusion_mask_matches_definition(seed, num_train, num_images, num_queries):
+    query_img, train_img, query_rows, _ = _setup(seed, num_train, num_images, num_queries)
+    mask = pools.exclusion_mask(query_img, train_img, query_rows)
+    assert mask.shape == (num_queries, num_train) and mask.dtype == torch.bool
+    for q in range(num_queries):
+        for j in range(num_train):
+            expected = bool(train_img[j] == query_img[q]) or int(query_rows[q]) == j
+            assert bool(mask[q, j]) == expected, (q, j)
+
+
+@given(
+    seed=seeds,
+    sampler=st.sampled_from(pools.SAMPLERS),
+    num_train=st.integers(8, 60),
+    num_images=st.integers(4, 30),
+    num_queries=st.integers(1, 6),
+    pool_size=st.integers(1, 8),
+)
+def test_build_pools_distinct_sized_allowed(seed, sampler, num_train, num_images, num_queries, pool_size):
+    query_img, train_img, query_rows, g = _setup(seed, num_train, num_images, num_queries)
+    exclude = pools.exclusion_mask(query_img, train_img, query_rows)
+    if int((~exclude).sum(1).min()) < pool_size:
+        with pytest.raises(ValueError):
+            pools.build_pools(sampler, pool_size, exclude, g, *torch.rand(2, *exclude.shape, generator=g))
+        return
+    image_sim = torch.rand(exclude.shape, generator=g)
+    text_sim = torch.rand(exclude.shape, generator=g)
+    pool = pools.build_pools(sampler, pool_size, exclude, g, image_sim, text_sim)
+    assert pool.shape == (num_queries, pool_size) and pool.dtype == torch.long
+    for q in range(num_queries):
+        ids = pool[q].tolist()
+        assert len(set(ids)) == pool_size, "pool has repeated rows"
+        assert all(0 <= j < num_train for j in ids)
+        # Never the query's own row nor a question on the same image.
+        assert not exclude[q, pool[q]].any()
+        assert int(query_rows[q]) not in ids
+        assert not (train_img[pool[q]] == query_img[q]).any()
+
+
+@given(seed=seeds, num_train=st.integers(10, 50), num_queries=st.integers(1, 5), pool_size=st.integers(1, 9))
+def test_similarity_samplers_return_true_top_k(seed, num_train, num_queries, pool_size):
+    query_img, train_img, query_rows, g = _setup(seed, num_train, num_train, num_queries)
+    exclude = pools.exclusion_mask(query_img, train_img, query_rows)
+    if int((~exclude).sum(1).min()) < pool_size:
+        return
+    # Continuous random similarities: ties have probability 0, so the top-K is unique.
+    image_sim, text_sim = torch.randn(2, *exclude.shape, generator=g)
+    img_pool = pools.build_pools("image", pool_size, exclude, g, image_sim=image_sim)
+    txt_pool = pools.build_pools("text", pool_size, exclude, g, text_sim=text_sim)
+    mix_pool = pools.build_pools("mix", pool_size, exclude, g, image_sim=image_sim, text_sim=text_sim)
+    for q in range(num_queries):
+        allowed = (~exclude[q]).nonzero().flatten().tolist()
+        by_image = sorted(allowed, key=lambda j: -float(image_sim[q, j]))
+        by_text = sorted(allowed, key=lambda j: -float(text_sim[q, j]))
+        assert img_pool[q].tolist() == by_image[:pool_size]
+        assert txt_pool[q].tolist() == by_text[:pool_size]
+        half = by_image[: pool_size // 2]
+        assert mix_pool[q].tolist() == half + [j for j in by_text if j not in half][: pool_size - len(half)]
+
+
+@given(seed=seeds, pool_size=st.integers(1, 10))
+def test_random_pools_deterministic_by_generator(seed, pool_size):
+    query_img, train_img, query_rows, _ = _setup(seed, 30, 12, 4)
+    exclude = pools.exclusion_mask(query_img, train_img, query_rows)
+    if int((~exclude).sum(1).min()) < pool_size:
+        return
+    a = pools.build_pools("random", pool_size, exclude, _gen(seed + 1))
+    assert torch.equal(a, pools.build_pools("random", pool_size, exclude, _gen(seed + 1)))
+
+
+@given(seed=seeds)
+def test_random_pool_covers_all_allowed_rows(seed):
+    # Over many draws from one generator every allowed row shows up and no excluded one does: the sampler is
+    # random (not a fixed prefix of the allowed rows) and honours the exclusion. A row is missed by 200 draws of 3
+    # out of 10 with probability 0.7**200, i.e. never.
+    exclude = torch.zeros(1, 12, dtype=torch.bool)
+    exclude[0, [0, 5]] = True
+    g = _gen(seed)
+    seen = torch.zeros(12, dtype=torch.bool)
+    for _ in range(200):
+        seen[pools.build_pools("random", 3, exclude, g)[0]] = True
+    assert seen.tolist() == [j not in (0, 5) for j in range(12)]
+
+
+@given(seed=seeds, num_allowed=st.integers(0, 6), pool_size=st.integers(1, 8))
+def test_build_pools_error_names_first_short_query(seed, num_allowed, pool_size):
+    g = _gen(seed)
+    exclude = torch.zeros(4, 10, dtype=torch.bool)
+    bad = int(torch.randint(4, (1,), generator=g))
+    exclude[bad, num_allowed:] = True  # query `bad` keeps only num_allowed rows
+    if num_allowed >= pool_size:
+        assert pools.build_pools("random", pool_size, exclude, g).shape == (4, pool_size)
+        return
+    with pytest.raises(ValueError, match=rf"query {bad} has only {num_allowed} allowed"):
+        pools.build_pools("random", pool_size, exclude, g)
+
+
+def test_build_pools_rejects_unknown_sampler_and_missing_similarity():
+    exclude = torch.zeros(2, 10, dtype=torch.bool)
+    g = _gen(0)
+    with pytest.raises(ValueError, match="unknown sampler"):
+        pools.build_pools("clip", 3, exclude, g)
+    with pytest.raises(ValueError, match="image_sim"):
+        pools.build_pools("image", 3, exclude, g)
+    with pytest.raises(ValueError, match="text_sim"):
+        pools.build_pools("text", 3, exclude, g)
+    with pytest.raises(ValueError, match="text_sim"):
+        pools.build_pools("mix", 3, exclude, g, image_sim=torch.rand(2, 10))
+
+
+@given(
+    seed=seeds,
+    num_queries=st.integers(1, 6),
+    pool_len=st.integers(4, 12),
+    group_size=st.integers(1, 12),
+    seq_len=st.integers(1, 4),
+)
+@settings(deadline=None)
+def test_random_sequences_distinct_valid(seed, num_queries, pool_len, group_size, seq_len):
+    g = _gen(seed)
+    mask = torch.rand(num_queries, pool_len, generator=g) < 0.8
+    mask[:, :seq_len] = True  # enough valid candidates for one sequence
+    num_valid = int(mask.sum(1).min())
+    if math.perm(num_valid, seq_len) < group_size:
+        with pytest.raises(ValueError):
+            pools.random_sequences(mask, group_size, seq_len, g)
+        return
+    seqs = pools.random_sequences(mask, group_size, seq_len, _gen(seed))
+    assert seqs.shape == (num_queries, group_size, seq_len) and seqs.dtype == torch.long
+    assert torch.equal(seqs, pools.random_sequences(mask, group_size, seq_len, _gen(seed)))
+    for q in range(num_queries):
+        group = [tuple(s) for s in seqs[q].tolist()]
+        assert len(set(group)) == group_size, "repeated sequence within a group"
+        for s in group:
+            assert len(set(s)) == seq_len, "repeated position within a sequence"
+            assert all(mask[q, p] for p in s), "invalid position"
+
+
+@given(seed=seeds, num_valid=st.integers(2, 4))
+def test_random_sequences_exhaust_small_space(seed, num_valid):
+    # Exactly as many sequences as exist: resampling must find all of them (a hard case for rejection).
+    mask = torch.zeros(3, 6, dtype=torch.bool)
+    mask[:, :num_valid] = True
+    total = math.perm(num_valid, 2)
+    seqs = pools.random_sequences(mask, total, 2, _gen(seed))
+    for q in range(3):
+        assert sorted(map(tuple, seqs[q].tolist())) == sorted(
+            (a, b) for a in range(num_valid) for b in range(num_valid) if a != b
+        )
+
+
+def test_random_sequences_errors_name_the_query():
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    mask[1, 2:] = False  # query 1 has 2 valid candidates
+    with pytest.raises(ValueError, match="query 1 has only 2 valid"):
+        pools.random_sequences(mask, 1, 3, _gen(0))
+    with pytest.raises(ValueError, match=re.escape("only 2 distinct sequences")):
+        pools.random_sequences(mask, 3, 2, _gen(0))
+
+
+@given(
+    seed=seeds,
+    num_queries=st.integers(1, 5),
+    num_samples=st.integers(1, 10),
+    seq_len=st.integers(1, 3),
+    vocab=st.integers(1, 4),
+    data=st.data(),
+)
+def test_first_distinct_keeps_first_occurrences_in_order(seed, num_queries, num_samples, seq_len, vocab, data):
+    count = data.draw(st.integers(1, num_samples))
+    # A tiny vocabulary makes repeated samples common.
+    seqs = torch.randint(vocab, (num_queries, num_samples, seq_len), generator=_gen(seed))
+    order, ok = pools.first_distinct(seqs, count)
+    assert order.shape == ok.shape == (num_queries, count)
+    for q in range(num_queries):
+        rows = [tuple(r) for r in seqs[q].tolist()]
+        firsts = [i for i, r in enumerate(rows) if r not in rows[:i]][:count]
+        assert order[q, : len(firsts)].tolist() == firsts
+        assert ok[q].tolist() == [True] * len(firsts) + [False] * (count - len(firsts))
+        for i in order[q, len(firsts) :].tolist():  # padding entries point at repeats
+            assert rows[i] in rows[:i]
+    with pytest.raises(ValueError):
+        pools.first_distinct(seqs, num_samples + 1)
+
+
+@given(seed=seeds, num_queries=st.integers(1, 5), pool_len=st.integers(1, 10), dim=st.integers(2, 8))
+def test_similarity_ranking_sorted_by_cosine_padded_last(seed, num_queries, pool_len, dim):
+    g = _gen(seed)
+    query = torch.randn(num_queries, dim, generator=g)
+    pool = torch.randn(num_queries, pool_len, dim, generator=g) * torch.rand(num_queries, pool_len, 1, generator=g)
+    mask = torch.rand(num_queries, pool_len, generator=g) < 0.7
+    ranking = pools.similarity_ranking(query, pool, mask)
+    assert ranking.shape == (num_queries, pool_len)
+    cos = torch.nn.functional.cosine_similarity(query[:, None], pool, dim=-1)
+    for q in range(num_queries):
+        order = ranking[q].tolist()
+        assert sorted(order) == list(range(pool_len))
+        n_valid = int(mask[q].sum())
+        assert all(mask[q, p] for p in order[:n_valid]) and not any(mask[q, p] for p in order[n_valid:])
+        values = [float(cos[q, p]) for p in order[:n_valid]]
+        assert all(a >= b - 1e-6 for a, b in zip(values, values[1:]))
+        # Scale-invariant: the ranking is by cosine, not by dot product.
+        assert (
+            ranking[q].tolist()
+            == pools.similarity_ranking(query[q : q + 1] * 3.0, pool[q : q + 1], mask[q : q + 1])[0].tolist()
+        )
