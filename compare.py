@@ -1,0 +1,344 @@
+"""Stage 5: Markdown tables over run folders: accuracy, deltas with paired significance, training curves.
+
+For runs with eval/<split>.json: a samples x shots accuracy table per run; signed deltas against a baseline run
+per (n, shot) with improved/worse/flat counts; at the largest n, per shot, a paired bootstrap 95% CI of the delta
+and an exact sign-test p-value over the same questions (a delta whose CI contains 0 is marked n.s.: at n=800 an
+accuracy's standard error is ~1.8 points, so +0.07 is noise); the identical-selection rate of every pair of runs.
+For runs with metrics.jsonl: a per-epoch training table and, across runs, a curve summary per metric (initial,
+final, mean, change %, min and its epoch). Per-epoch accuracy tables when eval/<split>-epochNNN.json exist.
+
+Usage:
+    python compare.py runs/*
+    python compare.py runs/* --baseline runs/rce --out report.md --plot plots/
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from itertools import combinations
+from pathlib import Path
+
+import numpy as np
+import tyro
+
+from data import run_cli
+
+
+@dataclass
+class Args:
+    runs: tyro.conf.Positional[list[Path]] = field(default_factory=list)
+    """Run folders (folders that are not runs are skipped with a warning)."""
+    baseline: str | None = None
+    """Run to compare against (its path or folder name); default the first run with an evaluation."""
+    split: str = "val"
+    """Which evaluation file to read (eval/<split>.json)."""
+    out: Path | None = None
+    """Also write the Markdown to this file."""
+    plot: Path | None = None
+    """Write PNG training curves (one per metric, all runs) into this folder."""
+    bootstrap: int = 10000
+    """Bootstrap resamples for the confidence intervals."""
+    seed: int = 0
+    """Seed of the bootstrap."""
+
+
+TRAIN_COLUMNS = (
+    "train/loss",
+    "val/reward",
+    "val/acc",
+    "grpo/kl_ref",
+    "grpo/kl_share",
+    "grpo/adv_std",
+    "grpo/clip_frac_low",
+    "grpo/clip_frac_high",
+    "grpo/entropy",
+    "grpo/beta",
+    "grpo/selection_change",
+    "grpo/zero_std_frac",
+    "train/tau",
+)
+
+
+@dataclass
+class Run:
+    path: Path
+    name: str
+    eval: dict | None
+    epochs: list[dict]  # metrics.jsonl epoch records
+    epoch_evals: dict[int, dict]
+
+
+def read_run(path: Path, split: str) -> Run | None:
+    """A run folder's evaluations and metrics; None (with a warning) if it holds neither."""
+    ev = path / "eval" / f"{split}.json"
+    metrics = path / "metrics.jsonl"
+    if not path.is_dir() or not (ev.is_file() or metrics.is_file()):
+        print(f"warning: {path} is not a run folder (no eval/{split}.json, no metrics.jsonl); skipped", file=sys.stderr)
+        return None
+    epochs = []
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a truncated last line of a killed run
+            if rec.get("kind") != "step":
+                epochs.append(rec)
+    epoch_evals = {}
+    for f in sorted(path.glob(f"eval/{split}-epoch*.json")):
+        if m := re.fullmatch(rf"{re.escape(split)}-epoch(\d+)\.json", f.name):
+            epoch_evals[int(m.group(1))] = json.loads(f.read_text())
+    return Run(path, path.name, json.loads(ev.read_text()) if ev.is_file() else None, epochs, epoch_evals)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Statistics
+
+
+def scores(doc: dict, shot: int, n: int) -> dict:
+    """question_id -> score for one shot, first n questions of the fixed order."""
+    rows = [r for r in doc["results"] if r["shot"] == shot][:n]
+    return {r["question_id"]: r["score"] for r in rows}
+
+
+def paired(a: dict, b: dict) -> np.ndarray:
+    """Per-question differences b - a over the questions both runs answered."""
+    common = [q for q in a if q in b]
+    return np.array([b[q] - a[q] for q in common], dtype=np.float64)
+
+
+def bootstrap_ci(d: np.ndarray, resamples: int, rng: np.random.Generator) -> tuple[float, float]:
+    """95% percentile bootstrap CI of the mean of d (resampling questions)."""
+    idx = rng.integers(0, len(d), size=(resamples, len(d)))
+    means = d[idx].mean(1)
+    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def sign_test(d: np.ndarray) -> float:
+    """Exact two-sided sign test on the non-zero differences (McNemar's test when scores are 0/1)."""
+    pos, neg = int((d > 0).sum()), int((d < 0).sum())
+    n = pos + neg
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(pos, neg) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Tables
+
+
+def md_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def accuracy_table(doc: dict) -> str:
+    shots = doc["shots"]
+    rows = []
+    for n, v in doc["summary"].items():
+        vals = [v[str(s)] for s in shots]
+        rows.append([n] + [f"{x:.2f}" for x in vals] + [f"{sum(vals) / len(vals):.2f}"])
+    return md_table(["n"] + [f"shot {s}" for s in shots] + ["avg"], rows)
+
+
+def signed(x: float) -> str:
+    return f"{x:+.2f}"
+
+
+def delta_section(base: Run, run: Run, args: Args, rng: np.random.Generator) -> str:
+    a, b = base.eval, run.eval
+    shots = [s for s in a["shots"] if s in b["shots"]]
+    ns = [n for n in a["summary"] if n in b["summary"]]
+    rows, counts = [], {"improved": 0, "worse": 0, "flat": 0}
+    for n in ns:
+        deltas = [b["summary"][n][str(s)] - a["summary"][n][str(s)] for s in shots]
+        for d in deltas:
+            counts["improved" if d > 0.005 else "worse" if d < -0.005 else "flat"] += 1
+        rows.append([n] + [signed(d) for d in deltas] + [signed(sum(deltas) / len(deltas))])
+    out = [
+        f"### {run.name} vs {base.name}",
+        "",
+        md_table(["n"] + [f"shot {s}" for s in shots] + ["avg"], rows),
+        "",
+        f"Cells improved / worse / flat (|delta| < 0.005): {counts['improved']} / {counts['worse']} / {counts['flat']}",
+        "",
+    ]
+    n = max(ns, key=int)
+    sig_rows = []
+    for s in shots:
+        d = paired(scores(a, s, int(n)), scores(b, s, int(n)))
+        if len(d) == 0:
+            continue
+        lo, hi = bootstrap_ci(100 * d, args.bootstrap, rng)
+        verdict = "significant" if lo > 0 or hi < 0 else "n.s."
+        sig_rows.append(
+            [
+                str(s),
+                signed(100 * d.mean()),
+                f"[{lo:+.2f}, {hi:+.2f}]",
+                f"{sign_test(d):.3g}",
+                f"{int((d > 0).sum())} / {int((d < 0).sum())}",
+                verdict,
+            ]
+        )
+    out += [
+        f"Paired significance at n = {n} ({len(d)} common questions):",
+        "",
+        md_table(
+            ["shot", "delta", "95% CI (bootstrap)", "sign-test p", "better / worse questions", "verdict"], sig_rows
+        ),
+    ]
+    return "\n".join(out)
+
+
+def selection_table(runs: list[Run]) -> str:
+    """Share of common questions where two runs chose exactly the same ICDs, per shot (largest common n)."""
+    rows = []
+    shots = sorted({s for r in runs for s in r.eval["shots"]})
+    for a, b in combinations(runs, 2):
+        cells = []
+        for s in shots:
+            ia = {r["question_id"]: r["icds"] for r in a.eval["results"] if r["shot"] == s}
+            ib = {r["question_id"]: r["icds"] for r in b.eval["results"] if r["shot"] == s}
+            common = [q for q in ia if q in ib]
+            cells.append(f"{100 * sum(ia[q] == ib[q] for q in common) / len(common):.1f}%" if common else "-")
+        rows.append([f"{a.name} / {b.name}"] + cells)
+    return md_table(["runs"] + [f"shot {s}" for s in shots], rows)
+
+
+def fmt(x) -> str:
+    return f"{x:.4g}" if isinstance(x, (int, float)) else "-"
+
+
+def training_table(run: Run) -> str:
+    cols = [c for c in TRAIN_COLUMNS if any(c in r for r in run.epochs)]
+    rows = [[str(r["epoch"])] + [fmt(r.get(c)) for c in cols] for r in run.epochs]
+    return md_table(["epoch"] + cols, rows)
+
+
+def curve_summary(runs: list[Run]) -> str:
+    """Per metric and run: initial, final, mean, change %, min and its epoch (epochs >= 1)."""
+    rows = []
+    for c in TRAIN_COLUMNS:
+        for run in runs:
+            pts = [(r["epoch"], r[c]) for r in run.epochs if c in r and r.get("epoch", 0) >= 1]
+            if not pts:
+                continue
+            vals = [v for _, v in pts]
+            first, last = vals[0], vals[-1]
+            change = f"{100 * (last - first) / abs(first):+.1f}%" if first else "-"
+            e_min, v_min = min(pts, key=lambda p: p[1])
+            rows.append(
+                [
+                    c,
+                    run.name,
+                    fmt(first),
+                    fmt(last),
+                    fmt(sum(vals) / len(vals)),
+                    change,
+                    f"{fmt(v_min)} (epoch {e_min})",
+                ]
+            )
+    return md_table(["metric", "run", "initial", "final", "mean", "change", "min (epoch)"], rows)
+
+
+def epoch_accuracy_table(run: Run) -> str:
+    docs = dict(sorted(run.epoch_evals.items()))
+    n = max(next(iter(docs.values()))["summary"], key=int)
+    shots = next(iter(docs.values()))["shots"]
+    rows = []
+    for e, doc in [*docs.items(), ("selected", run.eval)]:
+        if doc is None or n not in doc["summary"]:
+            continue
+        vals = [doc["summary"][n][str(s)] for s in shots]
+        rows.append([str(e)] + [f"{v:.2f}" for v in vals] + [f"{sum(vals) / len(vals):.2f}"])
+    return f"n = {n}\n\n" + md_table(["epoch"] + [f"shot {s}" for s in shots] + ["avg"], rows)
+
+
+def plot_curves(runs: list[Run], folder: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for c in TRAIN_COLUMNS:
+        series = [(r.name, [(e["epoch"], e[c]) for e in r.epochs if c in e]) for r in runs]
+        series = [(name, pts) for name, pts in series if pts]
+        if not series:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, pts in series:
+            ax.plot(*zip(*pts), marker="o", label=name)
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(c)
+        ax.legend(fontsize=7)
+        path = folder / (c.replace("/", "_") + ".png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def report(args: Args) -> str:
+    runs = [r for r in (read_run(p, args.split) for p in args.runs) if r is not None]
+    if not runs:
+        raise ValueError("no run folders to compare")
+    evaluated = [r for r in runs if r.eval is not None]
+    sim = any(r.eval.get("simulation") for r in evaluated)
+    parts = [f"# Comparison ({args.split} split{', simulated LVLM' if sim else ''})", ""]
+    if evaluated:
+        parts += ["## Accuracy (VQA %, first n questions of the fixed order)", ""]
+        for r in evaluated:
+            parts += [f"### {r.name}", "", accuracy_table(r.eval), ""]
+        base = evaluated[0]
+        if args.baseline is not None:
+            match = [r for r in evaluated if r.name == args.baseline or str(r.path) == args.baseline.rstrip("/")]
+            if not match:
+                raise ValueError(
+                    f"--baseline {args.baseline}: not among the evaluated runs {[r.name for r in evaluated]}"
+                )
+            base = match[0]
+        others = [r for r in evaluated if r is not base]
+        if others:
+            rng = np.random.default_rng(args.seed)
+            parts += [f"## Deltas against {base.name} (points)", ""]
+            for r in others:
+                parts += [delta_section(base, r, args, rng), ""]
+            parts += ["## Identical ICD selections (share of questions)", "", selection_table(evaluated), ""]
+    trained = [r for r in runs if r.epochs]
+    if trained:
+        parts += ["## Training", ""]
+        for r in trained:
+            parts += [f"### {r.name}", "", training_table(r), ""]
+        parts += ["### Curve summary", "", curve_summary(trained), ""]
+    for r in runs:
+        if r.epoch_evals:
+            parts += [f"## Accuracy per epoch: {r.name}", "", epoch_accuracy_table(r), ""]
+    skipped = [r.name for r in runs if r.eval is None]
+    if skipped:
+        parts += [f"Runs without eval/{args.split}.json (training tables only): {', '.join(skipped)}", ""]
+    return "\n".join(parts)
+
+
+def main(args: Args) -> None:
+    text = report(args)
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    if args.plot is not None:
+        runs = [r for r in (read_run(p, args.split) for p in args.runs) if r is not None and r.epochs]
+        for path in plot_curves(runs, args.plot):
+            print(f"wrote {path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    run_cli(main, Args)

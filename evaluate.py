@@ -1,0 +1,299 @@
+"""Stage 4: VQA accuracy at 1..4 shots of a selector run or a baseline, on the dataset's fixed question order.
+
+For each question, ICDs come from the question's own pool (eval_pools.json for val; the anchor's rl_data pool for
+--split train, which never holds the question itself): a run's selector decodes the largest shot greedily once and
+k-shot uses its first k picks; baselines pick zero-shot / random / most image- or text-similar / the simulator's
+oracle. The backend (simulator or LVLM) answers, and `vqa.vqa_score`-style accuracy is recorded per question and
+shot. Sample counts are nested prefixes of one fixed order (800 contains 400), so two runs are paired question by
+question and compare.py can test their differences.
+
+Writes RUN/eval/<split>.json (or <split>-epoch002.json with --epochs):
+    {"data", "backend", "split", "selector", "order", "shots", "num_samples",
+     "results": [{"question_id", "row", "shot", "icds": [train rows], "prediction", "score"}, ...],  # question order
+     "summary": {"800": {"1": 48.55, ...}, ...}}                                                    # percentages
+Progress is kept per question in <file>.partial.jsonl, so an interrupted evaluation resumes where it stopped.
+
+Usage:
+    python evaluate.py runs/rce runs/grpo-kl0.1
+    python evaluate.py runs/grpo-kl0.1 --epochs 1 2 3
+    python evaluate.py --baseline random --seeds 3        # -> runs/baseline-random
+    python evaluate.py --baseline image-sim               # most similar last, next to the query (RICES)
+    python evaluate.py runs/rce --split train             # train/val gap
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+import tyro
+from torch import Tensor
+from tqdm import tqdm
+
+import pools
+from backends import open_backend
+from data import Dataset, load_dataset, run_cli
+from model import PointerSelector, atomic_write_text
+from training import load_selector
+
+Baseline = Literal["zero-shot", "random", "image-sim", "text-sim", "oracle"]
+
+
+@dataclass
+class Args:
+    runs: tyro.conf.Positional[list[Path]] = field(default_factory=list)
+    """Run folders whose selector (model.safetensors) to evaluate."""
+    baseline: Baseline | None = None
+    """Evaluate a baseline instead: zero-shot, random, image-sim, text-sim or oracle (simulator only)."""
+    out: Path | None = None
+    """Run folder for a baseline (default runs/baseline-<name>)."""
+    data: Path = Path("data/sim")
+    """Dataset folder (its backend answers the questions)."""
+    split: Literal["val", "train"] = "val"
+    """val = the validation questions; train = the anchor queries (train/val gap)."""
+    shots: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
+    """Shot counts to evaluate."""
+    num_samples: list[int] = field(default_factory=lambda: [100, 200, 400, 800])
+    """Question counts to summarise (nested prefixes of the fixed order)."""
+    order: Literal["auto", "selected", "reversed"] = "auto"
+    """ICD order in the prompt: selected (first pick first), reversed (first pick next to the query); auto =
+    reversed for the similarity baselines (RICES convention), selected otherwise."""
+    epochs: list[int] = field(default_factory=list)
+    """Also evaluate these epoch checkpoints of each run (eval/<split>-epochNNN.json)."""
+    seeds: int = 1
+    """Random baseline: average over this many seeds."""
+    seed: int = 0
+    """Random baseline: first seed."""
+    batch_size: int = 256
+    """Questions per backend call."""
+
+
+def check_args(args: Args) -> None:
+    if bool(args.runs) == (args.baseline is not None):
+        raise ValueError("give either run folders or --baseline NAME (not both, not neither)")
+    if args.out is not None and args.runs:
+        raise ValueError("--out is for baselines; a run's results go to RUN/eval/")
+    if not args.shots or min(args.shots) < 1 or not args.num_samples or min(args.num_samples) < 1:
+        raise ValueError("--shots and --num-samples must be positive")
+    if args.seeds < 1 or args.batch_size < 1:
+        raise ValueError("--seeds and --batch-size must be >= 1")
+    for run in args.runs:
+        if not (run / "model.safetensors").is_file():
+            raise ValueError(f"{run}: no model.safetensors; is this a finished rce/grpo run?")
+        for e in args.epochs:
+            if not (run / "ckpt" / f"epoch_{e:03d}.safetensors").is_file():
+                raise ValueError(f"{run}: no checkpoint for epoch {e} (ckpt/epoch_{e:03d}.safetensors)")
+
+
+def questions(ds: Dataset, split: str, n: int) -> tuple[Tensor, Tensor, list[dict]]:
+    """The first n questions of the fixed order: rows (n,), pools (n, K) train rows, items."""
+    if split == "val":
+        rows, pool = torch.arange(len(ds.items["val"])), ds.eval_pools
+    else:
+        rows, pool = ds.groups.queries, ds.groups.pools
+    if n > len(rows):
+        raise ValueError(f"--num-samples {n} exceeds the {len(rows)} {split} questions of {ds.folder}")
+    return rows[:n], pool[:n], [ds.items[split][r] for r in rows[:n].tolist()]
+
+
+def selector_icds(model: PointerSelector, ds: Dataset, split: str, rows: Tensor, pool: Tensor, k: int) -> Tensor:
+    """Greedy picks of the selector: (n, k) train rows in selection order."""
+    emb = ds.emb
+    mask = pool >= 0
+    picks, _ = model.eval().greedy(emb[split][rows], emb["train"][pool.clamp_min(0)], mask, k)
+    return pool.gather(1, picks)
+
+
+def baseline_icds(
+    args: Args, ds: Dataset, backend, split: str, rows: Tensor, pool: Tensor, k: int, seed: int
+) -> list[Tensor]:
+    """ICDs per shot (list over shots of (n, shot) train rows, selection order) for a baseline."""
+    shots = args.shots
+    if args.baseline == "zero-shot":
+        return [pool[:, :0] for _ in shots]
+    if args.baseline == "oracle":
+        if not hasattr(backend, "sim"):
+            raise ValueError("--baseline oracle needs the simulator (it searches the known answer model)")
+        # searched per shot count (the best 2 ICDs need not be a prefix of the best 4), already in prompt order
+        return [backend.sim.oracle(split, rows, pool, s) for s in shots]
+    if args.baseline == "random":
+        g = torch.Generator().manual_seed(seed)
+        order = pools.random_sequences(pool >= 0, 1, k, g)[:, 0]  # (n, k)
+    else:
+        view = "image" if args.baseline == "image-sim" else "text"
+        if f"{split}_{view}" not in ds.emb:
+            raise ValueError(f"{ds.folder}: no '{split}_{view}' embeddings for --baseline {args.baseline}")
+        order = pools.similarity_ranking(
+            ds.emb[f"{split}_{view}"][rows], ds.emb[f"train_{view}"][pool.clamp_min(0)], pool >= 0
+        )[:, :k]
+    icds = pool.gather(1, order)
+    return [icds[:, :s] for s in shots]
+
+
+def score_all(
+    backend,
+    split: str,
+    rows: Tensor,
+    icds_per_shot: list[Tensor],
+    batch: int,
+    desc: str,
+    done: dict[int, list[dict]],
+    partial: Path,
+) -> dict[int, list[dict]]:
+    """Score every (question, shot); questions already in `done` are skipped, new ones appended to `partial`."""
+    todo = [i for i in range(len(rows)) if i not in done]
+    bar = tqdm(total=len(rows), initial=len(rows) - len(todo), desc=desc, unit="question", dynamic_ncols=True)
+    with partial.open("a") as f:
+        for c in range(0, len(todo), batch):
+            idx = torch.tensor(todo[c : c + batch])
+            per_shot = [backend.score(split, rows[idx], icds[idx]) for icds in icds_per_shot]
+            for j, i in enumerate(idx.tolist()):
+                done[i] = [
+                    {
+                        "icds": icds_per_shot[s][i].tolist(),
+                        "prediction": res["prediction"][j],
+                        "score": round(float(res["acc"][j]), 6),
+                    }
+                    for s, res in enumerate(per_shot)
+                ]
+                f.write(json.dumps({"i": i, "shots": done[i]}) + "\n")
+            f.flush()
+            bar.update(len(idx))
+    bar.close()
+    return done
+
+
+def read_partial(path: Path, header: dict) -> dict[int, list[dict]]:
+    """Per-question results of an interrupted evaluation with the same settings (else start over)."""
+    if not path.exists():
+        atomic_write_text(path, json.dumps(header) + "\n")
+        return {}
+    lines = path.read_text().split("\n")
+    if json.loads(lines[0]) != header:
+        atomic_write_text(path, json.dumps(header) + "\n")
+        return {}
+    done = {}
+    for line in lines[1:]:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # an empty or truncated last line: that question is scored again
+        done[rec["i"]] = rec["shots"]
+    atomic_write_text(
+        path,
+        "\n".join([json.dumps(header)] + [json.dumps({"i": i, "shots": s}) for i, s in sorted(done.items())]) + "\n",
+    )
+    return done
+
+
+def evaluate_one(args: Args, ds: Dataset, backend, target: Path, selector: Path | None, desc: str) -> dict:
+    n = max(args.num_samples)
+    split = args.split
+    rows, pool, items = questions(ds, split, n)
+    k = max(args.shots)
+    order = args.order
+    if order == "auto":
+        order = "reversed" if args.baseline in ("image-sim", "text-sim") else "selected"
+    seeds = list(range(args.seed, args.seed + args.seeds)) if args.baseline == "random" else [args.seed]
+    header = {
+        "selector": str(selector),
+        "baseline": args.baseline,
+        "split": split,
+        "order": order,
+        "n": n,
+        "shots": args.shots,
+        "seeds": seeds,
+        "data": str(ds.folder),
+    }
+    target.parent.mkdir(parents=True, exist_ok=True)
+    per_seed = []
+    for seed in seeds:
+        if selector is not None:
+            model = load_selector(selector)
+            picks = selector_icds(model, ds, split, rows, pool, k)
+            icds = [picks[:, :s] for s in args.shots]
+        else:
+            icds = baseline_icds(args, ds, backend, split, rows, pool, k, seed)
+        if order == "reversed":
+            icds = [x.flip(1) for x in icds]
+        partial = target.with_name(target.name + f".seed{seed}.partial.jsonl")
+        done = read_partial(partial, {**header, "seed": seed})
+        per_seed.append((partial, score_all(backend, split, rows, icds, args.batch_size, desc, done, partial)))
+    results = []
+    for i, item in enumerate(items):
+        for s, shot in enumerate(args.shots):
+            first = per_seed[0][1][i][s]
+            score = sum(d[i][s]["score"] for _, d in per_seed) / len(per_seed)
+            results.append(
+                {
+                    "question_id": item["question_id"],
+                    "row": int(rows[i]),
+                    "shot": shot,
+                    "icds": first["icds"],
+                    "prediction": first["prediction"],
+                    "score": round(score, 6),
+                }
+            )
+    summary = summarise(results, args.shots, args.num_samples)
+    doc = {
+        "data": str(ds.folder),
+        "backend": backend.describe()["lvlm"],
+        "simulation": ds.is_sim,
+        "backend_info": backend.describe(),
+        **{k: v for k, v in header.items() if k != "data"},
+        "num_samples": sorted(args.num_samples),
+        "results": results,
+        "summary": summary,
+    }
+    atomic_write_text(target, json.dumps(doc) + "\n")
+    for partial, _ in per_seed:
+        partial.unlink()
+    return doc
+
+
+def summarise(results: list[dict], shots: list[int], num_samples: list[int]) -> dict:
+    """{"n": {"shot": 100 * mean score over the first n questions}}."""
+    by_shot = {s: [r["score"] for r in results if r["shot"] == s] for s in shots}
+    return {str(n): {str(s): round(100 * sum(v[:n]) / n, 4) for s, v in by_shot.items()} for n in sorted(num_samples)}
+
+
+def table(summary: dict, shots: list[int]) -> str:
+    head = "| n | " + " | ".join(f"{s}-shot" for s in shots) + " | avg |\n|---|" + "---|" * (len(shots) + 1)
+    rows = [
+        f"| {n} | " + " | ".join(f"{v[str(s)]:.2f}" for s in shots) + f" | {sum(v.values()) / len(v):.2f} |"
+        for n, v in summary.items()
+    ]
+    return "\n".join([head, *rows])
+
+
+def main(args: Args) -> None:
+    check_args(args)
+    ds = load_dataset(args.data)
+    backend = open_backend(ds.meta, ds.emb)
+    jobs = []
+    if args.baseline is not None:
+        out = args.out or Path("runs") / f"baseline-{args.baseline}"
+        if out.exists() and (out / "model.safetensors").exists():
+            raise ValueError(f"{out} holds a trained selector; choose another --out for the baseline")
+        jobs.append((out / "eval" / f"{args.split}.json", None, f"{args.baseline}"))
+    for run in args.runs:
+        jobs.append((run / "eval" / f"{args.split}.json", run, str(run)))
+        for e in args.epochs:
+            jobs.append(
+                (
+                    run / "eval" / f"{args.split}-epoch{e:03d}.json",
+                    run / "ckpt" / f"epoch_{e:03d}.safetensors",
+                    f"{run} epoch {e}",
+                )
+            )
+    for target, selector, desc in jobs:
+        doc = evaluate_one(args, ds, backend, target, selector, desc)
+        label = " (simulated LVLM)" if ds.is_sim else ""
+        print(f"\n{desc}: {args.split} VQA accuracy (%){label} -> {target}\n{table(doc['summary'], args.shots)}")
+
+
+if __name__ == "__main__":
+    run_cli(main, Args)

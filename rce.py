@@ -1,0 +1,111 @@
+"""Stage 2: reward-weighted cross-entropy (RCE) warm-up of the pointer selector.
+
+Loss per query: sum_i w_i * (-log pi(seq_i)) over its group of scored sequences, w = softmax(reward / tau) over
+the group's valid sequences, tau annealed linearly from --temp-start to --temp-end over all steps. `--top1` is
+plain cross-entropy on each group's best sequence (the supervised baseline the user calls v2).
+
+Departures from the user's earlier trainer: the best epoch is chosen by a validation *reward* metric (the policy's
+expected reward over held-out groups; on the simulator the true accuracy of its greedy picks is logged too), not
+by the RCE loss; validation queries are held-out anchor queries, never the evaluation questions.
+
+Usage:
+    python rce.py                                  # data/sim -> runs/rce
+    python rce.py --top1 --out runs/sup            # supervised top-1 baseline
+    python rce.py --epochs 20 --resume             # continue an interrupted run
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from data import load_dataset, run_cli
+from model import PointerSelector, SelectorConfig, rce_weights
+from training import (
+    Loop,
+    TrainArgs,
+    check_train_args,
+    fit,
+    load_selector,
+    make_batch,
+    prepare_out,
+    sim_backend,
+    split_queries,
+    write_config,
+)
+
+
+@dataclass
+class Args(TrainArgs):
+    out: Path = Path("runs/rce")
+    """Run folder."""
+    temp_start: float = 2.0
+    """RCE temperature at the first step."""
+    temp_end: float = 0.5
+    """RCE temperature at the last step (linear annealing)."""
+    top1: bool = False
+    """Plain cross-entropy on each group's best sequence instead of reward weighting."""
+    init: Path | None = None
+    """Start from this selector (run folder or epoch checkpoint) instead of a fresh one."""
+    hidden: int = 256
+    """Selector width (fresh selectors only)."""
+    num_layers: int = 1
+    """Cross-attention layers (fresh selectors only)."""
+    num_heads: int = 4
+    """Attention heads (fresh selectors only)."""
+    dropout: float = 0.1
+    """Dropout during RCE training (fresh selectors only)."""
+
+
+def top1_weights(reward: Tensor, mask: Tensor) -> Tensor:
+    """One-hot on each group's best valid sequence (the first one on ties): (B, G) -> (B, G)."""
+    best = reward.masked_fill(~mask, float("-inf")).argmax(-1)  # (B,)
+    return torch.nn.functional.one_hot(best, reward.shape[1]).to(reward.dtype)
+
+
+def main(args: Args) -> None:
+    check_train_args(args)
+    if args.temp_start <= 0 or args.temp_end <= 0:
+        raise ValueError("--temp-start and --temp-end must be > 0")
+    ds = load_dataset(args.data, args.allow_truncated)
+    split = split_queries(ds, args)
+    resume_from = prepare_out(args.out, args.resume)
+    torch.manual_seed(args.seed)
+    if args.init is not None:
+        model = load_selector(args.init)
+    else:
+        cfg = SelectorConfig(
+            dim=ds.emb["train"].shape[1],
+            hidden=args.hidden,
+            num_layers=args.num_layers,
+            num_heads=args.num_heads,
+            dropout=args.dropout,
+        )
+        model = PointerSelector(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    total = args.epochs * -(-len(split.train) // args.batch_size)
+
+    def step(idx: Tensor, step: int, state: dict) -> dict[str, float]:
+        tau = args.temp_start + (args.temp_end - args.temp_start) * step / max(total - 1, 1)
+        b = make_batch(ds, idx, split.reward)
+        logp = model.log_probs(b.query, b.pool, b.pool_mask, b.seqs, b.seq_mask).sum(-1)  # (B, G)
+        w = top1_weights(b.reward, b.seq_mask) if args.top1 else rce_weights(b.reward, b.seq_mask, tau)  # (B, G)
+        loss = -(w.to(logp.dtype) * logp).sum(-1).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
+        opt.step()
+        return {"train/loss": loss.item(), "train/tau": tau, "train/grad_norm": float(norm)}
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_config(args.out, args, ds)
+    run = Loop(args, args.out, ds, split, model, opt, "rce", sim_backend(ds))
+    loop = fit(run, step, resume_from, postfix=("train/loss", "train/tau"))
+    print(f"best epoch {loop['best_epoch']} (val/reward {loop['best']:.4f}) -> {args.out}/model.safetensors")
+
+
+if __name__ == "__main__":
+    run_cli(main, Args)

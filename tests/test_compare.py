@@ -1,0 +1,148 @@
+"""compare.py on crafted run folders whose per-question scores give known accuracies."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from compare import Args, bootstrap_ci, report, sign_test
+
+
+def write_run(folder, scores_by_shot, icds_by_shot=None, metrics=None, epoch_evals=None):
+    """A run folder with eval/val.json built from per-question scores {shot: [score per question]}."""
+    shots = sorted(scores_by_shot)
+    n_q = len(scores_by_shot[shots[0]])
+    results = []
+    for i in range(n_q):
+        for s in shots:
+            icds = (icds_by_shot or {}).get(s, [[j for j in range(s)]] * n_q)[i]
+            results.append(
+                {
+                    "question_id": 1000 + i,
+                    "row": i,
+                    "shot": s,
+                    "icds": icds,
+                    "prediction": "x",
+                    "score": scores_by_shot[s][i],
+                }
+            )
+    ns = [n for n in (2, 4) if n <= n_q]
+    summary = {str(n): {str(s): 100 * sum(scores_by_shot[s][:n]) / n for s in shots} for n in ns}
+    doc = {"data": "d", "backend": "sim", "simulation": True, "shots": shots, "results": results, "summary": summary}
+    (folder / "eval").mkdir(parents=True)
+    (folder / "eval" / "val.json").write_text(json.dumps(doc))
+    if metrics:
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    for e, sc in (epoch_evals or {}).items():
+        sub = folder / f"tmp{e}"
+        write_run(sub, sc)
+        (sub / "eval" / "val.json").rename(folder / "eval" / f"val-epoch{e:03d}.json")
+    return folder
+
+
+def cells(text, header_start):
+    """Rows (as lists of cells) of the first Markdown table after the line starting with header_start."""
+    lines = text.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(header_start))
+    rows = []
+    for ln in lines[start + 2 :]:
+        if not ln.startswith("|"):
+            break
+        rows.append([c.strip() for c in ln.strip("|").split("|")])
+    return rows
+
+
+def test_accuracy_and_delta_tables_by_hand(tmp_path):
+    base = write_run(tmp_path / "base", {1: [1, 0, 0, 1], 2: [0, 0, 1, 1]})
+    new = write_run(
+        tmp_path / "new",
+        {1: [1, 1, 0.6, 1], 2: [0, 0, 1, 0.3]},
+        icds_by_shot={1: [[0], [5], [0], [0]], 2: [[0, 1]] * 4},
+    )
+    text = report(Args(runs=[base, new], bootstrap=2000))
+    # base: n=2 -> shot1 50, shot2 0; n=4 -> 50, 50.  new: n=2 -> 100, 0; n=4 -> 90, 32.5
+    base_rows = cells(text.split("### base")[1], "| n |")
+    assert base_rows == [["2", "50.00", "0.00", "25.00"], ["4", "50.00", "50.00", "50.00"]]
+    new_rows = cells(text.split("### new\n")[1], "| n |")
+    assert new_rows == [["2", "100.00", "0.00", "50.00"], ["4", "90.00", "32.50", "61.25"]]
+    deltas = cells(text.split("### new vs base")[1], "| n |")
+    assert deltas == [["2", "+50.00", "+0.00", "+25.00"], ["4", "+40.00", "-17.50", "+11.25"]]
+    assert "improved / worse / flat (|delta| < 0.005): 2 / 1 / 1" in text
+    sig = cells(text.split("Paired significance at n = 4")[1], "| shot |")
+    assert sig[0][:2] == ["1", "+40.00"] and sig[0][4] == "2 / 0" and sig[0][3] == "0.5"
+    assert sig[1][:2] == ["2", "-17.50"] and sig[1][4] == "0 / 1" and sig[1][5] == "n.s."
+    ident = cells(text, "| runs |")
+    assert ident == [["base / new", "75.0%", "100.0%"]]
+
+
+def test_identical_runs_zero_delta_not_significant(tmp_path):
+    sc = {1: [1, 0, 0.3, 1, 0.6], 2: [1, 1, 0, 0, 0.9]}
+    a, b = write_run(tmp_path / "a", sc), write_run(tmp_path / "b", sc)
+    text = report(Args(runs=[a, b]))
+    deltas = cells(text.split("### b vs a")[1], "| n |")
+    assert all(c == "+0.00" for row in deltas for c in row[1:])
+    sig = cells(text.split("Paired significance")[1], "| shot |")
+    assert all(r[5] == "n.s." and r[3] == "1" for r in sig)
+    assert cells(text, "| runs |") == [["a / b", "100.0%", "100.0%"]]
+
+
+def test_training_tables_curves_epochs_and_skips(tmp_path, capsys):
+    metrics = [
+        {"phase": "grpo", "epoch": 0, "val/reward": 1.0},
+        {"phase": "grpo", "epoch": 1, "train/loss": 2.0, "val/reward": 1.2, "grpo/kl_ref": 0.1},
+        {"phase": "grpo", "kind": "step", "epoch": 2, "train/loss": 99.0},
+        {"phase": "grpo", "epoch": 2, "train/loss": 1.0, "val/reward": 1.1, "grpo/kl_ref": 0.3},
+    ]
+    run = write_run(tmp_path / "r", {1: [1, 0, 1, 1]}, metrics=metrics, epoch_evals={1: {1: [0, 0, 1, 1]}})
+    only_train = tmp_path / "t"
+    only_train.mkdir()
+    (only_train / "metrics.jsonl").write_text(json.dumps({"epoch": 1, "train/loss": 3.0}) + "\n")
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    text = report(Args(runs=[run, only_train, junk]))
+    assert "junk is not a run folder" in capsys.readouterr().err
+    train = cells(text.split("## Training")[1], "| epoch |")
+    assert train[1][:4] == ["1", "2", "1.2", "0.1"] and len(train) == 3  # the step record is not an epoch row
+    curve = {(r[0], r[1]): r for r in cells(text, "| metric |")}
+    assert curve[("train/loss", "r")][2:] == ["2", "1", "1.5", "-50.0%", "1 (epoch 2)"]
+    assert curve[("grpo/kl_ref", "r")][5] == "+200.0%"
+    per_epoch = cells(text.split("## Accuracy per epoch: r")[1], "| epoch |")
+    assert per_epoch == [["1", "50.00", "50.00"], ["selected", "75.00", "75.00"]]
+    assert "training tables only): t" in text
+
+
+def test_plot_writes_pngs(tmp_path):
+    metrics = [{"epoch": e, "train/loss": 1.0 / (e + 1)} for e in range(3)]
+    run = write_run(tmp_path / "r", {1: [1, 0]}, metrics=metrics)
+    from compare import main
+
+    main(Args(runs=[run], plot=tmp_path / "plots", out=tmp_path / "report.md"))
+    assert (tmp_path / "plots" / "train_loss.png").stat().st_size > 1000
+    assert (tmp_path / "report.md").read_text().startswith("# Comparison")
+
+
+def test_unknown_baseline_is_an_error(tmp_path):
+    a = write_run(tmp_path / "a", {1: [1, 0]})
+    with pytest.raises(ValueError, match="--baseline nope"):
+        report(Args(runs=[a], baseline="nope"))
+
+
+@given(st.lists(st.sampled_from([-1.0, -0.3, 0.0, 0.3, 0.6, 1.0]), min_size=1, max_size=60), st.integers(0, 2**31))
+def test_statistics_properties(diffs, seed):
+    d = np.array(diffs)
+    lo, hi = bootstrap_ci(d, 500, np.random.default_rng(seed))
+    assert d.min() - 1e-12 <= lo <= hi <= d.max() + 1e-12
+    p = sign_test(d)
+    assert 0 < p <= 1
+    assert math.isclose(p, sign_test(-d))  # symmetric
+    pos, neg = int((d > 0).sum()), int((d < 0).sum())
+    if pos + neg and pos == neg:
+        assert p == 1.0
+
+
+def test_sign_test_by_hand():
+    assert math.isclose(sign_test(np.array([1.0] * 5)), 2 / 32)
+    assert math.isclose(sign_test(np.array([1.0] * 9 + [-1.0])), 2 * 11 / 1024)

@@ -1,0 +1,141 @@
+"""evaluate.py on the simulator: file format, nested prefixes, baselines, orders, resume, errors."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+import evaluate
+import rce
+from data import load_dataset
+from gen_rl_data import Args as GenArgs
+from gen_rl_data import generate
+
+N = [50, 100, 150]
+
+
+def run_eval(**kw):
+    evaluate.main(evaluate.Args(num_samples=N, **kw))
+
+
+@pytest.fixture(scope="module")
+def baselines(small_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    out = {}
+    for b in ("zero-shot", "random", "image-sim", "text-sim", "oracle"):
+        run_eval(data=small_data, baseline=b, out=root / b)
+        out[b] = json.loads((root / b / "eval" / "val.json").read_text())
+    return out
+
+
+def test_file_format_and_nested_summary(baselines, small_data):
+    doc = baselines["random"]
+    ds = load_dataset(small_data)
+    assert doc["backend"] == "sim" and doc["simulation"] and doc["shots"] == [1, 2, 3, 4]
+    res = doc["results"]
+    assert len(res) == 150 * 4
+    assert [r["question_id"] for r in res[::4]] == [it["question_id"] for it in ds.items["val"][:150]]
+    for n in N:
+        for s in doc["shots"]:
+            scores = [r["score"] for r in res if r["shot"] == s][:n]
+            assert doc["summary"][str(n)][str(s)] == pytest.approx(100 * sum(scores) / n, abs=1e-3)
+    for r in res:  # ICDs come from the question's own pool, distinct, as many as the shot
+        pool = set(ds.eval_pools[r["row"]].tolist())
+        assert len(r["icds"]) == r["shot"] == len(set(r["icds"])) and set(r["icds"]) <= pool
+
+
+def test_baselines_ordered_as_calibrated(baselines, tmp_path):
+    """At realistic pool sizes (K=64 from 3000 items) and 1000 questions: oracle > similarity > random at 1 shot."""
+    data = tmp_path / "mid"
+    generate(GenArgs(out=data, num_train=3000, num_val=1000, num_queries=16, group_size=4))
+    acc = {}
+    for b in ("random", "image-sim", "text-sim", "oracle"):
+        evaluate.main(evaluate.Args(data=data, baseline=b, out=tmp_path / b, shots=[1], num_samples=[1000]))
+        acc[b] = json.loads((tmp_path / b / "eval" / "val.json").read_text())["summary"]["1000"]["1"]
+    assert acc["oracle"] > acc["image-sim"] > acc["random"] + 1 and acc["oracle"] > acc["text-sim"] > acc["random"] + 1
+    zs = baselines["zero-shot"]
+    assert all(r["icds"] == [] for r in zs["results"]) and len(set(zs["summary"]["150"].values())) == 1
+
+
+def test_similarity_baseline_puts_most_similar_last(baselines, small_data):
+    ds = load_dataset(small_data)
+    r = next(x for x in baselines["image-sim"]["results"] if x["shot"] == 4)
+    q = ds.emb["val_image"][r["row"]]
+    sims = [float(q @ ds.emb["train_image"][i]) for i in r["icds"]]
+    assert sims == sorted(sims)  # ascending: the most similar is next to the query
+
+
+def test_selector_run_orders_epochs_and_train_split(small_data, tmp_path):
+    run = tmp_path / "rce"
+    rce.main(rce.Args(data=small_data, out=run, epochs=2, batch_size=8, val_frac=0.25))
+    run_eval(data=small_data, runs=[run], epochs=[1, 2])
+    best = json.loads((run / "eval" / "val.json").read_text())
+    for e in (1, 2):
+        assert (run / "eval" / f"val-epoch{e:03d}.json").is_file()
+    by_shot = {s: [r["icds"] for r in best["results"] if r["shot"] == s] for s in (1, 2, 3, 4)}
+    assert all(b[: len(a)] == a for a, b in zip(by_shot[2], by_shot[4]))  # k-shot = first k of the greedy picks
+    rev = tmp_path / "rev"
+    rev.mkdir()
+    for f in ("model.safetensors", "model.json"):
+        (rev / f).write_bytes((run / f).read_bytes())
+    run_eval(data=small_data, runs=[rev], order="reversed")
+    flipped = json.loads((rev / "eval" / "val.json").read_text())
+    assert [r["icds"] for r in flipped["results"]] == [r["icds"][::-1] for r in best["results"]]
+    evaluate.main(evaluate.Args(data=small_data, runs=[run], split="train", num_samples=[20]))
+    train = json.loads((run / "eval" / "train.json").read_text())
+    ds = load_dataset(small_data)
+    queries = ds.groups.queries[:20].tolist()
+    assert [r["row"] for r in train["results"][::4]] == queries
+    assert all(r["row"] not in r["icds"] for r in train["results"])
+
+
+def test_random_seeds_average_and_resume(small_data, tmp_path):
+    run_eval(data=small_data, baseline="random", out=tmp_path / "r", seeds=2)
+    doc = json.loads((tmp_path / "r" / "eval" / "val.json").read_text())
+    singles = []
+    for seed in (0, 1):
+        run_eval(data=small_data, baseline="random", out=tmp_path / f"s{seed}", seed=seed)
+        singles.append(json.loads((tmp_path / f"s{seed}" / "eval" / "val.json").read_text())["results"])
+    for r, a, b in zip(doc["results"], *singles):
+        assert r["score"] == pytest.approx((a["score"] + b["score"]) / 2, abs=1e-6)
+    # an interrupted evaluation: the partial file holds 60 questions and a truncated line; the result is the same
+    target = tmp_path / "s0" / "eval" / "val.json"
+    header = {
+        "selector": "None",
+        "baseline": "random",
+        "split": "val",
+        "order": "selected",
+        "n": 150,
+        "shots": [1, 2, 3, 4],
+        "seeds": [0],
+        "data": str(small_data),
+        "seed": 0,
+    }
+    res = singles[0]
+    lines = [json.dumps(header)] + [
+        json.dumps(
+            {"i": i, "shots": [{k: r[k] for k in ("icds", "prediction", "score")} for r in res[4 * i : 4 * i + 4]]}
+        )
+        for i in range(60)
+    ]
+    partial = target.with_name("val.json.seed0.partial.jsonl")
+    partial.write_text("\n".join(lines) + '\n{"i": 60, "sh')
+    before = target.read_bytes()
+    target.unlink()
+    run_eval(data=small_data, baseline="random", out=tmp_path / "s0")
+    assert target.read_bytes() == before and not partial.exists()
+
+
+@pytest.mark.parametrize(
+    "kw, pattern",
+    [
+        (dict(), "either run folders or --baseline"),
+        (dict(baseline="random", runs=["x"]), "either run folders or --baseline"),
+        (dict(runs=["nowhere"]), "no model.safetensors"),
+        (dict(baseline="random", num_samples=[100000]), "exceeds the 150 val questions"),
+    ],
+)
+def test_bad_input(small_data, kw, pattern):
+    kw = {**kw, "runs": [Path(r) for r in kw.get("runs", [])]}
+    with pytest.raises(ValueError, match=pattern):
+        evaluate.main(evaluate.Args(data=small_data, **kw))

@@ -1,0 +1,200 @@
+"""rce.py and grpo.py end to end on a small simulated dataset: run folders, exact resume, GRPO invariants, errors."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import grpo
+import rce
+import training
+from model import PointerSelector, SelectorConfig
+from training import load_selector
+
+FAST = dict(batch_size=8, val_frac=0.25)
+
+
+def records(run, kind=None):
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in lines if r.get("kind") == kind]
+
+
+@pytest.fixture(scope="module")
+def rce_run(small_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "rce"
+    rce.main(rce.Args(data=small_data, out=out, epochs=3, **FAST))
+    return out
+
+
+def test_rce_run_folder(rce_run):
+    for name in ("config.json", "metrics.jsonl", "model.safetensors", "model.json", "ckpt/epoch_003.safetensors"):
+        assert (rce_run / name).is_file(), name
+    assert not list(rce_run.rglob("*.tmp"))
+    epochs = records(rce_run)
+    assert [r["epoch"] for r in epochs] == [0, 1, 2, 3]
+    best = max(epochs[1:], key=lambda r: r["val/reward"])
+    assert epochs[-1]["best_epoch"] == best["epoch"]
+    assert all(0 <= r["val/acc"] <= 100 for r in epochs)  # simulator: true accuracy of the greedy picks is logged
+    taus = [r["train/tau"] for r in epochs[1:]]
+    assert taus == sorted(taus, reverse=True) and 0.5 < taus[-1] < 2.0  # annealed 2.0 -> 0.5
+    config = json.loads((rce_run / "config.json").read_text())
+    assert config["args"]["epochs"] == 3 and config["data"]["simulation"] and config["versions"]["torch"]
+
+
+def killed_after_epoch(monkeypatch, epoch):
+    """Make the next run die (as if killed) right after writing its checkpoint of `epoch`."""
+    real = training.save_checkpoint
+
+    def save_then_die(out, e, *a):
+        real(out, e, *a)
+        if e == epoch:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(training, "save_checkpoint", save_then_die)
+
+
+def test_rce_resume_is_bit_identical(small_data, rce_run, tmp_path, monkeypatch):
+    out = tmp_path / "rce"
+    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
+        killed_after_epoch(m, 2)
+        rce.main(rce.Args(data=small_data, out=out, epochs=3, **FAST))
+    assert not (out / "ckpt/epoch_003.safetensors").exists()
+    rce.main(rce.Args(data=small_data, out=out, epochs=3, resume=True, **FAST))
+    assert (out / "model.safetensors").read_bytes() == (rce_run / "model.safetensors").read_bytes()
+    assert (out / "ckpt/epoch_003.safetensors").read_bytes() == (rce_run / "ckpt/epoch_003.safetensors").read_bytes()
+    assert (out / "metrics.jsonl").read_text() == (rce_run / "metrics.jsonl").read_text()
+
+
+def test_rce_top1_and_existing_run_refused(small_data, rce_run, tmp_path):
+    with pytest.raises(ValueError, match="already holds a run"):
+        rce.main(rce.Args(data=small_data, out=rce_run, epochs=1, **FAST))
+    rce.main(rce.Args(data=small_data, out=tmp_path / "sup", epochs=1, top1=True, **FAST))
+    reward = torch.tensor([[0.0, 2.0, 2.0, 1.0], [1.0, 0.0, 5.0, 0.0]])
+    mask = torch.tensor([[True, True, True, True], [True, True, False, True]])
+    assert torch.equal(rce.top1_weights(reward, mask), torch.tensor([[0.0, 1, 0, 0], [1, 0, 0, 0]]))
+
+
+def test_grpo_invariants_with_step_logs(small_data, rce_run, tmp_path):
+    out = tmp_path / "g"
+    grpo.main(grpo.Args(data=small_data, init=rce_run, out=out, epochs=2, kl_beta=0.1, kl_target=0.05, **FAST))
+    steps = records(out, "step")
+    first = steps[0]
+    # the old policy and the reference are the init itself, with dropout off: ratio exactly 1, KL exactly 0
+    assert first["grpo/ratio_mean"] == 1.0 and first["grpo/approx_kl_old"] == 0.0 and first["grpo/kl_ref"] == 0.0
+    assert first["grpo/clip_frac_low"] == first["grpo/clip_frac_high"] == 0.0 and first["grpo/beta"] == 0.1
+    assert all(s["grpo/ratio_mean"] == 1.0 for s in steps)  # num_iterations=1: always on-policy
+    assert len({s["grpo/beta"] for s in steps}) > 1  # adaptive beta moves and is logged per step
+    fixed = tmp_path / "fixed"
+    grpo.main(grpo.Args(data=small_data, init=rce_run, out=fixed, epochs=2, kl_beta=0.123, **FAST))
+    epochs = records(fixed)
+    assert all(r["grpo/beta"] == 0.123 for r in epochs[1:]) and not records(fixed, "step")
+    assert epochs[0]["grpo/selection_change"] == 0.0 and epochs[-1]["grpo/kl_ref"] > 0
+    for key in (
+        "grpo/zero_std_frac",
+        "grpo/adv_std",
+        "grpo/adv_abs_max",
+        "grpo/ppo_loss",
+        "grpo/kl_share",
+        "grpo/kl_grad_share",
+        "grpo/entropy",
+        "train/grad_norm",
+        "grpo/reward_mean",
+        "grpo/reward_std",
+    ):
+        assert key in epochs[1], key
+
+
+def test_grpo_iterations_clip_and_frozen_backbone(small_data, rce_run, tmp_path):
+    out = tmp_path / "it"
+    grpo.main(
+        grpo.Args(
+            data=small_data, init=rce_run, out=out, epochs=1, num_iterations=4, lr=3e-3, freeze_backbone=True, **FAST
+        )
+    )
+    last = records(out)[-1]
+    assert last["grpo/ratio_mean"] != 1.0 and last["grpo/approx_kl_old"] > 0  # later inner updates move the ratio
+    before, after = load_selector(rce_run), load_selector(out / "ckpt" / "epoch_001.safetensors")
+    for (name, a), b in zip(before.state_dict().items(), after.state_dict().values()):
+        frozen = name.startswith(("in_proj", "layers"))
+        assert torch.equal(a, b) == frozen, name
+
+
+def test_grpo_online_and_resume_bit_identical(small_data, rce_run, tmp_path, monkeypatch):
+    full, part = tmp_path / "full", tmp_path / "part"
+    common = dict(data=small_data, init=rce_run, online=True, group_size=6, temperature=1.5, epochs=2, **FAST)
+    grpo.main(grpo.Args(out=full, **common))
+    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
+        killed_after_epoch(m, 1)
+        grpo.main(grpo.Args(out=part, **common))
+    grpo.main(grpo.Args(out=part, resume=True, **common))
+    assert (part / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
+    assert (part / "metrics.jsonl").read_text() == (full / "metrics.jsonl").read_text()
+    rec = records(full)[-1]
+    assert 1 < rec["grpo/group_size"] <= 6
+
+
+def test_default_out_names(small_data):
+    assert grpo.default_out(grpo.Args(kl_beta=0.1)).as_posix() == "runs/grpo-kl0.1"
+    assert grpo.default_out(grpo.Args(kl_beta=0.05, online=True, rank_advantage=True)).name == "grpo-kl0.05-online-rank"
+
+
+@pytest.mark.parametrize(
+    "change, pattern",
+    [
+        (dict(kl_beta=-0.1), "--kl-beta must be >= 0"),
+        (dict(epsilon=0.0), "--epsilon and --epsilon-high must be > 0"),
+        (dict(val_frac=0.001), "leaves 0 for validation"),
+        (dict(init="missing-run"), "missing-run"),
+        (dict(quality="high", require_positive=True, data="tiny"), "no training query passes|tiny"),
+    ],
+)
+def test_grpo_bad_input_fails_before_any_work(small_data, rce_run, tmp_path, change, pattern):
+    args = dict(data=small_data, init=rce_run, out=tmp_path / "out", epochs=1, **FAST)
+    args.update({k: (tmp_path / v if k in ("init", "data") else v) for k, v in change.items()})
+    if "data" in change:  # a dataset folder where no query passes the filters: 8 queries, tiny groups
+        shutil.copytree(small_data, args["data"])
+        lines = (args["data"] / "rl_data.jsonl").read_text().splitlines()
+        kept = [json.loads(x) for x in lines[:8]]
+        for r in kept:
+            r["seqs"] = [dict(s, correct=0, acc=0.0) for s in r["seqs"]]
+        (args["data"] / "rl_data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    with pytest.raises((ValueError, FileNotFoundError), match=pattern):
+        grpo.main(grpo.Args(**args))
+    assert not (tmp_path / "out").exists()
+
+
+def test_init_architecture_mismatch_names_tensor(small_data, tmp_path):
+    PointerSelector(SelectorConfig(dim=512, hidden=32, num_heads=2)).save(tmp_path / "small")
+    (tmp_path / "small" / "model.json").write_text(json.dumps({"dim": 512, "hidden": 64, "num_heads": 2}))
+    with pytest.raises(ValueError, match=r"in_proj.weight: \(32, 512\) in file, \(64, 512\) in model"):
+        grpo.main(grpo.Args(data=small_data, init=tmp_path / "small", out=tmp_path / "o", epochs=1, **FAST))
+    with pytest.raises(ValueError, match="selector expects 16-d embeddings, the data has 512"):
+        PointerSelector(SelectorConfig(dim=16, hidden=32, num_heads=2)).save(tmp_path / "d16")
+        grpo.main(grpo.Args(data=small_data, init=tmp_path / "d16", out=tmp_path / "o", epochs=1, **FAST))
+
+
+def test_data_of_another_version_is_refused(small_data, tmp_path):
+    data = tmp_path / "d"
+    shutil.copytree(small_data, data)
+    meta = json.loads((data / "meta.json").read_text())
+    (data / "meta.json").write_text(json.dumps({**meta, "format_version": 0}))
+    with pytest.raises(ValueError, match="format_version"):
+        rce.main(rce.Args(data=data, out=tmp_path / "r", epochs=1))
+    assert not (tmp_path / "r").exists()
+
+
+def test_nan_loss_stops_with_clear_message(small_data, rce_run, tmp_path, monkeypatch):
+    real = grpo.exact_kl
+    calls = {"n": 0}
+
+    def poisoned(*a):
+        calls["n"] += 1
+        kl = real(*a)
+        return kl * float("nan") if calls["n"] > 5 else kl  # the 6th step blows up (epoch 2 of 5-step epochs)
+
+    monkeypatch.setattr(grpo, "exact_kl", poisoned)
+    out = tmp_path / "nan"
+    with pytest.raises(ValueError, match=r"loss became nan at epoch 2.*last good checkpoint is .*epoch_001"):
+        grpo.main(grpo.Args(data=small_data, init=rce_run, out=out, epochs=3, **FAST))
+    assert (out / "ckpt" / "epoch_001.safetensors").is_file() and not (out / "ckpt" / "epoch_002.safetensors").exists()

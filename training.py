@@ -1,0 +1,425 @@
+"""What rce.py and grpo.py share: arguments, run folders, batches, validation, checkpoints with exact resume.
+
+Run folder (DESIGN §2.2): config.json, metrics.jsonl (one flushed JSON object per logged epoch),
+ckpt/epoch_NNN.safetensors (model + optimizer + RNG state + loop state, so `--resume` ends bit-identical to an
+uninterrupted run), and model.safetensors + model.json = the best epoch by a validation *reward* metric.
+Every file is written to a temporary name and renamed, so a killed run never leaves a half-written file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from backends import open_backend
+from data import Dataset, Quality, RewardArgs, compute_reward, filter_queries
+from model import PointerSelector, SelectorConfig, atomic_write_text, load_state_strict, read_tensors, save_tensors
+
+
+@dataclass
+class TrainArgs(RewardArgs):
+    """Flags common to rce.py and grpo.py."""
+
+    data: Path = Path("data/sim")
+    """Dataset folder written by gen_rl_data.py."""
+    epochs: int = 10
+    """Passes over the training queries."""
+    batch_size: int = 32
+    """Queries per optimisation step (each brings its whole group of sequences)."""
+    lr: float = 1e-4
+    """AdamW learning rate."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 = off)."""
+    seed: int = 0
+    """Seed of the init, the train/val split, the shuffling and dropout."""
+    val_frac: float = 0.1
+    """Share of anchor queries held out (fixed by seed) to select the best epoch."""
+    quality: Quality = "all"
+    """Curriculum filter on training queries: high (high only), medium (high + medium), all; see the data report."""
+    require_positive: bool = False
+    """Train only on queries with at least one correct sequence."""
+    resume: bool = False
+    """Continue from the last epoch checkpoint in the output folder."""
+    allow_truncated: bool = False
+    """Ignore a truncated last line of rl_data.jsonl (an interrupted gen_rl_data run) instead of failing."""
+
+
+def check_train_args(args: TrainArgs) -> None:
+    for name in ("epochs", "batch_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 < args.val_frac < 1:
+        raise ValueError(f"--val-frac must be in (0, 1), got {args.val_frac}")
+    if args.lr <= 0 or args.weight_decay < 0 or args.grad_clip < 0:
+        raise ValueError("--lr must be > 0, --weight-decay and --grad-clip >= 0")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Data for training
+
+
+@dataclass
+class Split:
+    """Train and validation queries (indices into the dataset's groups) and every group's reward."""
+
+    train: Tensor  # (Q_train,)
+    val: Tensor  # (Q_val,)
+    reward: Tensor  # (Q, G) float64, 0 where padded
+
+
+def split_queries(ds: Dataset, args: TrainArgs) -> Split:
+    """Query-level split fixed by the seed; curriculum filters apply to the training part only."""
+    g = ds.groups
+    n = len(g)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed))
+    n_val = int(round(n * args.val_frac))
+    if n_val == 0 or n_val == n:
+        raise ValueError(
+            f"--val-frac {args.val_frac} of {n} anchor queries leaves {n_val} for validation and "
+            f"{n - n_val} for training; both need at least one"
+        )
+    val, train = perm[:n_val].sort().values, perm[n_val:].sort().values
+    reward = compute_reward(g.fields, args).where(g.seq_mask, 0.0)
+    keep = filter_queries(g, reward, args.quality, args.require_positive)
+    train = train[torch.isin(train, keep)]
+    if len(train) == 0:
+        raise ValueError(
+            f"no training query passes --quality {args.quality}{' --require-positive' if args.require_positive else ''}"
+        )
+    return Split(train, val, reward)
+
+
+@dataclass
+class Batch:
+    query: Tensor  # (B, d)
+    pool: Tensor  # (B, K, d)
+    pool_mask: Tensor  # (B, K)
+    seqs: Tensor  # (B, G, S)
+    seq_mask: Tensor  # (B, G)
+    reward: Tensor  # (B, G)
+
+
+def make_batch(ds: Dataset, idx: Tensor, reward: Tensor) -> Batch:
+    """Gather the embeddings of the queries `idx` (indices into ds.groups) and their pools."""
+    g, emb = ds.groups, ds.emb["train"]
+    pool_ids = g.pools[idx]  # (B, K)
+    return Batch(
+        emb[g.queries[idx]], emb[pool_ids.clamp_min(0)], g.pool_mask[idx], g.seqs[idx], g.seq_mask[idx], reward[idx]
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Validation: expected reward over the scored sequences, and (simulator) true accuracy of the greedy choice
+
+
+@torch.no_grad()
+def greedy_picks(model: PointerSelector, ds: Dataset, idx: Tensor) -> Tensor:
+    """Greedy pool positions (B, S) for the queries `idx`."""
+    b = make_batch(ds, idx, torch.zeros(len(ds.groups), 1))
+    return model.greedy(b.query, b.pool, b.pool_mask, ds.seq_len)[0]
+
+
+@torch.no_grad()
+def validate(model: PointerSelector, ds: Dataset, split: Split, backend=None) -> dict[str, float]:
+    """val/reward = mean over validation queries of sum_i softmax_i(log pi(seq_i)) r_i (the policy's expected
+    reward when restricted to the scored sequences); with a backend, val/acc_k = VQA accuracy (%) of the greedy
+    picks' first k on the validation anchors, and val/acc = its mean over k."""
+    model.eval()
+    b = make_batch(ds, split.val, split.reward)
+    logp = model.log_probs(b.query, b.pool, b.pool_mask, b.seqs, b.seq_mask).sum(-1)  # (B, G)
+    w = logp.masked_fill(~b.seq_mask, float("-inf")).softmax(-1)
+    out = {"val/reward": float((w * b.reward).sum(-1).mean())}
+    if backend is not None:
+        picks = greedy_picks(model, ds, split.val)  # (B, S)
+        icds = ds.groups.pools[split.val].gather(1, picks)  # (B, S) train rows
+        accs = [
+            100 * float(backend.score("train", ds.groups.queries[split.val], icds[:, :k])["acc"].mean())
+            for k in range(1, ds.seq_len + 1)
+        ]
+        out.update({f"val/acc_{k}": a for k, a in enumerate(accs, 1)}, **{"val/acc": sum(accs) / len(accs)})
+    return out
+
+
+def sim_backend(ds: Dataset):
+    """The dataset's simulator when it is a simulated dataset (for true-accuracy validation), else None."""
+    return open_backend(ds.meta, ds.emb) if ds.is_sim else None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Run folders and checkpoints
+
+
+def git_sha() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
+        return out.stdout.strip() or None
+    except OSError:
+        return None
+
+
+def write_config(out: Path, args, ds: Dataset, extra: dict | None = None) -> None:
+    import tqdm
+    import transformers
+
+    meta_digest = hashlib.sha256((ds.folder / "meta.json").read_bytes()).hexdigest()[:16]
+    config = {
+        "args": json.loads(json.dumps(asdict(args), default=str)),
+        "argv": sys.argv,
+        "git_sha": git_sha(),
+        "versions": {
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "tqdm": tqdm.__version__,
+        },
+        "data": {"folder": str(ds.folder), "meta_sha256": meta_digest, "simulation": ds.is_sim},
+        **(extra or {}),
+    }
+    atomic_write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
+
+
+class MetricsLog:
+    """metrics.jsonl, one flushed line per record; on resume, records past the resumed epoch are dropped."""
+
+    def __init__(self, path: Path, keep_through_epoch: int | None = None):
+        self.path = path
+        if keep_through_epoch is not None and path.exists():
+            kept = [
+                ln
+                for ln in path.read_text().splitlines(keepends=True)
+                if ln.endswith("\n") and json.loads(ln).get("epoch", 0) <= keep_through_epoch
+            ]
+            atomic_write_text(path, "".join(kept))
+        elif keep_through_epoch is None:
+            atomic_write_text(path, "")
+
+    def write(self, record: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, Tensor], dict]:
+    """Flatten an optimizer state_dict into tensors + JSON-able rest (safetensors holds tensors only; no pickle)."""
+    sd = opt.state_dict()
+    tensors, scalars = {}, {}
+    for pid, st in sd["state"].items():
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                tensors[f"optim.{pid}.{k}"] = v
+            else:
+                scalars[f"{pid}.{k}"] = v
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def restore_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, Tensor], info: dict) -> None:
+    state: dict[int, dict] = {}
+    for name, v in tensors.items():
+        if name.startswith("optim."):
+            _, pid, k = name.split(".", 2)
+            state.setdefault(int(pid), {})[k] = v
+    for key, v in info["scalars"].items():
+        pid, k = key.split(".", 1)
+        state.setdefault(int(pid), {})[k] = v
+    opt.load_state_dict({"state": state, "param_groups": info["param_groups"]})
+
+
+def save_checkpoint(
+    out: Path,
+    epoch: int,
+    model: PointerSelector,
+    opt: torch.optim.Optimizer,
+    rngs: dict[str, torch.Generator],
+    loop: dict,
+) -> None:
+    """ckpt/epoch_NNN.safetensors: model, optimizer and RNG states, plus loop state (best so far, step, beta...).
+
+    All metadata sits in one JSON string: safetensors writes metadata keys in no fixed order, and a resumed run must
+    write byte-identical files.
+    """
+    tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
+    opt_tensors, opt_meta = optimizer_tensors(opt)
+    tensors.update(opt_tensors)
+    tensors["rng.torch"] = torch.get_rng_state()
+    tensors.update({f"rng.{name}": g.get_state() for name, g in rngs.items()})
+    (out / "ckpt").mkdir(exist_ok=True)
+    meta = {"epoch": epoch, "optimizer": opt_meta, "loop": loop, "config": asdict(model.cfg)}
+    save_tensors(out / "ckpt" / f"epoch_{epoch:03d}.safetensors", tensors, {"checkpoint": json.dumps(meta)})
+
+
+def checkpoint_meta(path: Path) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    if "checkpoint" not in meta:
+        raise ValueError(f"{path}: not an icl-select epoch checkpoint (no 'checkpoint' metadata)")
+    return json.loads(meta["checkpoint"])
+
+
+def last_checkpoint(out: Path) -> Path | None:
+    ckpts = sorted((out / "ckpt").glob("epoch_*.safetensors"))
+    return ckpts[-1] if ckpts else None
+
+
+def load_checkpoint(
+    path: Path, model: PointerSelector, opt: torch.optim.Optimizer | None, rngs: dict[str, torch.Generator]
+) -> dict:
+    """Restore everything save_checkpoint wrote; returns the loop state."""
+    tensors, meta = read_tensors(path), checkpoint_meta(path)
+    load_state_strict(model, {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, path)
+    if opt is not None:
+        restore_optimizer(opt, tensors, meta["optimizer"])
+    torch.set_rng_state(tensors["rng.torch"])
+    for name, g in rngs.items():
+        g.set_state(tensors[f"rng.{name}"])
+    return meta["loop"]
+
+
+def load_selector(source: Path) -> PointerSelector:
+    """A selector from a run folder (model.json + model.safetensors) or an epoch checkpoint file."""
+    source = Path(source)
+    if source.is_dir():
+        return PointerSelector.load(source)
+    if not source.is_file():
+        raise FileNotFoundError(f"{source}: no such run folder or checkpoint")
+    model = PointerSelector(SelectorConfig(**checkpoint_meta(source)["config"]))
+    tensors = read_tensors(source)
+    load_state_strict(model, {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, source)
+    return model
+
+
+def prepare_out(out: Path, resume: bool) -> Path | None:
+    """Check the output folder before any work: returns the checkpoint to resume from, if any."""
+    if resume:
+        ckpt = last_checkpoint(out)
+        if ckpt is None:
+            raise ValueError(f"--resume: {out} has no checkpoint to resume from (ckpt/epoch_*.safetensors)")
+        return ckpt
+    if (out / "metrics.jsonl").exists() or last_checkpoint(out) is not None:
+        raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
+    return None
+
+
+def is_bad(x: float) -> bool:
+    return not math.isfinite(x)
+
+
+def log_line(record: dict, keys: tuple[str, ...]) -> str:
+    return " ".join(f"{k.split('/')[-1]}={record[k]:.4g}" for k in keys if k in record)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The epoch loop shared by rce.py and grpo.py
+
+
+@dataclass
+class Loop:
+    """Everything a run needs besides the stage's own step function."""
+
+    args: TrainArgs
+    out: Path
+    ds: Dataset
+    split: Split
+    model: PointerSelector
+    opt: torch.optim.Optimizer
+    phase: str
+    backend: object | None = None
+
+
+def fit(
+    run: Loop,
+    train_step,
+    resume_from: Path | None,
+    epoch_extra=None,
+    check=None,
+    state: dict | None = None,
+    postfix: tuple[str, ...] = ("train/loss",),
+    rngs: dict[str, torch.Generator] | None = None,
+    log_steps: bool = False,
+) -> dict:
+    """Epochs over the training queries, validation, best-model selection by val/reward, checkpoints, resume.
+
+    train_step(idx (B,) query indices, step, state) -> dict of float metrics, including "train/loss"; `state` is a
+    mutable dict persisted in every checkpoint (e.g. an adaptive KL beta). epoch_extra() -> dict of extra epoch
+    metrics; check(record) -> list of plain-words warnings; `rngs` are extra generators saved in checkpoints;
+    log_steps also writes every step's metrics ("kind": "step"). Returns the final loop state.
+    """
+    from tqdm import tqdm
+
+    args, out = run.args, run.out
+    rngs = {"shuffle": torch.Generator().manual_seed(args.seed + 1), **(rngs or {})}
+    loop = {"epoch": 0, "step": 0, "best": -math.inf, "best_epoch": None, "state": state or {}}
+    if resume_from is not None:
+        loop = load_checkpoint(resume_from, run.model, run.opt, rngs)
+    log = MetricsLog(out / "metrics.jsonl", loop["epoch"] if resume_from is not None else None)
+    if resume_from is None:  # epoch 0 = the initial policy, the start of every curve
+        record = {
+            "phase": run.phase,
+            "epoch": 0,
+            "step": 0,
+            **validate(run.model, run.ds, run.split, run.backend),
+            **(epoch_extra() if epoch_extra else {}),
+        }
+        log.write(record)
+    n = len(run.split.train)
+    steps = math.ceil(n / args.batch_size)
+    for epoch in range(loop["epoch"] + 1, args.epochs + 1):
+        order = run.split.train[torch.randperm(n, generator=rngs["shuffle"])]
+        sums: dict[str, float] = {}
+        maxes: dict[str, float] = {}
+        bar = tqdm(
+            range(steps), desc=f"{run.phase} epoch {epoch}/{args.epochs}", unit="step", dynamic_ncols=True, leave=False
+        )
+        for i in bar:
+            run.model.train() if run.phase == "rce" else run.model.eval()
+            m = train_step(order[i * args.batch_size : (i + 1) * args.batch_size], loop["step"], loop["state"])
+            loop["step"] += 1
+            if log_steps:
+                log.write({"phase": run.phase, "kind": "step", "epoch": epoch, "step": loop["step"], **m})
+            if is_bad(m["train/loss"]):
+                last = last_checkpoint(out)
+                raise ValueError(
+                    f"{run.phase}: the loss became {m['train/loss']} at epoch {epoch}, step {loop['step']}; stopping. "
+                    f"The last good checkpoint is {last or 'none (no epoch finished)'}; try a lower --lr"
+                    + (" or a larger --kl-beta" if run.phase == "grpo" else "")
+                )
+            for k, v in m.items():
+                if k.endswith("_max"):
+                    maxes[k] = max(maxes.get(k, -math.inf), v)
+                else:
+                    sums[k] = sums.get(k, 0.0) + v
+            bar.set_postfix_str(log_line(m, postfix))
+        bar.close()
+        record = {
+            "phase": run.phase,
+            "epoch": epoch,
+            "step": loop["step"],
+            **{k: v / steps for k, v in sums.items()},
+            **maxes,
+            **validate(run.model, run.ds, run.split, run.backend),
+            **(epoch_extra() if epoch_extra else {}),
+        }
+        warnings = check(record) if check else []
+        if warnings:
+            record["warnings"] = warnings
+        if record["val/reward"] > loop["best"]:
+            loop["best"], loop["best_epoch"] = record["val/reward"], epoch
+            run.model.save(out)
+        record["best_epoch"] = loop["best_epoch"]
+        loop["epoch"] = epoch
+        log.write(record)  # before the checkpoint: a resume from epoch-1 drops this line again if we die in between
+        save_checkpoint(out, epoch, run.model, run.opt, rngs, loop)
+        summary = log_line(record, (*postfix, "val/reward", "val/acc"))
+        print(f"{run.phase} epoch {epoch}: {summary}" + "".join(f"\n  warning: {w}" for w in warnings), flush=True)
+    return loop
