@@ -5,14 +5,17 @@ Machines are noisy: each figure is the median of several repeats after a warm-up
 Usage:
     python bench.py                 # all benchmarks
     python bench.py --only log-probs
+    python bench.py --only epochs --data data/sim
 """
 
 from __future__ import annotations
 
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -23,12 +26,14 @@ from model import PointerSelector, SelectorConfig
 
 @dataclass
 class Args:
-    only: Literal["all", "log-probs"] = "all"
+    only: Literal["all", "log-probs", "epochs"] = "all"
     """Which benchmark to run."""
     repeats: int = 5
     """Timed repeats per measurement (the median is reported)."""
     threads: int = 0
     """torch threads (0 = torch's default)."""
+    data: Path | None = None
+    """Dataset folder for the epoch benchmarks (default: generate the default simulated data in a temp folder)."""
 
 
 def median_seconds(fn: Callable[[], None], repeats: int) -> float:
@@ -72,12 +77,51 @@ def bench_log_probs(repeats: int, B=32, G=40, S=4, K=64, d=512, queries=800) -> 
     print(f"  pass over {queries} queries:        {fast * queries / B:8.2f} s (vectorised)")
 
 
+def bench_epochs(data: Path | None) -> None:
+    """One RCE and one offline GRPO epoch (steps + validation) over the default simulated data: 800 x 16 x 4, K=64."""
+    import contextlib
+    import io
+
+    import grpo
+    import rce
+    from gen_rl_data import Args as GenArgs
+    from gen_rl_data import generate
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        if data is None:
+            data = tmp / "data"
+            with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+                generate(GenArgs(out=data))
+        times = {}
+        for name, fn in (
+            ("rce", lambda: rce.main(rce.Args(data=data, out=tmp / "rce", epochs=1))),
+            ("grpo", lambda: grpo.main(grpo.Args(data=data, init=tmp / "rce", out=tmp / "g", epochs=1))),
+            (
+                "grpo --online",
+                lambda: grpo.main(grpo.Args(data=data, init=tmp / "rce", out=tmp / "o", epochs=1, online=True)),
+            ),
+        ):
+            t0 = time.perf_counter()
+            with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+                fn()
+            times[name] = time.perf_counter() - t0
+    print(
+        f"one epoch over {data if data.name != 'data' else 'the default sim data'} (800 queries x 16 x 4, K=64), "
+        "including validation and start-up"
+    )
+    for name, t in times.items():
+        print(f"  {name:14s} {t:6.2f} s   ({t / times['rce']:.2f}x rce)")
+
+
 def main(args: Args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     if args.only in ("all", "log-probs"):
         bench_log_probs(args.repeats)
+    if args.only in ("all", "epochs"):
+        bench_epochs(args.data)
 
 
 if __name__ == "__main__":

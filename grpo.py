@@ -185,6 +185,7 @@ def main(args: Args) -> None:
     cache = ScoreCache(backend) if args.online else None
     sampler = torch.Generator().manual_seed(args.seed + 2)
     S = ds.seq_len
+    steps_per_epoch = -(-len(split.train) // args.batch_size)
 
     def online_batch(idx: Tensor) -> Batch:
         """Sample G distinct sequences per query from the current policy and score them (cached)."""
@@ -213,7 +214,12 @@ def main(args: Args) -> None:
             ppo, st = ppo_clip_loss(logp, old, adv, m, args.epsilon, args.epsilon_high)
             kl = exact_kl(cur.log_dist, ref_dist, step_mask)[m].mean()
             loss = ppo + beta * kl
-            kl_grad_share = backward_parts(params, ppo, beta * kl)
+            opt.zero_grad(set_to_none=True)
+            if step % steps_per_epoch == 0:  # the split backward costs a second pass: measure once per epoch
+                extra = {"grpo/kl_grad_share": backward_parts(params, ppo, beta * kl)}
+            else:
+                loss.backward()
+                extra = {}
             norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip or float("inf"))
             opt.step()
         r = b.reward[m]
@@ -230,7 +236,6 @@ def main(args: Args) -> None:
             "grpo/ppo_loss": ppo.item(),
             "grpo/kl_ref": kl.item(),
             "grpo/kl_share": (beta * kl.abs() / (ppo.abs() + beta * kl.abs() + 1e-12)).item(),
-            "grpo/kl_grad_share": kl_grad_share,
             "grpo/approx_kl_old": k3_kl(logp.detach(), old, m).item(),
             "grpo/clip_frac_low": float(st["clip_frac_low"]),
             "grpo/clip_frac_high": float(st["clip_frac_high"]),
@@ -244,6 +249,7 @@ def main(args: Args) -> None:
             "grpo/adv_std": adv[m].std(correction=0).item(),
             "grpo/adv_abs_max": adv[m].abs().max().item(),
             "grpo/group_size": m.sum(-1).double().mean().item(),
+            **extra,
         }
 
     def selection_change() -> dict[str, float]:

@@ -14,6 +14,7 @@ import math
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
@@ -168,9 +169,6 @@ def git_sha() -> str | None:
 
 
 def write_config(out: Path, args, ds: Dataset, extra: dict | None = None) -> None:
-    import tqdm
-    import transformers
-
     meta_digest = hashlib.sha256((ds.folder / "meta.json").read_bytes()).hexdigest()[:16]
     config = {
         "args": json.loads(json.dumps(asdict(args), default=str)),
@@ -179,8 +177,7 @@ def write_config(out: Path, args, ds: Dataset, extra: dict | None = None) -> Non
         "versions": {
             "python": sys.version.split()[0],
             "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "tqdm": tqdm.__version__,
+            **{pkg: version(pkg) for pkg in ("transformers", "tqdm", "safetensors", "tyro")},
         },
         "data": {"folder": str(ds.folder), "meta_sha256": meta_digest, "simulation": ds.is_sim},
         **(extra or {}),
@@ -377,6 +374,7 @@ def fit(
     for epoch in range(loop["epoch"] + 1, args.epochs + 1):
         order = run.split.train[torch.randperm(n, generator=rngs["shuffle"])]
         sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
         maxes: dict[str, float] = {}
         bar = tqdm(
             range(steps), desc=f"{run.phase} epoch {epoch}/{args.epochs}", unit="step", dynamic_ncols=True, leave=False
@@ -398,14 +396,14 @@ def fit(
                 if k.endswith("_max"):
                     maxes[k] = max(maxes.get(k, -math.inf), v)
                 else:
-                    sums[k] = sums.get(k, 0.0) + v
+                    sums[k], counts[k] = sums.get(k, 0.0) + v, counts.get(k, 0) + 1
             bar.set_postfix_str(log_line(m, postfix))
         bar.close()
         record = {
             "phase": run.phase,
             "epoch": epoch,
             "step": loop["step"],
-            **{k: v / steps for k, v in sums.items()},
+            **{k: v / counts[k] for k, v in sums.items()},
             **maxes,
             **validate(run.model, run.ds, run.split, run.backend),
             **(epoch_extra() if epoch_extra else {}),

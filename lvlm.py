@@ -1,0 +1,421 @@
+"""The real LVLM backend (Hugging Face transformers: Qwen2.5-VL & co.) and CLIP embeddings.
+
+    backend = LVLMBackend("Qwen/Qwen2.5-VL-3B-Instruct", items)   # items: {"train": [...], "val": [...]}
+    backend.score("val", queries (N,), icds (N, k)) -> {"prediction", "acc", "correct", "gt_prob", "rel"}
+    backend.describe() -> {"lvlm", "revision", "prompt_template", "system_prompt", "generation", "simulation": False}
+    clip_embed(items) -> {"image", "text", "fused"}: (N, d) L2-normalised CLIP embeddings
+
+Prompt: an optional system turn, then ONE user turn holding the k ICDs, each as its image followed by
+"Question: {q} Short answer: {a}" (a = the ICD's most common annotator answer), then the query's image and
+"Question: {q} Short answer:", rendered with the model's own chat template and its generation prompt.
+
+Departures from the obvious implementation, and why:
+- Models load only from a local folder or the local Hugging Face cache, never from the network: the commit hash of
+  the cached snapshot is recorded as the revision, so a run says exactly which weights scored it.
+- Decoding is plain greedy from a fresh GenerationConfig: checkpoints ship sampling defaults (Qwen2.5-VL-Instruct:
+  top_k=1, temperature=0.1, repetition_penalty=1.05) that would otherwise silently change the "greedy" answer.
+- gt_prob scores only the assistant reply's tokens (never the prompt's), and the reply includes the token that ends
+  the turn (<|im_end|> for Qwen), so P("red") is the probability of answering exactly "red", not of any answer that
+  starts with it. Distinct answers are then exclusive events, and gt_prob = sum over distinct annotator answers a of
+  min(count_a / 3, 1) * P(a), the expected VQA accuracy of the model's answer distribution restricted to annotator
+  answers, lies in [0, 1].
+- Qwen2.5-VL's stock processor cannot be built without torchvision (its video processor needs it); an image-only
+  subclass is used then, which loads the same files and produces the same image and text inputs.
+- gt_prob costs one forward pass (prompt and images included) per distinct annotator answer, batched; generation
+  costs one generate() per prompt, batched.
+- The image-only processor relies on ProcessorMixin internals of the pinned transformers (5.23).
+- Each image file is decoded once per process (ICDs recur across thousands of prompts). The cache is unbounded:
+  about 1 MB per COCO image, so ~14 GB for all of OK-VQA's train+val images if every one gets used.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+from PIL import Image
+from torch import Tensor
+from tqdm.auto import tqdm
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    BatchFeature,
+    GenerationConfig,
+    PretrainedConfig,
+    ProcessorMixin,
+    Qwen2_5_VLProcessor,
+)
+from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+from vqa import answer_rel, normalize_answer, postprocess, vqa_score
+
+__all__ = [
+    "Example",
+    "ImageOnlyQwen2_5_VLProcessor",
+    "LVLMBackend",
+    "PromptTemplate",
+    "answer_counts",
+    "clip_embed",
+    "load_image",
+    "load_lvlm",
+    "resolve_device",
+    "resolve_model",
+]
+
+# One prompt to score: (query item, ICD items in prompt order).
+Example = tuple[dict, list[dict]]
+
+
+@dataclass(frozen=True)
+class PromptTemplate:
+    """The text after each image of the user turn; {question} and {answer} are filled per item."""
+
+    icd: str = "Question: {question} Short answer: {answer}"
+    """Text after an ICD's image."""
+    query: str = "Question: {question} Short answer:"
+    """Text after the query's image, the last thing in the user turn."""
+
+
+@functools.cache
+def load_image(path: str) -> Image.Image:
+    """The RGB image at `path`, decoded once per process and shared (callers must not modify it)."""
+    with Image.open(path) as img:
+        return img.convert("RGB")
+
+
+def answer_counts(answers: list[str]) -> list[tuple[str, int]]:
+    """Distinct annotator answers, most frequent first: (most common raw spelling, count) per normalised answer.
+
+    Answers are grouped by the official VQA normalisation ("Red" and "red" are one answer), as the VQA score does.
+    Ties keep first-occurrence order.
+    """
+    groups: dict[str, Counter] = {}
+    for a in answers:
+        groups.setdefault(normalize_answer(a), Counter())[a] += 1
+    counted = [(spellings.most_common(1)[0][0], spellings.total()) for spellings in groups.values()]
+    return sorted(counted, key=lambda sc: -sc[1])
+
+
+def resolve_device(device: str = "auto", dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
+    """Device and dtype; "auto" = this process's CUDA device (LOCAL_RANK under torchrun) in bf16, else CPU float32."""
+    if device == "auto":
+        cuda = torch.cuda.is_available()
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    else:
+        dev = torch.device(device)
+    if dtype == "auto":
+        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
+    return dev, torch_dtype
+
+
+def resolve_model(model: str, cache_dir: str | Path | None = None) -> tuple[Path, str | None]:
+    """The local folder of a model given as a path or a hub id, and its revision (commit hash for a hub snapshot).
+
+    Hub ids are looked up in the local cache only (so HF_HUB_OFFLINE or not, nothing is fetched here).
+    """
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path.resolve(), None
+    try:
+        snapshot = Path(snapshot_download(repo_id=model, cache_dir=cache_dir, local_files_only=True))
+    except (HFValidationError, LocalEntryNotFoundError) as e:
+        raise ValueError(
+            f"model {model!r} not found locally; download it first with `huggingface-cli download {model}` "
+            "or pass a local path"
+        ) from e
+    # The hub cache stores each revision under snapshots/<commit hash>/.
+    return snapshot, snapshot.name
+
+
+def _load_config(model: str, folder: Path) -> PretrainedConfig:
+    """The transformers config in `folder`, or a ValueError saying why it cannot be read."""
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{model}: {folder} does not hold a loadable transformers model config: {e}") from e
+
+
+class ImageOnlyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
+    """Qwen2.5-VL's processor without its video processor, so it builds without torchvision.
+
+    ProcessorMixin loads and checks one sub-processor per modality parameter of __init__; leaving video_processor
+    out of the signature is what stops it from loading the torchvision-only video processor. The parent's __init__
+    gets video_processor=None, which ProcessorMixin then ignores. Image and text processing are the parent's, unchanged;
+    passing videos is unsupported.
+    """
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, video_processor=None, chat_template=chat_template, **kwargs)
+
+
+def _load_processor(folder: Path, config: PretrainedConfig) -> ProcessorMixin:
+    """The model's processor, set up for left padding (batched generation appends on the right)."""
+    try:
+        processor = AutoProcessor.from_pretrained(folder)
+    except ImportError:
+        # Without torchvision, AutoProcessor fails on Qwen2.5-VL's video processor: images need none of it.
+        if config.model_type != "qwen2_5_vl":
+            raise
+        processor = ImageOnlyQwen2_5_VLProcessor.from_pretrained(folder)
+    if getattr(processor, "image_processor", None) is None or getattr(processor, "tokenizer", None) is None:
+        raise ValueError(f"{folder}: AutoProcessor built a {type(processor).__name__}, not an image+text processor")
+    processor.tokenizer.padding_side = "left"
+    return processor
+
+
+def load_lvlm(
+    model: str, device: str = "auto", dtype: str = "auto", cache_dir: str | Path | None = None
+) -> tuple[torch.nn.Module, ProcessorMixin, dict]:
+    """Load an image-text-to-text model and its processor from a local path or the local hub cache.
+
+    Returns (model in eval mode on `device`, processor with left padding, info) where info holds "lvlm" (as given),
+    "revision" (the snapshot's commit hash when loaded from the hub cache, else None), "path", "model_class",
+    "processor_class", "device" and "dtype".
+    """
+    folder, revision = resolve_model(model, cache_dir)
+    config = _load_config(model, folder)
+    if type(config) not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+        arch = ", ".join(config.architectures or []) or type(config).__name__
+        raise ValueError(
+            f"{model} is a {arch} model (model_type {config.model_type!r}), not an image-text-to-text model that "
+            "AutoModelForImageTextToText can load; pass a vision-language model such as Qwen/Qwen2.5-VL-3B-Instruct"
+        )
+    dev, torch_dtype = resolve_device(device, dtype)
+    processor = _load_processor(folder, config)
+    lvlm = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch_dtype).to(dev).eval()
+    info = {
+        "lvlm": model,
+        "revision": revision,
+        "path": str(folder),
+        "model_class": type(lvlm).__name__,
+        "processor_class": type(processor).__name__,
+        "device": str(dev),
+        "dtype": str(torch_dtype).removeprefix("torch."),
+    }
+    return lvlm, processor, info
+
+
+class LVLMBackend:
+    """A transformers LVLM scoring ICD prompts: greedy short answers, VQA accuracy and teacher-forced gt_prob."""
+
+    name = "hf"
+
+    def __init__(
+        self,
+        model: str,
+        items: dict[str, list[dict]],
+        batch_size: int = 8,
+        max_new_tokens: int = 10,
+        system_prompt: str | None = None,
+        template: PromptTemplate = PromptTemplate(),
+        device: str = "auto",
+    ):
+        self.model, self.processor, self.info = load_lvlm(model, device=device)
+        self.items = items
+        self.batch_size, self.max_new_tokens = batch_size, max_new_tokens
+        self.system_prompt, self.template = system_prompt, template
+        self.tokenizer = self.processor.tokenizer
+        eos = self.model.generation_config.eos_token_id
+        eos = self.tokenizer.eos_token_id if eos is None else eos
+        self.stop_ids: list[int] = [eos] if isinstance(eos, int) else list(eos)
+        self.pad_id: int = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
+        # Replace the checkpoint's generation defaults outright rather than passing a config to generate(): generate()
+        # fills every value left unset from model.generation_config, so Qwen2.5-VL-Instruct's top_k, temperature and
+        # repetition_penalty=1.05 would leak into "greedy" decoding.
+        self.model.generation_config = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            num_beams=1,
+            eos_token_id=self.stop_ids,
+            pad_token_id=self.pad_id,
+            bos_token_id=self.model.generation_config.bos_token_id,
+        )
+        self.closer_ids = self._turn_closer()
+
+    def _chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self.processor.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+    def _turn_closer(self) -> list[int]:
+        """The token ids that end an assistant reply: the template's text after a reply, up to its first stop token."""
+        probe = [{"role": "user", "content": [{"type": "text", "text": "?"}]}]
+        reply = "ok"
+        prompt = self._chat(probe, add_generation_prompt=True)
+        full = self._chat([*probe, {"role": "assistant", "content": [{"type": "text", "text": reply}]}], False)
+        tail = full[len(prompt) + len(reply) :] if full.startswith(prompt + reply) else ""
+        ids = self.tokenizer(tail, add_special_tokens=False)["input_ids"]
+        stops = [i for i, t in enumerate(ids) if t in self.stop_ids]
+        # A template that closes replies without a stop token: generation ends on the stop token itself.
+        return ids[: stops[0] + 1] if stops else self.stop_ids[:1]
+
+    def messages(self, query: dict, icds: list[dict]) -> list[dict]:
+        """The chat: optional system turn, then one user turn of (image, ICD text) x k, the query image and question."""
+        content = []
+        for icd in icds:
+            text = self.template.icd.format(question=icd["question"], answer=answer_counts(icd["answers"])[0][0])
+            content += [{"type": "image"}, {"type": "text", "text": text}]
+        content += [{"type": "image"}, {"type": "text", "text": self.template.query.format(question=query["question"])}]
+        system = [{"role": "system", "content": [{"type": "text", "text": self.system_prompt}]}]
+        return [*(system if self.system_prompt is not None else []), {"role": "user", "content": content}]
+
+    def render(self, query: dict, icds: list[dict]) -> tuple[str, list[Image.Image]]:
+        """The rendered prompt text (with the generation prompt) and its images in prompt order (ICDs, then query)."""
+        text = self._chat(self.messages(query, icds), add_generation_prompt=True)
+        return text, [load_image(item["image"]) for item in (*icds, query)]
+
+    def encode(self, examples: list[Example]) -> BatchFeature:
+        """Processor inputs for a batch of prompts, left-padded, on the model's device (pixels in the model's dtype)."""
+        texts, images = zip(*(self.render(query, icds) for query, icds in examples))
+        inputs = self.processor(text=list(texts), images=list(images), padding=True, return_tensors="pt")
+        return inputs.to(self.model.device, dtype=self.model.dtype)  # casts only the floating-point tensors
+
+    def _batches(self, n: int) -> range:
+        return range(0, n, self.batch_size)
+
+    @torch.inference_mode()
+    def generate(self, examples: list[Example]) -> list[str]:
+        """Raw greedy generations (new tokens only, special tokens dropped), batch_size prompts at a time."""
+        texts: list[str] = []
+        for start in self._batches(len(examples)):
+            inputs = self.encode(examples[start : start + self.batch_size])
+            out = self.model.generate(**inputs)  # (B, T + new)
+            # Left padding ends every prompt at column T, so the new tokens are exactly the columns after it.
+            new = out[:, inputs["input_ids"].shape[1] :]  # (B, new)
+            texts += self.tokenizer.batch_decode(new, skip_special_tokens=True)
+        return texts
+
+    @torch.inference_mode()
+    def answer_prob(self, examples: list[Example], answers: list[str]) -> Tensor:
+        """Teacher-forced probability that the assistant replies exactly answers[i] to examples[i]: (N,).
+
+        The reply (the answer's tokens, then the turn's closing token) is appended to the left-padded prompt ids and
+        right-padded; one forward pass scores it, and only the reply's tokens enter the product.
+        """
+        probs = []
+        for start in self._batches(len(examples)):
+            inputs = self.encode(examples[start : start + self.batch_size])
+            replies = [
+                torch.tensor(self.tokenizer(a, add_special_tokens=False)["input_ids"] + self.closer_ids)
+                for a in answers[start : start + self.batch_size]
+            ]
+            lengths = torch.tensor([len(r) for r in replies])  # (B,)
+            reply = torch.nn.utils.rnn.pad_sequence(replies, batch_first=True, padding_value=self.pad_id)  # (B, L)
+            reply = reply.to(self.model.device)
+            reply_mask = (torch.arange(reply.shape[1]) < lengths[:, None]).to(self.model.device)  # (B, L)
+            prompt_ids = inputs["input_ids"]  # (B, T)
+            # Every per-token input grows by the L reply columns: the ids themselves, the attention mask (1 where the
+            # reply is not padding), and type ids such as Qwen's mm_token_type_ids (0 = text).
+            extended = dict(inputs, input_ids=torch.cat([prompt_ids, reply], dim=1))  # (B, T + L)
+            for key, value in inputs.items():
+                if key != "input_ids" and value.shape == prompt_ids.shape and not value.is_floating_point():
+                    fill = reply_mask if key == "attention_mask" else torch.zeros_like(reply_mask)  # (B, L)
+                    extended[key] = torch.cat([value, fill.to(value.dtype)], dim=1)  # (B, T + L)
+            # Reply token j is predicted at column T - 1 + j: compute logits for the last L + 1 columns only (the final
+            # one predicts nothing and is dropped) instead of (T + L) x vocabulary floats per row.
+            out = self.model(**extended, use_cache=False, logits_to_keep=reply.shape[1] + 1)
+            logits = out.logits[:, :-1]  # (B, L, V)
+            logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, reply[..., None]).squeeze(-1)  # (B, L)
+            probs.append((logp * reply_mask).sum(1).exp().cpu())  # (B,)
+        return torch.cat(probs) if probs else torch.zeros(0)
+
+    def gt_prob(self, examples: list[Example]) -> Tensor:
+        """sum over distinct annotator answers a of min(count_a / 3, 1) * P(reply = a): (N,), in [0, 1]."""
+        rows, answers, weights = [], [], []
+        for i, (query, _) in enumerate(examples):
+            for answer, count in answer_counts(query["answers"]):
+                rows.append(i)
+                answers.append(answer)
+                weights.append(min(count / 3.0, 1.0))
+        p = self.answer_prob([examples[i] for i in rows], answers)  # (R,)
+        rows_t = torch.tensor(rows, dtype=torch.long)  # (R,)
+        total = torch.zeros(len(examples)).index_add_(0, rows_t, p * torch.tensor(weights))  # (N,)
+        # Exclusive replies make the sum at most 1; the clamp only removes float rounding above it.
+        return total.clamp_(max=1.0)  # (N,)
+
+    def score_examples(self, examples: list[Example]) -> dict:
+        """score() for explicit (query item, ICD items) prompts; the ICD lists may differ in length."""
+        predictions = [postprocess(text) for text in self.generate(examples)]
+        gts = [query["answers"] for query, _ in examples]
+        acc = torch.tensor([vqa_score(p, a) for p, a in zip(predictions, gts)], dtype=torch.float32)  # (N,)
+        rel = torch.tensor([answer_rel(p, a) for p, a in zip(predictions, gts)], dtype=torch.float32)  # (N,)
+        return {
+            "prediction": predictions,
+            "acc": acc,
+            "correct": acc > 0,
+            "gt_prob": self.gt_prob(examples),
+            "rel": rel,
+        }
+
+    def score(self, split: str, queries: Tensor, icds: Tensor) -> dict:
+        """Answer and score each query of `split` given its ICDs (train rows, prompt order): (N,), (N, k) -> (N,)s."""
+        if queries.dim() != 1 or icds.dim() != 2 or icds.shape[0] != queries.shape[0]:
+            raise ValueError(f"expected queries (N,) and icds (N, k), got {tuple(queries.shape)}, {tuple(icds.shape)}")
+        pool, split_items = self.items["train"], self.items[split]
+        examples = [(split_items[q], [pool[j] for j in row]) for q, row in zip(queries.tolist(), icds.tolist())]
+        return self.score_examples(examples)
+
+    def describe(self) -> dict:
+        return {
+            "lvlm": self.info["lvlm"],
+            "revision": self.info["revision"],
+            "prompt_template": asdict(self.template),
+            "system_prompt": self.system_prompt,
+            "generation": {"max_new_tokens": self.max_new_tokens, "do_sample": False},
+            "simulation": False,
+        }
+
+
+@torch.inference_mode()
+def clip_embed(
+    items: list[dict],
+    encoder: str = "openai/clip-vit-base-patch32",
+    batch_size: int = 64,
+    device: str = "auto",
+    cache_dir: str | Path | None = None,
+) -> dict[str, Tensor]:
+    """CLIP embeddings of each item's image and question: "image", "text" and "fused" (N, d), float32, unit norm.
+
+    fused = normalize(normalize(image) + normalize(text)). Each distinct image is embedded once (questions share
+    images). The encoder runs in float32 on any device so embeddings do not depend on the GPU.
+    """
+    if not items:
+        raise ValueError("clip_embed needs at least one item")
+    folder, _ = resolve_model(encoder, cache_dir)
+    dev, _ = resolve_device(device)
+    model = AutoModel.from_pretrained(folder, dtype=torch.float32).to(dev).eval()
+    if not hasattr(model, "get_image_features") or not hasattr(model, "get_text_features"):
+        raise ValueError(f"{encoder} is a {type(model).__name__}, not a CLIP-style image+text encoder")
+    processor = AutoProcessor.from_pretrained(folder)
+    max_length = model.config.text_config.max_position_embeddings
+    paths = list(dict.fromkeys(item["image"] for item in items))
+    image_steps, text_steps = list(range(0, len(paths), batch_size)), list(range(0, len(items), batch_size))
+    bar = tqdm(total=len(image_steps) + len(text_steps), desc=f"CLIP {encoder}", unit="batch")
+    images, texts = [], []
+    for start in image_steps:
+        batch = [load_image(p) for p in paths[start : start + batch_size]]
+        pixels = processor(images=batch, return_tensors="pt")["pixel_values"].to(dev)  # (B, 3, H, W)
+        images.append(model.get_image_features(pixel_values=pixels).pooler_output.float().cpu())  # (B, d)
+        bar.update()
+    for start in text_steps:
+        questions = [item["question"] for item in items[start : start + batch_size]]
+        tokens = processor(
+            text=questions, padding=True, truncation=True, max_length=max_length, return_tensors="pt"
+        ).to(dev)
+        texts.append(model.get_text_features(**tokens).pooler_output.float().cpu())  # (B, d)
+        bar.update()
+    bar.close()
+    row = {p: i for i, p in enumerate(paths)}
+    image = F.normalize(torch.cat(images)[[row[item["image"]] for item in items]], dim=-1)  # (N, d)
+    text = F.normalize(torch.cat(texts), dim=-1)  # (N, d)
+    return {"image": image, "text": text, "fused": F.normalize(image + text, dim=-1)}

@@ -1,0 +1,387 @@
+"""Tests for the real-model backend (lvlm.py) and the official VQA file loader (vqa_data.py), fully offline.
+
+Tiny random-weight Qwen2.5-VL / CLIP checkpoints and an OK-VQA-format dataset are built once per session by
+tests/real_fixtures.py and loaded through the same from_pretrained path as real checkpoints. Expected values are
+computed independently of lvlm.py where it matters: prompt text by hand, gt_prob from one explicit forward pass.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from real_fixtures import build_okvqa_fixture, build_tiny_clip, build_tiny_qwen, build_tiny_text_lm
+
+from lvlm import ImageOnlyQwen2_5_VLProcessor, LVLMBackend, PromptTemplate, clip_embed, load_image, load_lvlm
+from vqa import answer_rel, postprocess, vqa_score
+from vqa_data import load_vqa_split
+
+VISION_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Run the tiny models single-threaded: on a busy 2-core machine, intra-op threads make each matmul ~100x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("real")
+    return {
+        "qwen": build_tiny_qwen(root / "qwen"),
+        "clip": build_tiny_clip(root / "clip"),
+        "text_lm": build_tiny_text_lm(root / "text-lm"),
+        "okvqa": build_okvqa_fixture(root / "okvqa"),
+    }
+
+
+@pytest.fixture(scope="session")
+def items(assets) -> dict[str, list[dict]]:
+    return {split: load_vqa_split("okvqa", assets["okvqa"], split) for split in ("train", "val")}
+
+
+@pytest.fixture(scope="session")
+def backend(assets, items) -> LVLMBackend:
+    return LVLMBackend(str(assets["qwen"]), items, batch_size=4, max_new_tokens=4)
+
+
+def majority(item: dict) -> str:
+    return Counter(item["answers"]).most_common(1)[0][0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# prompt
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_prompt_has_icds_in_order_then_query(backend, items):
+    icds = [items["train"][i] for i in (5, 0, 9)]
+    query = items["val"][2]
+    text, images = backend.render(query, icds)
+    user = "".join(f"{VISION_BLOCK}Question: {it['question']} Short answer: {majority(it)}" for it in icds)
+    user += f"{VISION_BLOCK}Question: {query['question']} Short answer:"
+    # The model's own default system turn when no system prompt is given, then ONE user turn, then the reply prompt.
+    expected = (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert text == expected
+    assert images == [load_image(it["image"]) for it in [*icds, query]]
+    assert all(a is load_image(it["image"]) for a, it in zip(images, [*icds, query]))  # decoded once, cached
+
+
+def test_processor_gets_images_in_prompt_order(backend, items):
+    icds = [items["train"][i] for i in (5, 0, 9)]
+    query = items["val"][2]
+    inputs = backend.encode([(query, icds)])
+    per_image = [backend.processor.image_processor(images=[load_image(it["image"])]) for it in [*icds, query]]
+    grids = torch.cat([torch.as_tensor(p["image_grid_thw"]) for p in per_image])  # (k + 1, 3)
+    assert torch.equal(inputs["image_grid_thw"], grids)
+    assert torch.allclose(inputs["pixel_values"], torch.cat([torch.as_tensor(p["pixel_values"]) for p in per_image]))
+    # Each vision block holds as many image tokens as its own image's merged grid (the fixture's sizes differ).
+    ids = inputs["input_ids"][0].tolist()
+    tok = backend.tokenizer
+    starts = [i for i, t in enumerate(ids) if t == tok.convert_tokens_to_ids("<|vision_start|>")]
+    ends = [i for i, t in enumerate(ids) if t == tok.convert_tokens_to_ids("<|vision_end|>")]
+    assert [e - s - 1 for s, e in zip(starts, ends)] == (grids.prod(-1) // 4).tolist()
+    assert len(set(grids.prod(-1).tolist())) > 1, "fixture images should differ in size for this test to bite"
+
+
+def test_system_prompt_and_template_are_used_and_described(assets, items):
+    template = PromptTemplate(icd="Q: {question} A: {answer}\n", query="Q: {question} A:")
+    custom = LVLMBackend(
+        str(assets["qwen"]), items, max_new_tokens=3, system_prompt="Answer briefly.", template=template
+    )
+    icd, query = items["train"][1], items["val"][0]
+    text, _ = custom.render(query, [icd])
+    assert text == (
+        "<|im_start|>system\nAnswer briefly.<|im_end|>\n<|im_start|>user\n"
+        f"{VISION_BLOCK}Q: {icd['question']} A: {majority(icd)}\n{VISION_BLOCK}Q: {query['question']} A:<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert custom.describe() == {
+        "lvlm": str(assets["qwen"]),
+        "revision": None,
+        "prompt_template": {"icd": template.icd, "query": template.query},
+        "system_prompt": "Answer briefly.",
+        "generation": {"max_new_tokens": 3, "do_sample": False},
+        "simulation": False,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# generation
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_batched_generation_equals_one_by_one(backend, items):
+    train = items["train"]
+    # 0..3 shots mixed in each batch of 4, plus different image sizes: prompts of many lengths.
+    examples = [(items["val"][i], [train[(5 * i + j) % len(train)] for j in range(i % 4)]) for i in range(8)]
+    assert (backend.encode(examples[:4])["attention_mask"][:, 0] == 0).any(), "expected left padding in the batch"
+    batched = backend.generate(examples)
+    single = [backend.generate([ex])[0] for ex in examples]
+    assert batched == single
+    assert any(batched), "the tiny model should generate some visible text"
+
+
+def test_generation_is_plain_greedy(backend, items):
+    # The fixture's checkpoint asks for sampling with a repetition penalty, like Qwen2.5-VL-Instruct's.
+    gen = backend.model.generation_config
+    assert gen.do_sample is False and gen.repetition_penalty in (None, 1.0) and gen.max_new_tokens == 4
+    inputs = backend.encode([(items["val"][4], items["train"][:2])])
+    out = backend.model.generate(**inputs)  # (1, T + new)
+    prompt_len = inputs["input_ids"].shape[1]
+    # Teacher-force the generated continuation: every new token is the argmax at the position before it.
+    full = {**inputs, "input_ids": out, "attention_mask": torch.ones_like(out)}
+    full["mm_token_type_ids"] = F.pad(inputs["mm_token_type_ids"], (0, out.shape[1] - prompt_len))
+    logits = backend.model(**full).logits[0, prompt_len - 1 : -1]  # (new, V)
+    assert torch.equal(logits.argmax(-1), out[0, prompt_len:])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# gt_prob
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def reply_prob_by_hand(backend: LVLMBackend, query: dict, icds: list[dict], answer: str) -> float:
+    """P(reply == answer) from ONE forward pass over prompt + answer + <|im_end|>, no padding, no lvlm internals."""
+    text, images = backend.render(query, icds)
+    inputs = backend.processor(text=[text], images=[images], return_tensors="pt")
+    tok = backend.tokenizer
+    reply = tok(answer, add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
+    prompt_len = inputs["input_ids"].shape[1]
+    ids = torch.cat([inputs["input_ids"], torch.tensor([reply])], dim=1)  # (1, T + L)
+    with torch.no_grad():
+        logits = backend.model(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            mm_token_type_ids=F.pad(inputs["mm_token_type_ids"], (0, len(reply))),
+            pixel_values=inputs["pixel_values"],
+            image_grid_thw=inputs["image_grid_thw"],
+        ).logits[0]  # (T + L, V)
+    probs = torch.softmax(logits[prompt_len - 1 : prompt_len - 1 + len(reply)].double(), dim=-1)  # (L, V)
+    return math.prod(probs[j, t].item() for j, t in enumerate(reply))
+
+
+def test_gt_prob_single_answer_is_product_of_answer_token_probs(backend, items):
+    query = dict(items["val"][1], answers=["red"] * 10)
+    icds = items["train"][3:5]
+    expected = reply_prob_by_hand(backend, query, icds, "red")
+    assert 0 < expected < 1
+    assert backend.gt_prob([(query, icds)]).item() == pytest.approx(expected, rel=1e-4)
+    # Also inside a left-padded batch of longer and shorter prompts with several answers each.
+    batch = [(items["val"][0], items["train"][:3]), (query, icds), (items["val"][2], [])]
+    assert backend.gt_prob(batch)[1].item() == pytest.approx(expected, rel=1e-4)
+
+
+def test_gt_prob_weights_distinct_answers_by_vqa_credit(backend, items):
+    # Single-character answers are single byte-level tokens, so their probabilities under the random model are of
+    # similar size and a wrong weight or grouping changes the sum visibly. "X" normalises to "x": one answer given 4
+    # times, scored as its most common spelling.
+    answers = ["x", "X", "y", "x", "w", "z", "y", "w", "x", "w"]
+    query = dict(items["val"][3], answers=answers)
+    icds = items["train"][6:7]
+    p = {a: reply_prob_by_hand(backend, query, icds, a) for a in ("x", "y", "z", "w", "X")}
+    assert max(p.values()) < 3 * min(p.values())
+    expected = p["x"] + 2 / 3 * p["y"] + 1 / 3 * p["z"] + p["w"]
+    other = (items["val"][5], items["train"][:2])
+    got = backend.gt_prob([other, (query, icds)])
+    assert got[1].item() == pytest.approx(expected, rel=1e-4)
+    assert got[0].item() == pytest.approx(backend.gt_prob([other]).item(), rel=1e-4)
+    assert ((got >= 0) & (got <= 1)).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# score
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_score_outputs_match_the_vqa_metrics(backend, items):
+    for k in (0, 2):
+        queries = torch.tensor([0, 3, 5])
+        icds = torch.arange(3 * k).reshape(3, k)
+        out = backend.score("val", queries, icds)
+        assert set(out) == {"prediction", "acc", "correct", "gt_prob", "rel"}
+        examples = [
+            (items["val"][q], [items["train"][j] for j in row]) for q, row in zip(queries.tolist(), icds.tolist())
+        ]
+        assert out["prediction"] == [postprocess(t) for t in backend.generate(examples)]
+        gts = [items["val"][q]["answers"] for q in queries.tolist()]
+        assert out["acc"].tolist() == pytest.approx([vqa_score(p, a) for p, a in zip(out["prediction"], gts)])
+        assert out["rel"].tolist() == pytest.approx([answer_rel(p, a) for p, a in zip(out["prediction"], gts)])
+        assert torch.equal(out["correct"], out["acc"] > 0) and out["correct"].dtype == torch.bool
+        assert torch.allclose(out["gt_prob"], backend.gt_prob(examples))
+        assert all(v.shape == (3,) for key, v in out.items() if key != "prediction")
+
+
+def test_score_postprocesses_generations(backend, items, monkeypatch):
+    queries, icds = torch.tensor([0, 1, 2]), torch.tensor([[0], [1], [2]])
+    truths = [majority(items["val"][q]) for q in queries.tolist()]
+    raw = [f"{truths[0].upper()}.", "Short answer: zebra\nred", f'"{truths[2]}"\nmore text']
+    monkeypatch.setattr(backend, "generate", lambda examples: raw[: len(examples)])
+    out = backend.score("val", queries, icds)
+    assert out["prediction"] == [truths[0].upper(), "zebra", truths[2]]
+    assert out["correct"].tolist() == [True, False, True]
+    assert out["acc"][0].item() == vqa_score(truths[0], items["val"][0]["answers"])
+
+
+def test_score_rejects_bad_shapes(backend):
+    with pytest.raises(ValueError, match="expected queries"):
+        backend.score("val", torch.tensor([0, 1]), torch.tensor([[0]]))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# vqa_data
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_load_okvqa_fixture(assets, items):
+    root = assets["okvqa"]
+    questions = json.loads((root / "OpenEnded_mscoco_train2014_questions.json").read_text())["questions"]
+    annotations = json.loads((root / "mscoco_train2014_annotations.json").read_text())["annotations"]
+    train = items["train"]
+    assert [it["question_id"] for it in train] == [q["question_id"] for q in questions]
+    by_qid = {a["question_id"]: [x["answer"] for x in a["answers"]] for a in annotations}
+    assert all(it["answers"] == by_qid[it["question_id"]] and len(it["answers"]) == 10 for it in train)
+    assert max(Counter(it["image_id"] for it in train).values()) > 1  # questions share images
+    first = train[0]
+    assert Path(first["image"]).is_absolute() and Path(first["image"]).is_file()
+    assert Path(first["image"]).name == f"COCO_train2014_{first['image_id']:012d}.jpg"
+    assert len(items["val"]) > 0 and "val2014" in items["val"][0]["image"]
+
+
+def _write_json(path: Path, doc: dict) -> Path:
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def _docs(root: Path) -> tuple[dict, dict]:
+    q = json.loads((root / "OpenEnded_mscoco_train2014_questions.json").read_text())
+    a = json.loads((root / "mscoco_train2014_annotations.json").read_text())
+    return q, a
+
+
+def test_vqa_data_missing_file(assets, tmp_path):
+    with pytest.raises(ValueError, match=r"questions file not found: .*nope\.json"):
+        load_vqa_split("okvqa", assets["okvqa"], "train", questions_file=tmp_path / "nope.json")
+    with pytest.raises(ValueError, match=r"annotations file not found: .*v2_mscoco_val2014_annotations\.json"):
+        shutil.copy(assets["okvqa"] / "OpenEnded_mscoco_val2014_questions.json", tmp_path / "q.json")
+        load_vqa_split("vqav2", tmp_path, "val", questions_file="q.json")
+
+
+def test_vqa_data_bad_json_and_missing_field(assets, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"questions": [')
+    with pytest.raises(ValueError, match=r"bad\.json is not valid JSON"):
+        load_vqa_split("okvqa", assets["okvqa"], "train", questions_file=bad)
+    q, _ = _docs(assets["okvqa"])
+    del q["questions"][2]["question"]
+    path = _write_json(tmp_path / "q.json", q)
+    with pytest.raises(ValueError, match=r"q\.json: questions\[2\] lacks field\(s\) question"):
+        load_vqa_split("okvqa", assets["okvqa"], "train", questions_file=path)
+
+
+def test_vqa_data_unannotated_and_mismatched_ids(assets, tmp_path):
+    q, a = _docs(assets["okvqa"])
+    kept = _write_json(tmp_path / "a_missing.json", {"annotations": a["annotations"][6:]})
+    first = ", ".join(str(x["question_id"]) for x in a["annotations"][:5])
+    with pytest.raises(ValueError, match=rf"no annotation for 6 question\(s\).*ids {first} \(and 1 more\)"):
+        load_vqa_split("okvqa", assets["okvqa"], "train", annotations_file=kept)
+    a["annotations"][4]["image_id"] = 1
+    moved = _write_json(tmp_path / "a_moved.json", a)
+    qid = a["annotations"][4]["question_id"]
+    with pytest.raises(
+        ValueError, match=rf"image ids differ .* 1 question\(s\): {qid} \(question image \d+, annotation image 1\)"
+    ):
+        load_vqa_split("okvqa", assets["okvqa"], "train", annotations_file=moved)
+
+
+def test_vqa_data_missing_images(assets, tmp_path):
+    images = shutil.copytree(assets["okvqa"] / "train2014", tmp_path / "images")
+    gone = sorted(images.iterdir())[:2]
+    for path in gone:
+        path.unlink()
+    with pytest.raises(ValueError, match=r"2 image file\(s\) of okvqa train missing") as err:
+        load_vqa_split("okvqa", assets["okvqa"], "train", image_dir=images)
+    assert all(str(path) in str(err.value) for path in gone)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# clip_embed
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_clip_embed(assets, items):
+    train = items["train"]
+    emb = clip_embed(train, str(assets["clip"]), batch_size=5, device="cpu")
+    for key in ("image", "text", "fused"):
+        assert emb[key].shape == (len(train), 16) and emb[key].dtype == torch.float32
+        assert torch.allclose(emb[key].norm(dim=-1), torch.ones(len(train)), atol=1e-5)
+    assert torch.allclose(emb["fused"], F.normalize(emb["image"] + emb["text"], dim=-1), atol=1e-6)
+    again = clip_embed(train, str(assets["clip"]), batch_size=64, device="cpu")
+    assert all(torch.allclose(emb[k], again[k], atol=1e-6) for k in emb)
+    # Rows follow the items: same image -> same image row, same question -> same text row, and otherwise different.
+    for i in range(len(train)):
+        for j in range(i):
+            same_image = train[i]["image"] == train[j]["image"]
+            assert torch.allclose(emb["image"][i], emb["image"][j], atol=1e-6) == same_image
+            same_text = train[i]["question"] == train[j]["question"]
+            assert torch.allclose(emb["text"][i], emb["text"][j], atol=1e-6) == same_text
+
+
+def test_clip_embed_matches_the_model(assets, items):
+    from transformers import AutoProcessor, CLIPModel
+
+    item = items["train"][7]
+    model, processor = CLIPModel.from_pretrained(assets["clip"]), AutoProcessor.from_pretrained(assets["clip"])
+    with torch.no_grad():
+        image = model.get_image_features(**processor(images=[load_image(item["image"])], return_tensors="pt"))
+        text = model.get_text_features(**processor(text=[item["question"]], return_tensors="pt"))
+    emb = clip_embed(items["train"], str(assets["clip"]), device="cpu")
+    assert torch.allclose(emb["image"][7], F.normalize(image.pooler_output[0], dim=-1), atol=1e-5)
+    assert torch.allclose(emb["text"][7], F.normalize(text.pooler_output[0], dim=-1), atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# load_lvlm
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_load_lvlm_unknown_model(tmp_path):
+    with pytest.raises(ValueError, match="not found locally; download it first"):
+        load_lvlm(str(tmp_path / "no" / "such" / "model"))
+    with pytest.raises(ValueError, match="huggingface-cli download no-such-org/no-such-model"):
+        load_lvlm("no-such-org/no-such-model", cache_dir=tmp_path)
+
+
+def test_load_lvlm_rejects_other_models(assets):
+    with pytest.raises(ValueError, match="Qwen2ForCausalLM.*not an image-text-to-text model"):
+        load_lvlm(str(assets["text_lm"]))
+    with pytest.raises(ValueError, match="does not hold a loadable transformers model config"):
+        load_lvlm(str(assets["okvqa"]))
+
+
+def test_load_lvlm_from_hub_cache_records_revision(assets, tmp_path):
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "models--tiny-org--tiny-qwen"
+    shutil.copytree(assets["qwen"], repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    model, processor, info = load_lvlm("tiny-org/tiny-qwen", device="cpu", cache_dir=tmp_path)
+    assert info["revision"] == commit and info["lvlm"] == "tiny-org/tiny-qwen"
+    assert info["model_class"] == "Qwen2_5_VLForConditionalGeneration" and not model.training
+    assert processor.tokenizer.padding_side == "left"
+    if importlib.util.find_spec("torchvision") is None:
+        assert isinstance(processor, ImageOnlyQwen2_5_VLProcessor)

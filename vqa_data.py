@@ -1,0 +1,143 @@
+"""Load OK-VQA / VQAv2 splits from the official question, annotation and COCO image files.
+
+    load_vqa_split("okvqa", Path("/data/okvqa"), "train") -> [{"question_id", "image_id", "question",
+                                                             "answers": [10 raw annotator strings], "image": path}]
+
+Official layout under `data_root` (every name can be overridden; relative overrides are taken under `data_root`):
+    OK-VQA  OpenEnded_mscoco_{split}2014_questions.json     mscoco_{split}2014_annotations.json
+    VQAv2   v2_OpenEnded_mscoco_{split}2014_questions.json  v2_mscoco_{split}2014_annotations.json
+    images  {split}2014/COCO_{split}2014_{image_id:012d}.jpg
+
+Items keep the questions file's order. Every problem with the input (a missing or unparsable file, a missing field, a
+question without an annotation or with a different image id, missing images) raises one `ValueError` naming the file,
+before any scoring starts, rather than a KeyError deep inside a long run.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+__all__ = ["DATASETS", "load_vqa_split"]
+
+# dataset -> (questions file, annotations file) name patterns; {split} is "train" or "val".
+DATASETS: dict[str, tuple[str, str]] = {
+    "okvqa": ("OpenEnded_mscoco_{split}2014_questions.json", "mscoco_{split}2014_annotations.json"),
+    "vqav2": ("v2_OpenEnded_mscoco_{split}2014_questions.json", "v2_mscoco_{split}2014_annotations.json"),
+}
+SPLITS = ("train", "val")
+SHOW = 5  # how many offending ids / paths an error message lists
+
+
+def _read_json(path: Path, what: str) -> dict:
+    """Parse a JSON file, turning a missing file or a syntax error into a ValueError that names it."""
+    if not path.is_file():
+        raise ValueError(f"{what} file not found: {path}")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{what} file {path} is not valid JSON: {e}") from e
+
+
+def _records(doc: dict, key: str, fields: tuple[str, ...], path: Path) -> list[dict]:
+    """The list under `key`, checking that every record has `fields`."""
+    records = doc.get(key) if isinstance(doc, dict) else None
+    if not isinstance(records, list):
+        raise ValueError(f"{path}: expected a JSON object with a {key!r} list (the official layout)")
+    for i, rec in enumerate(records):
+        missing = [f for f in fields if not isinstance(rec, dict) or f not in rec]
+        if missing:
+            raise ValueError(f"{path}: {key}[{i}] lacks field(s) {', '.join(missing)}")
+    return records
+
+
+def _answers(ann: dict, index: int, path: Path) -> list[str]:
+    """The raw annotator answer strings of one annotation record."""
+    answers = ann["answers"]
+    if not isinstance(answers, list) or not answers:
+        raise ValueError(f"{path}: annotations[{index}] has no annotator answers")
+    if not all(isinstance(a, dict) and isinstance(a.get("answer"), str) for a in answers):
+        raise ValueError(f"{path}: annotations[{index}].answers must be objects with an 'answer' string")
+    return [a["answer"] for a in answers]
+
+
+def _listing(values: list, total: int) -> str:
+    """'a, b, c, d, e (and 7 more)' for error messages."""
+    shown = ", ".join(str(v) for v in values[:SHOW])
+    return shown + (f" (and {total - SHOW} more)" if total > SHOW else "")
+
+
+def load_vqa_split(
+    dataset: str,
+    data_root: Path,
+    split: str,
+    questions_file: Path | str | None = None,
+    annotations_file: Path | str | None = None,
+    image_dir: Path | str | None = None,
+) -> list[dict]:
+    """The items of one split, in the questions file's order, each with its 10 raw answers and absolute image path."""
+    if dataset not in DATASETS:
+        raise ValueError(f"unknown dataset {dataset!r}; expected one of {', '.join(DATASETS)}")
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
+    root = Path(data_root).expanduser()
+    q_pattern, a_pattern = DATASETS[dataset]
+    # Path's "/" keeps an absolute override as it is and puts a relative one under the data root.
+    q_path = root / (questions_file or q_pattern.format(split=split))
+    a_path = root / (annotations_file or a_pattern.format(split=split))
+    img_dir = (root / (image_dir or f"{split}2014")).resolve()
+
+    questions = _records(
+        _read_json(q_path, f"{dataset} {split} questions"), "questions", ("image_id", "question", "question_id"), q_path
+    )
+    annotations = _records(
+        _read_json(a_path, f"{dataset} {split} annotations"),
+        "annotations",
+        ("question_id", "image_id", "answers"),
+        a_path,
+    )
+    by_qid = {ann["question_id"]: (i, ann) for i, ann in enumerate(annotations)}
+
+    qids = [q["question_id"] for q in questions]
+    if len(set(qids)) != len(qids):
+        dups = [qid for qid, n in Counter(qids).items() if n > 1]
+        raise ValueError(f"{q_path}: duplicate question ids {_listing(dups, len(dups))}")
+    unannotated = [qid for qid in qids if qid not in by_qid]
+    if unannotated:
+        raise ValueError(
+            f"{a_path} has no annotation for {len(unannotated)} question(s) of {q_path}: "
+            f"question ids {_listing(unannotated, len(unannotated))}"
+        )
+    ann_image = {qid: ann["image_id"] for qid, (_, ann) in by_qid.items()}
+    mismatched = [
+        f"{q['question_id']} (question image {q['image_id']}, annotation image {ann_image[q['question_id']]})"
+        for q in questions
+        if ann_image[q["question_id"]] != q["image_id"]
+    ]
+    if mismatched:
+        raise ValueError(
+            f"image ids differ between {q_path} and {a_path} for {len(mismatched)} question(s): "
+            f"{_listing(mismatched, len(mismatched))}"
+        )
+
+    items = []
+    for q in questions:
+        index, ann = by_qid[q["question_id"]]
+        items.append(
+            {
+                "question_id": q["question_id"],
+                "image_id": q["image_id"],
+                "question": q["question"],
+                "answers": _answers(ann, index, a_path),
+                "image": str(img_dir / f"COCO_{split}2014_{int(q['image_id']):012d}.jpg"),
+            }
+        )
+    # Check each distinct image once (questions share images), in first-use order for a stable message.
+    missing = [p for p in dict.fromkeys(it["image"] for it in items) if not Path(p).is_file()]
+    if missing:
+        raise ValueError(
+            f"{len(missing)} image file(s) of {dataset} {split} missing under {img_dir}: "
+            f"{_listing(missing, len(missing))}"
+        )
+    return items
