@@ -18,4 +18,4 @@ done
 python evaluate.py runs/rce runs/grpo-kl0.1 runs/grpo-kl0.1-online
 
 python compare.py runs/baseline-random runs/baseline-zero-shot runs/baseline-image-sim runs/baseline-text-sim \
-  runs/baseline-oracle runs/rce runs/grpo-kl0.1 runs/grpo-kl0.1-online --out runs/report.md
+  runs/baseline-oracle runs/rce runs/grpo-kl0.1 runs/grpo-kl0.1-online --baseline rce --out runs/report.md
