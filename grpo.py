@@ -257,7 +257,8 @@ def main(args: Args) -> None:
         return {"grpo/selection_change": changed.double().mean().item()}
 
     out.mkdir(parents=True, exist_ok=True)
-    write_config(out, args, ds, {"out": str(out)})
+    if resume_from is None:
+        write_config(out, args, ds, split, {"out": str(out)})
     run = Loop(args, out, ds, split, policy, opt, "grpo", backend)
     loop = fit(
         run,

@@ -101,7 +101,8 @@ def main(args: Args) -> None:
         return {"train/loss": loss.item(), "train/tau": tau, "train/grad_norm": float(norm)}
 
     args.out.mkdir(parents=True, exist_ok=True)
-    write_config(args.out, args, ds)
+    if resume_from is None:
+        write_config(args.out, args, ds, split)
     run = Loop(args, args.out, ds, split, model, opt, "rce", sim_backend(ds))
     loop = fit(run, step, resume_from, postfix=("train/loss", "train/tau"))
     print(f"best epoch {loop['best_epoch']} (val/reward {loop['best']:.4f}) -> {args.out}/model.safetensors")

@@ -168,7 +168,8 @@ def git_sha() -> str | None:
         return None
 
 
-def write_config(out: Path, args, ds: Dataset, extra: dict | None = None) -> None:
+def write_config(out: Path, args, ds: Dataset, split: Split, extra: dict | None = None) -> None:
+    """config.json of a new run (a resumed run keeps the one it started with)."""
     meta_digest = hashlib.sha256((ds.folder / "meta.json").read_bytes()).hexdigest()[:16]
     config = {
         "args": json.loads(json.dumps(asdict(args), default=str)),
@@ -180,6 +181,7 @@ def write_config(out: Path, args, ds: Dataset, extra: dict | None = None) -> Non
             **{pkg: version(pkg) for pkg in ("transformers", "tqdm", "safetensors", "tyro")},
         },
         "data": {"folder": str(ds.folder), "meta_sha256": meta_digest, "simulation": ds.is_sim},
+        "queries": {"train": len(split.train), "val": len(split.val)},
         **(extra or {}),
     }
     atomic_write_text(out / "config.json", json.dumps(config, indent=2) + "\n")

@@ -96,3 +96,17 @@ def test_report_and_cli_errors(small_data):
     )
     assert cli.returncode == 2 and cli.stderr.strip() == "error: --seq-len 30 is larger than --pool-size 8"
     assert not Path("/nonexistent/x").exists()
+
+
+def test_init_adds_selector_sequences(small_data, tmp_path):
+    import rce
+
+    run = tmp_path / "rce"
+    rce.main(rce.Args(data=small_data, out=run, epochs=1, batch_size=8, val_frac=0.25))
+    out = tmp_path / "r2"
+    generate(Args(out=out, init=run, init_beams=2, init_samples=3, **SMALL))
+    g = load_dataset(out).groups
+    for src, seqs in zip(g.sources, g.seqs):
+        assert src[0] == "greedy" and "beam" in src and "retrieval" in src and len(src) == SMALL["group_size"]
+        assert len({tuple(s) for s in seqs.tolist()}) == len(seqs)
+    assert json.loads((out / "meta.json").read_text())["init"]["run"] == str(run)

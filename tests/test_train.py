@@ -134,6 +134,28 @@ def test_grpo_online_and_resume_bit_identical(small_data, rce_run, tmp_path, mon
     assert 1 < rec["grpo/group_size"] <= 6
 
 
+def test_curriculum_filters_shrink_the_training_set(small_data, rce_run, tmp_path):
+    grpo.main(grpo.Args(data=small_data, init=rce_run, out=tmp_path / "c", epochs=1, quality="medium", **FAST))
+    n = json.loads((tmp_path / "c" / "config.json").read_text())["queries"]
+    full = json.loads((rce_run / "config.json").read_text())["queries"]
+    assert n["val"] == full["val"] == 12 and 0 < n["train"] < full["train"] == 36
+
+
+def test_warnings_name_dead_and_runaway_signals():
+    healthy = {
+        "grpo/zero_std_frac": 0.6,
+        "grpo/adv_std": 0.6,
+        "grpo/clip_frac_low": 0.1,
+        "grpo/clip_frac_high": 0.1,
+        "grpo/kl_ref": 0.5,
+    }
+    assert grpo.warnings_for(healthy) == []
+    dead = grpo.warnings_for({**healthy, "grpo/zero_std_frac": 1.0, "grpo/adv_std": 0.0})
+    assert any("no learning signal" in w for w in dead) and any("advantage std" in w for w in dead)
+    assert "PPO clip" in grpo.warnings_for({**healthy, "grpo/clip_frac_high": 0.45})[0]
+    assert "running away" in grpo.warnings_for({**healthy, "grpo/kl_ref": 12.0})[0]
+
+
 def test_default_out_names(small_data):
     assert grpo.default_out(grpo.Args(kl_beta=0.1)).as_posix() == "runs/grpo-kl0.1"
     assert grpo.default_out(grpo.Args(kl_beta=0.05, online=True, rank_advantage=True)).name == "grpo-kl0.05-online-rank"
