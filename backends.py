@@ -1,16 +1,16 @@
 """LVLM backends behind one interface: score a query given an ordered list of ICDs.
 
-    backend.score(split, queries (N,), icds (N, k) train rows) -> {"prediction": [str], "acc", "correct",
-                                                                  "gt_prob", "rel": (N,) tensors}
+    backend.score(split, queries (N,), icds (N, k) train rows, gt_prob=True) -> {"prediction": [str], "acc",
+                                                              "correct", "gt_prob", "rel": (N,) tensors}
     backend.describe() -> dict recorded in meta.json / eval files (id, revision, prompt template, generation args)
 
-`SimBackend` wraps the built-in simulator (default, CPU, instant). The transformers backend (Qwen2.5-VL & co.)
-implements the same two methods.
+`SimBackend` wraps the built-in simulator (default, CPU, instant); `lvlm.LVLMBackend` runs a transformers LVLM
+(Qwen2.5-VL & co.) and is imported only when asked for, so simulator runs never load transformers.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import Tensor
@@ -26,23 +26,71 @@ class SimBackend:
     def __init__(self, sim: Simulator):
         self.sim = sim
 
-    def score(self, split: str, queries: Tensor, icds: Tensor) -> dict:
-        return self.sim.score(split, queries, icds)
+    def score(self, split: str, queries: Tensor, icds: Tensor, gt_prob: bool = True) -> dict:
+        return self.sim.score(split, queries, icds)  # gt_prob is free here
 
     def describe(self) -> dict:
         return {"lvlm": "sim", "simulation": True, "sim_config": asdict(self.sim.cfg)}
 
 
-def open_backend(meta: dict, emb: dict[str, Tensor] | None = None) -> SimBackend:
-    """The backend a dataset folder was scored with, rebuilt from its meta.json.
+@dataclass
+class LVLMOptions:
+    """How the real backend is run (recorded in meta.json; evaluate.py and grpo.py reuse the dataset's)."""
+
+    system_prompt: str | None = None
+    """Optional system prompt before the user turn."""
+    icd_template: str = "Question: {question} Short answer: {answer}"
+    """Text after each demonstration's image."""
+    query_template: str = "Question: {question} Short answer:"
+    """Text after the query's image (the end of the user turn)."""
+    max_new_tokens: int = 10
+    """Greedy generation length."""
+    lvlm_batch_size: int = 8
+    """Prompts per forward pass."""
+    device: str = "auto"
+    """auto = this rank's CUDA device in bf16 when present, else CPU float32."""
+
+
+def lvlm_backend(model: str, items: dict[str, list[dict]], opts: LVLMOptions):
+    from lvlm import LVLMBackend, PromptTemplate
+
+    template = PromptTemplate(icd=opts.icd_template, query=opts.query_template)
+    return LVLMBackend(
+        model, items, opts.lvlm_batch_size, opts.max_new_tokens, opts.system_prompt, template, opts.device
+    )
+
+
+def sim_from_meta(meta: dict) -> Simulator:
+    cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in meta["sim_config"].items()}  # JSON lists -> tuples
+    return Simulator(SimConfig(**cfg))
+
+
+def open_backend(
+    meta: dict,
+    items: dict[str, list[dict]],
+    emb: dict[str, Tensor],
+    lvlm: str | None = None,
+    batch_size: int = 8,
+    device: str = "auto",
+):
+    """The backend a dataset folder was scored with (or another LVLM, `lvlm`), rebuilt from its meta.json.
 
     For the simulator the folder's embeddings must be the ones the rebuilt simulator produces, else the stored
     scores and the backend would disagree.
     """
-    if meta.get("source") != "sim":
-        raise ValueError(f"dataset source {meta.get('source')!r}: only the simulator backend is available so far")
-    cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in meta["sim_config"].items()}  # JSON lists -> tuples
-    sim = Simulator(SimConfig(**cfg))
-    if emb is not None and not all(torch.equal(sim.emb[k], emb[k]) for k in ("train", "val")):
-        raise ValueError("the dataset's embeddings differ from those of the simulator its meta.json describes")
-    return SimBackend(sim)
+    if meta.get("source") == "sim" and lvlm in (None, "sim"):
+        sim = sim_from_meta(meta)
+        if not all(torch.equal(sim.emb[k], emb[k]) for k in ("train", "val")):
+            raise ValueError("the dataset's embeddings differ from those of the simulator its meta.json describes")
+        return SimBackend(sim)
+    if meta.get("source") == "sim" or lvlm == "sim":
+        raise ValueError("a simulated dataset can only be answered by the simulator, and a real one by a real LVLM")
+    opts = LVLMOptions(
+        system_prompt=meta.get("system_prompt"),
+        icd_template=meta["prompt_template"]["icd"],
+        query_template=meta["prompt_template"]["query"],
+        max_new_tokens=meta["generation"]["max_new_tokens"],
+        lvlm_batch_size=batch_size,
+        device=device,
+    )
+    return lvlm_backend(lvlm or meta["lvlm"], items, opts)

@@ -11,7 +11,8 @@ Writes RUN/eval/<split>.json (or <split>-epoch002.json with --epochs):
     {"data", "backend", "split", "selector", "order", "shots", "num_samples",
      "results": [{"question_id", "row", "shot", "icds": [train rows], "prediction", "score"}, ...],  # question order
      "summary": {"800": {"1": 48.55, ...}, ...}}                                                    # percentages
-Progress is kept per question in <file>.partial.jsonl, so an interrupted evaluation resumes where it stopped.
+Progress is kept per question in <file>.seedN.rankR.partial.jsonl, so an interrupted evaluation resumes where it
+stopped; under torchrun each rank scores every world-th question and rank 0 writes the file.
 
 Usage:
     python evaluate.py runs/rce runs/grpo-kl0.1
@@ -19,6 +20,7 @@ Usage:
     python evaluate.py --baseline random --seeds 3        # -> runs/baseline-random
     python evaluate.py --baseline image-sim               # most similar last, next to the query (RICES)
     python evaluate.py runs/rce --split train             # train/val gap
+    torchrun --nproc-per-node 8 evaluate.py runs/grpo-kl0.1 --data data/okvqa-qwen3b   # questions split over GPUs
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 import pools
+import sharding
 from backends import open_backend
 from data import Dataset, load_dataset, run_cli
 from model import PointerSelector, atomic_write_text
@@ -68,7 +71,13 @@ class Args:
     seed: int = 0
     """Random baseline: first seed."""
     batch_size: int = 256
-    """Questions per backend call."""
+    """Questions per backend call (each one's line is flushed when its call returns)."""
+    lvlm: str | None = None
+    """Answer with this LVLM (HF id or path) instead of the one that scored the dataset (real datasets only)."""
+    lvlm_batch_size: int = 8
+    """Real LVLM: prompts per forward pass."""
+    device: str = "auto"
+    """Real LVLM: auto = this rank's CUDA device in bf16, else CPU float32."""
 
 
 def check_args(args: Args) -> None:
@@ -134,46 +143,39 @@ def baseline_icds(
 
 
 def score_all(
-    backend,
-    split: str,
-    rows: Tensor,
-    icds_per_shot: list[Tensor],
-    batch: int,
-    desc: str,
-    done: dict[int, list[dict]],
-    partial: Path,
-) -> dict[int, list[dict]]:
-    """Score every (question, shot); questions already in `done` are skipped, new ones appended to `partial`."""
-    todo = [i for i in range(len(rows)) if i not in done]
-    bar = tqdm(total=len(rows), initial=len(rows) - len(todo), desc=desc, unit="question", dynamic_ncols=True)
-    with partial.open("a") as f:
+    backend, split: str, rows: Tensor, icds_per_shot: list[Tensor], batch: int, desc: str, todo: list[int], path: Path
+) -> None:
+    """Score the questions `todo` at every shot, appending one line per question to this rank's partial file."""
+    bar = tqdm(total=len(todo), desc=desc, unit="question", dynamic_ncols=True)
+    with path.open("a") as f:
         for c in range(0, len(todo), batch):
             idx = torch.tensor(todo[c : c + batch])
-            per_shot = [backend.score(split, rows[idx], icds[idx]) for icds in icds_per_shot]
+            per_shot = [backend.score(split, rows[idx], icds[idx], gt_prob=False) for icds in icds_per_shot]
             for j, i in enumerate(idx.tolist()):
-                done[i] = [
+                shots = [
                     {
-                        "icds": icds_per_shot[s][i].tolist(),
+                        "icds": icds[i].tolist(),
                         "prediction": res["prediction"][j],
                         "score": round(float(res["acc"][j]), 6),
                     }
-                    for s, res in enumerate(per_shot)
+                    for icds, res in zip(icds_per_shot, per_shot)
                 ]
-                f.write(json.dumps({"i": i, "shots": done[i]}) + "\n")
+                f.write(json.dumps({"i": i, "shots": shots}) + "\n")
             f.flush()
             bar.update(len(idx))
     bar.close()
-    return done
+
+
+def partial_files(target: Path, seed: int) -> list[Path]:
+    return sorted(target.parent.glob(f"{target.name}.seed{seed}.rank*.partial.jsonl"))
 
 
 def read_partial(path: Path, header: dict) -> dict[int, list[dict]]:
-    """Per-question results of an interrupted evaluation with the same settings (else start over)."""
+    """Per-question records of one partial file; {} if it is missing or was left by other settings."""
     if not path.exists():
-        atomic_write_text(path, json.dumps(header) + "\n")
         return {}
     lines = path.read_text().split("\n")
-    if json.loads(lines[0]) != header:
-        atomic_write_text(path, json.dumps(header) + "\n")
+    if lines[0] != json.dumps(header):
         return {}
     done = {}
     for line in lines[1:]:
@@ -182,14 +184,26 @@ def read_partial(path: Path, header: dict) -> dict[int, list[dict]]:
         except json.JSONDecodeError:
             continue  # an empty or truncated last line: that question is scored again
         done[rec["i"]] = rec["shots"]
-    atomic_write_text(
-        path,
-        "\n".join([json.dumps(header)] + [json.dumps({"i": i, "shots": s}) for i, s in sorted(done.items())]) + "\n",
-    )
     return done
 
 
-def evaluate_one(args: Args, ds: Dataset, backend, target: Path, selector: Path | None, desc: str) -> dict:
+def read_partials(target: Path, seed: int, header: dict) -> dict[int, list[dict]]:
+    """Questions already scored by any rank (of this run or of an interrupted one with the same settings)."""
+    return {i: s for path in partial_files(target, seed) for i, s in read_partial(path, header).items()}
+
+
+def own_partial(target: Path, seed: int, rank: int, header: dict) -> Path:
+    """This rank's partial file, rewritten cleanly (a truncated last line must not swallow the next append)."""
+    path = target.with_name(f"{target.name}.seed{seed}.rank{rank}.partial.jsonl")
+    mine = read_partial(path, header)
+    lines = [json.dumps(header)] + [json.dumps({"i": i, "shots": s}) for i, s in sorted(mine.items())]
+    atomic_write_text(path, "\n".join(lines) + "\n")
+    return path
+
+
+def evaluate_one(args: Args, ds: Dataset, backend, target: Path, selector: Path | None, desc: str) -> dict | None:
+    """Evaluate one run or baseline; under torchrun every rank scores its share and rank 0 writes the file."""
+    rank, world = sharding.init()
     n = max(args.num_samples)
     split = args.split
     rows, pool, items = questions(ds, split, n)
@@ -207,26 +221,32 @@ def evaluate_one(args: Args, ds: Dataset, backend, target: Path, selector: Path 
         "shots": args.shots,
         "seeds": seeds,
         "data": str(ds.folder),
+        "lvlm": backend.describe()["lvlm"],
     }
     target.parent.mkdir(parents=True, exist_ok=True)
-    per_seed = []
     for seed in seeds:
         if selector is not None:
-            model = load_selector(selector)
-            picks = selector_icds(model, ds, split, rows, pool, k)
+            picks = selector_icds(load_selector(selector), ds, split, rows, pool, k)
             icds = [picks[:, :s] for s in args.shots]
         else:
             icds = baseline_icds(args, ds, backend, split, rows, pool, k, seed)
         if order == "reversed":
             icds = [x.flip(1) for x in icds]
-        partial = target.with_name(target.name + f".seed{seed}.partial.jsonl")
-        done = read_partial(partial, {**header, "seed": seed})
-        per_seed.append((partial, score_all(backend, split, rows, icds, args.batch_size, desc, done, partial)))
+        h = {**header, "seed": seed}
+        sharding.barrier(world)  # every rank has read the partial files before any rank rewrites its own
+        done = read_partials(target, seed, h)
+        path = own_partial(target, seed, rank, h)
+        todo = [i for i in range(n) if i not in done][rank::world]
+        score_all(backend, split, rows, icds, args.batch_size, desc, todo, path)
+    sharding.barrier(world)
+    if rank != 0:
+        return None
+    per_seed = [read_partials(target, seed, {**header, "seed": seed}) for seed in seeds]
     results = []
     for i, item in enumerate(items):
         for s, shot in enumerate(args.shots):
-            first = per_seed[0][1][i][s]
-            score = sum(d[i][s]["score"] for _, d in per_seed) / len(per_seed)
+            first = per_seed[0][i][s]
+            score = sum(d[i][s]["score"] for d in per_seed) / len(per_seed)
             results.append(
                 {
                     "question_id": item["question_id"],
@@ -237,20 +257,20 @@ def evaluate_one(args: Args, ds: Dataset, backend, target: Path, selector: Path 
                     "score": round(score, 6),
                 }
             )
-    summary = summarise(results, args.shots, args.num_samples)
     doc = {
         "data": str(ds.folder),
         "backend": backend.describe()["lvlm"],
         "simulation": ds.is_sim,
         "backend_info": backend.describe(),
-        **{k: v for k, v in header.items() if k != "data"},
+        **{k: v for k, v in header.items() if k not in ("data", "lvlm")},
         "num_samples": sorted(args.num_samples),
         "results": results,
-        "summary": summary,
+        "summary": summarise(results, args.shots, args.num_samples),
     }
     atomic_write_text(target, json.dumps(doc) + "\n")
-    for partial, _ in per_seed:
-        partial.unlink()
+    for seed in seeds:
+        for path in partial_files(target, seed):
+            path.unlink()
     return doc
 
 
@@ -272,7 +292,7 @@ def table(summary: dict, shots: list[int]) -> str:
 def main(args: Args) -> None:
     check_args(args)
     ds = load_dataset(args.data)
-    backend = open_backend(ds.meta, ds.emb)
+    backend = open_backend(ds.meta, ds.items, ds.emb, args.lvlm, args.lvlm_batch_size, args.device)
     jobs = []
     if args.baseline is not None:
         out = args.out or Path("runs") / f"baseline-{args.baseline}"
@@ -291,8 +311,10 @@ def main(args: Args) -> None:
             )
     for target, selector, desc in jobs:
         doc = evaluate_one(args, ds, backend, target, selector, desc)
-        label = " (simulated LVLM)" if ds.is_sim else ""
-        print(f"\n{desc}: {args.split} VQA accuracy (%){label} -> {target}\n{table(doc['summary'], args.shots)}")
+        if doc is not None:  # rank 0 (or a single process)
+            label = " (simulated LVLM)" if ds.is_sim else f" ({doc['backend']})"
+            print(f"\n{desc}: {args.split} VQA accuracy (%){label} -> {target}\n{table(doc['summary'], args.shots)}")
+    sharding.finish(sharding.init()[1])
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ from torch import Tensor
 from tqdm import tqdm
 
 import pools
-from backends import SimBackend
+import sharding
+from backends import LVLMOptions, SimBackend, lvlm_backend
 from data import (
     FORMAT_VERSION,
     REWARD_MODES,
@@ -43,7 +44,7 @@ from data import (
     compute_reward,
     load_dataset,
     quality_labels,
-    read_jsonl,
+    read_embeddings,
     read_meta,
     run_cli,
 )
@@ -52,15 +53,16 @@ from sim import SimConfig, Simulator, calibrate
 
 
 @dataclass
-class Args(RewardArgs):
-    out: Path = Path("data/sim")
-    """Dataset folder to write (created; re-running the same command resumes it)."""
+class Args(RewardArgs, LVLMOptions):
+    out: Path | None = None
+    """Dataset folder to write (default data/sim, or data/<dataset>-<model name> for a real LVLM); re-running
+    the same command resumes it."""
     num_queries: int = 800
     """Anchor queries (train items) to score."""
     num_train: int = 5000
-    """Train items, the ICD source (simulator only; real datasets use their whole train split)."""
+    """Simulator: train items, the ICD source."""
     num_val: int = 1200
-    """Validation questions (simulator only; real datasets use their whole val split)."""
+    """Simulator: validation questions."""
     pool_size: int = 64
     """Candidates per query pool (K)."""
     group_size: int = 16
@@ -80,9 +82,32 @@ class Args(RewardArgs):
     seed: int = 0
     """Seed of the simulator, the anchors, the pools and the random sequences."""
     lvlm: str = "sim"
-    """`sim` (the built-in simulator) or a Hugging Face model id / path (real backend)."""
-    chunk: int = 32
-    """Anchor queries scored per backend call (each query's line is flushed as soon as its chunk is scored)."""
+    """`sim` (the built-in simulator) or a Hugging Face model id / local path, e.g. Qwen/Qwen2.5-VL-3B-Instruct."""
+    dataset: Literal["okvqa", "vqav2"] = "okvqa"
+    """Real data: which official question/annotation files to read."""
+    data_root: Path | None = None
+    """Real data: folder with the question/annotation JSON files and the COCO train2014/ and val2014/ images."""
+    train_questions: str | None = None
+    """Real data: train questions file under --data-root (default: the official name)."""
+    train_annotations: str | None = None
+    """Real data: train annotations file under --data-root (default: the official name)."""
+    val_questions: str | None = None
+    """Real data: val questions file under --data-root (default: the official name)."""
+    val_annotations: str | None = None
+    """Real data: val annotations file under --data-root (default: the official name)."""
+    train_images: str | None = None
+    """Real data: train image folder under --data-root (default train2014)."""
+    val_images: str | None = None
+    """Real data: val image folder under --data-root (default val2014)."""
+    max_train: int | None = None
+    """Real data: keep only the first N train items (quick runs)."""
+    max_val: int | None = None
+    """Real data: keep only the first N val questions (quick runs)."""
+    encoder: str = "openai/clip-vit-base-patch32"
+    """Real data: CLIP model (id or path) for the image and question embeddings."""
+    chunk: int = 0
+    """Anchor queries per backend call; each query's line is flushed when its call returns (0 = 64 for the
+    simulator, 1 for a real LVLM)."""
     calibrate: bool = False
     """Print the simulator's calibration table (zero-shot, random, similarity, oracle at 1..S shots) and exit."""
     report: Path | None = None
@@ -100,17 +125,74 @@ def make_sim(args: Args) -> Simulator:
     return Simulator(SimConfig(seed=args.seed, num_train=args.num_train, num_val=args.num_val))
 
 
+def is_sim(args: Args) -> bool:
+    return args.lvlm == "sim"
+
+
+def out_folder(args: Args) -> Path:
+    if args.out is not None:
+        return args.out
+    return Path("data") / ("sim" if is_sim(args) else f"{args.dataset}-{Path(args.lvlm.rstrip('/')).name}")
+
+
 def check_args(args: Args) -> None:
-    for name in ("num_queries", "num_train", "num_val", "pool_size", "group_size", "seq_len", "chunk"):
+    for name in ("num_queries", "num_train", "num_val", "pool_size", "group_size", "seq_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.seq_len > args.pool_size:
         raise ValueError(f"--seq-len {args.seq_len} is larger than --pool-size {args.pool_size}")
-    if args.lvlm != "sim":
-        raise ValueError(f"--lvlm {args.lvlm}: the real LVLM backend is not available yet; use --lvlm sim")
+    if args.chunk < 0:
+        raise ValueError(f"--chunk must be >= 0, got {args.chunk}")
+    if not is_sim(args) and args.data_root is None:
+        raise ValueError(f"--lvlm {args.lvlm} needs --data-root: the folder with the {args.dataset} files and images")
 
 
-def settings(args: Args, backend: SimBackend) -> dict:
+@dataclass
+class Source:
+    """What the folder is made from: items per split, their embeddings (None until computed), and the backend."""
+
+    items: dict[str, list[dict]]
+    emb: dict[str, Tensor] | None
+    backend: object
+    settings: dict  # how the items, embeddings and scores were made
+
+
+def open_source(args: Args) -> Source:
+    """The simulator, or the real dataset files + the LVLM (loaded now, so a bad model fails before any write)."""
+    if is_sim(args):
+        sim = make_sim(args)
+        return Source(sim.items, sim.emb, SimBackend(sim), {"source": "sim", "encoder": "sim"})
+    from vqa_data import load_vqa_split
+
+    files = {
+        s: (getattr(args, f"{s}_questions"), getattr(args, f"{s}_annotations"), getattr(args, f"{s}_images"))
+        for s in ("train", "val")
+    }
+    limit = {"train": args.max_train, "val": args.max_val}
+    items = {s: load_vqa_split(args.dataset, args.data_root, s, *files[s])[: limit[s]] for s in ("train", "val")}
+    backend = lvlm_backend(args.lvlm, items, args)
+    data = {
+        "source": args.dataset,
+        "data_root": str(Path(args.data_root).resolve()),
+        "files": files,
+        "limits": limit,
+        "encoder": args.encoder,
+    }
+    return Source(items, None, backend, {**data, "system_prompt": args.system_prompt})
+
+
+def embed(args: Args, items: dict[str, list[dict]]) -> dict[str, Tensor]:
+    """CLIP image, question and fused embeddings of both splits (real data)."""
+    from lvlm import clip_embed
+
+    emb = {}
+    for split, rows in items.items():
+        e = clip_embed(rows, args.encoder, device=args.device)
+        emb.update({split: e["fused"], f"{split}_image": e["image"], f"{split}_text": e["text"]})
+    return emb
+
+
+def settings(args: Args, src: Source) -> dict:
     """Everything that determines the folder's content: a resumed run must match these exactly."""
     init = None
     if args.init is not None:
@@ -122,8 +204,8 @@ def settings(args: Args, backend: SimBackend) -> dict:
         }
     return {
         "format_version": FORMAT_VERSION,
-        "source": "sim",
-        **backend.describe(),
+        **src.settings,
+        **src.backend.describe(),
         "sampler": args.sampler,
         "pool_size": args.pool_size,
         "group_size": args.group_size,
@@ -131,7 +213,6 @@ def settings(args: Args, backend: SimBackend) -> dict:
         "seed": args.seed,
         "num_queries": args.num_queries,
         "init": init,
-        "encoder": "sim",
     }
 
 
@@ -144,13 +225,15 @@ def similarity_matrices(emb: dict[str, Tensor], split: str, queries: Tensor) -> 
     return {f"{view}_sim": emb[f"{split}_{view}"][queries] @ emb[f"train_{view}"].T for view in ("image", "text")}
 
 
-def make_pools(sim: Simulator, args: Args, split: str, queries: Tensor, query_rows: Tensor, stream: int) -> Tensor:
+def make_pools(
+    args: Args, items: dict, emb: dict, split: str, queries: Tensor, query_rows: Tensor, stream: int
+) -> Tensor:
     """(Q,) query rows of `split` -> (Q, K) train rows, built by the chosen sampler."""
-    image_ids = torch.tensor([it["image_id"] for it in sim.items[split]])
-    train_ids = torch.tensor([it["image_id"] for it in sim.items["train"]])
+    image_ids = torch.tensor([it["image_id"] for it in items[split]])
+    train_ids = torch.tensor([it["image_id"] for it in items["train"]])
     exclude = pools.exclusion_mask(image_ids[queries], train_ids, query_rows)
     return pools.build_pools(
-        args.sampler, args.pool_size, exclude, rng(args.seed, stream), **similarity_matrices(sim.emb, split, queries)
+        args.sampler, args.pool_size, exclude, rng(args.seed, stream), **similarity_matrices(emb, split, queries)
     )
 
 
@@ -167,15 +250,15 @@ def init_candidates(args: Args, query: Tensor, pool: Tensor) -> tuple[Tensor, li
     return seqs, ["greedy"] + ["beam"] * args.init_beams + ["sample"] * args.init_samples
 
 
-def build_groups(sim: Simulator, args: Args, anchors: Tensor, anchor_pools: Tensor) -> tuple[Tensor, list[list[str]]]:
+def build_groups(args: Args, emb: dict, anchors: Tensor, anchor_pools: Tensor) -> tuple[Tensor, list[list[str]]]:
     """G distinct sequences per anchor (Q, G, S) in pool positions, with their sources: the selector's picks
     (with --init), one similarity-retrieval sequence, then random ones."""
-    emb = sim.emb["train"]
+    train = emb["train"]
     prefix, prefix_sources = None, None
     if args.init is not None:
-        prefix, prefix_sources = init_candidates(args, emb[anchors], emb[anchor_pools])
+        prefix, prefix_sources = init_candidates(args, train[anchors], train[anchor_pools])
     return pools.candidate_groups(
-        emb[anchors], emb[anchor_pools], args.group_size, args.seq_len, rng(args.seed, 3), prefix, prefix_sources
+        train[anchors], train[anchor_pools], args.group_size, args.seq_len, rng(args.seed, 3), prefix, prefix_sources
     )
 
 
@@ -205,16 +288,37 @@ def prepare_folder(out: Path, want: dict) -> dict | None:
     return meta
 
 
-def done_queries(path: Path) -> set[int]:
-    """Queries already in rl_data.jsonl; a truncated last line (a killed write) is cut off first."""
-    if not path.exists():
-        return set()
-    text = path.read_text()
+def shard_files(out: Path) -> list[Path]:
+    return sorted(out.glob("rl_data.rank*.jsonl"))
+
+
+def scored_lines(out: Path) -> dict[int, str]:
+    """query -> its line, from rl_data.jsonl and the shard files of (possibly interrupted) torchrun ranks."""
+    lines = {}
+    for path in [out / "rl_data.jsonl", *shard_files(out)]:
+        if path.exists():
+            for line in path.read_text().split("\n"):
+                try:
+                    lines[json.loads(line)["query"]] = line + "\n"
+                except json.JSONDecodeError:
+                    continue  # empty, or the truncated last line of a killed write: that query is scored again
+    return lines
+
+
+def cut_truncated_tail(path: Path) -> None:
+    """Drop a last line without newline (a killed write), so the next append starts on a fresh line."""
+    text = path.read_text() if path.exists() else ""
     if text and not text.endswith("\n"):
-        keep = text[: text.rfind("\n") + 1]
         print(f"note: {path}: dropping a truncated last line from an interrupted run", file=sys.stderr)
-        path.write_text(keep)
-    return {rec["query"] for _, rec in read_jsonl(path)}
+        atomic_write_text(path, text[: text.rfind("\n") + 1])
+
+
+def merge_shards(out: Path, anchors: Tensor) -> None:
+    """rl_data.jsonl in anchor order from itself and every shard file; the shards are then removed."""
+    lines = scored_lines(out)
+    atomic_write_text(out / "rl_data.jsonl", "".join(lines[q] for q in anchors.tolist() if q in lines))
+    for path in shard_files(out):
+        path.unlink()
 
 
 def seq_record(icds: list[int], source: str, res: dict, i: int) -> dict:
@@ -231,24 +335,22 @@ def seq_record(icds: list[int], source: str, res: dict, i: int) -> dict:
 
 def generate(args: Args) -> None:
     check_args(args)
-    sim = make_sim(args)
-    backend = SimBackend(sim)
-    n_train = len(sim.items["train"])
+    rank, world = sharding.init()
+    out = out_folder(args)
+    src = open_source(args)
+    n_train, n_val = len(src.items["train"]), len(src.items["val"])
     if args.num_queries > n_train:
         raise ValueError(f"--num-queries {args.num_queries} exceeds the {n_train} train items")
-    want = settings(args, backend)
-    meta = prepare_folder(args.out, want)
+    want = settings(args, src)
+    meta = prepare_folder(out, want)
     if args.init is not None:
         PointerSelector.load(args.init)  # fail on a bad --init before anything is written
+    sharding.barrier(world)  # every rank has checked the folder before rank 0 creates it
 
     anchors = torch.randperm(n_train, generator=rng(args.seed, 1))[: args.num_queries]  # (Q,)
-    anchor_pools = make_pools(sim, args, "train", anchors, anchors, stream=2)  # (Q, K)
-    groups, sources = build_groups(sim, args, anchors, anchor_pools)  # (Q, G, S)
-    n_val = len(sim.items["val"])
-    val_pools = make_pools(sim, args, "val", torch.arange(n_val), torch.full((n_val,), -1), stream=5)
-
-    out = args.out
-    if meta is None:
+    if meta is None and rank == 0:
+        emb = src.emb if src.emb is not None else embed(args, src.items)
+        val_pools = make_pools(args, src.items, emb, "val", torch.arange(n_val), torch.full((n_val,), -1), stream=5)
         out.mkdir(parents=True, exist_ok=True)
         meta = {
             "format_version": FORMAT_VERSION,
@@ -258,22 +360,40 @@ def generate(args: Args) -> None:
             "complete": False,
             "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
         }
-        atomic_write_text(out / "items.json", json.dumps(sim.items) + "\n")
-        save_tensors(out / "embeddings.safetensors", sim.emb)
+        atomic_write_text(out / "items.json", json.dumps(src.items) + "\n")
+        save_tensors(out / "embeddings.safetensors", emb)
         atomic_write_text(out / "eval_pools.json", json.dumps({"sampler": args.sampler, "pools": val_pools.tolist()}))
         atomic_write_text(out / "meta.json", json.dumps(meta, indent=2) + "\n")
+    sharding.barrier(world)
+    meta = read_meta(out)
+    emb = (
+        src.emb
+        if src.emb is not None
+        else read_embeddings(out / "embeddings.safetensors", {"train": n_train, "val": n_val})
+    )
+    anchor_pools = make_pools(args, src.items, emb, "train", anchors, anchors, stream=2)  # (Q, K)
+    groups, sources = build_groups(args, emb, anchors, anchor_pools)  # (Q, G, S)
 
-    path = out / "rl_data.jsonl"
-    done = done_queries(path)
-    todo = [i for i, q in enumerate(anchors.tolist()) if q not in done]
+    # This rank's share of what is left; its lines go to rl_data.jsonl, or to its own shard under torchrun.
+    path = out / ("rl_data.jsonl" if world == 1 else f"rl_data.rank{rank}.jsonl")
+    cut_truncated_tail(path)
+    done = scored_lines(out)
+    todo = [i for i, q in enumerate(anchors.tolist()) if q not in done][rank::world]
+    chunk = args.chunk or (64 if is_sim(args) else 1)
     G, S = groups.shape[1:]
-    bar = tqdm(total=len(anchors), initial=len(anchors) - len(todo), unit="query", desc="scoring", dynamic_ncols=True)
+    bar = tqdm(
+        total=len(todo),
+        unit="query",
+        desc=f"scoring (rank {rank})" if world > 1 else "scoring",
+        position=rank,
+        dynamic_ncols=True,
+    )
     start, scored = time.perf_counter(), 0
     with path.open("a") as f:
-        for c in range(0, len(todo), args.chunk):
-            idx = torch.tensor(todo[c : c + args.chunk])  # (C,)
+        for c in range(0, len(todo), chunk):
+            idx = torch.tensor(todo[c : c + chunk])  # (C,)
             icds = anchor_pools[idx].gather(1, groups[idx].flatten(1)).view(-1, S)  # (C*G, S) train rows
-            res = backend.score("train", anchors[idx].repeat_interleave(G), icds)
+            res = src.backend.score("train", anchors[idx].repeat_interleave(G), icds)
             for j, i in enumerate(idx.tolist()):
                 seqs = [seq_record(groups[i, g].tolist(), sources[i][g], res, j * G + g) for g in range(G)]
                 line = {"query": int(anchors[i]), "pool": anchor_pools[i].tolist(), "seqs": seqs}
@@ -281,14 +401,24 @@ def generate(args: Args) -> None:
             f.flush()
             scored += len(idx) * G
             bar.update(len(idx))
-            bar.set_postfix(seq_per_s=f"{scored / (time.perf_counter() - start):.0f}")
+            bar.set_postfix(seq_per_s=f"{scored / (time.perf_counter() - start):.1f}")
     bar.close()
 
-    if not meta["complete"]:
-        cal = calibrate(sim, args.pool_size, args.group_size, args.seq_len, args.num_queries, args.seed)
-        meta.update(complete=True, counts={"train": n_train, "val": n_val, "anchors": len(anchors)}, calibration=cal)
-        atomic_write_text(out / "meta.json", json.dumps(meta, indent=2) + "\n")
-    print(f"wrote {out} ({len(anchors)} anchor queries x {G} sequences, {n_val} val queries; simulated LVLM)")
+    sharding.barrier(world)
+    if rank == 0:
+        if shard_files(out):
+            merge_shards(out, anchors)
+        if not meta["complete"]:
+            meta.update(complete=True, counts={"train": n_train, "val": n_val, "anchors": len(anchors)})
+            if is_sim(args):
+                sim = src.backend.sim
+                meta["calibration"] = calibrate(
+                    sim, args.pool_size, args.group_size, args.seq_len, args.num_queries, args.seed
+                )
+            atomic_write_text(out / "meta.json", json.dumps(meta, indent=2) + "\n")
+        label = "simulated LVLM" if is_sim(args) else f"LVLM {args.lvlm}"
+        print(f"wrote {out} ({len(anchors)} anchor queries x {G} sequences, {n_val} val queries; {label})")
+    sharding.finish(world)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

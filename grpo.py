@@ -32,6 +32,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from backends import open_backend
 from data import compute_reward, load_dataset, run_cli
 from model import exact_kl, group_advantages, k3_kl, ppo_clip_loss
 from pools import first_distinct
@@ -165,9 +166,9 @@ def main(args: Args) -> None:
     ds = load_dataset(args.data, args.allow_truncated)
     split = split_queries(ds, args)
     resume_from = prepare_out(out, args.resume)
-    backend = sim_backend(ds)
-    if args.online and backend is None:
-        raise ValueError("--online needs a backend to score new sequences; this dataset has none available")
+    backend = sim_backend(ds)  # true-accuracy validation: simulator only
+    # online groups are scored by the dataset's backend: the simulator, or the LVLM that scored the data
+    scorer = (backend or open_backend(ds.meta, ds.items, ds.emb)) if args.online else None
     torch.manual_seed(args.seed)
     policy = load_selector(args.init)
     if policy.cfg.dim != ds.emb["train"].shape[1]:
@@ -182,7 +183,7 @@ def main(args: Args) -> None:
     params = [p for p in policy.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     ref_greedy = greedy_picks(ref, ds, split.val)
-    cache = ScoreCache(backend) if args.online else None
+    cache = ScoreCache(scorer) if args.online else None
     sampler = torch.Generator().manual_seed(args.seed + 2)
     S = ds.seq_len
     steps_per_epoch = -(-len(split.train) // args.batch_size)

@@ -343,8 +343,11 @@ class LVLMBackend:
         # Exclusive replies make the sum at most 1; the clamp only removes float rounding above it.
         return total.clamp_(max=1.0)  # (N,)
 
-    def score_examples(self, examples: list[Example]) -> dict:
-        """score() for explicit (query item, ICD items) prompts; the ICD lists may differ in length."""
+    def score_examples(self, examples: list[Example], gt_prob: bool = True) -> dict:
+        """score() for explicit (query item, ICD items) prompts; the ICD lists may differ in length.
+
+        gt_prob=False skips the teacher-forced passes (NaN instead): evaluation needs only the answers.
+        """
         predictions = [postprocess(text) for text in self.generate(examples)]
         gts = [query["answers"] for query, _ in examples]
         acc = torch.tensor([vqa_score(p, a) for p, a in zip(predictions, gts)], dtype=torch.float32)  # (N,)
@@ -353,17 +356,17 @@ class LVLMBackend:
             "prediction": predictions,
             "acc": acc,
             "correct": acc > 0,
-            "gt_prob": self.gt_prob(examples),
+            "gt_prob": self.gt_prob(examples) if gt_prob else torch.full((len(examples),), float("nan")),
             "rel": rel,
         }
 
-    def score(self, split: str, queries: Tensor, icds: Tensor) -> dict:
+    def score(self, split: str, queries: Tensor, icds: Tensor, gt_prob: bool = True) -> dict:
         """Answer and score each query of `split` given its ICDs (train rows, prompt order): (N,), (N, k) -> (N,)s."""
         if queries.dim() != 1 or icds.dim() != 2 or icds.shape[0] != queries.shape[0]:
             raise ValueError(f"expected queries (N,) and icds (N, k), got {tuple(queries.shape)}, {tuple(icds.shape)}")
         pool, split_items = self.items["train"], self.items[split]
         examples = [(split_items[q], [pool[j] for j in row]) for q, row in zip(queries.tolist(), icds.tolist())]
-        return self.score_examples(examples)
+        return self.score_examples(examples, gt_prob)
 
     def describe(self) -> dict:
         return {

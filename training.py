@@ -153,7 +153,7 @@ def validate(model: PointerSelector, ds: Dataset, split: Split, backend=None) ->
 
 def sim_backend(ds: Dataset):
     """The dataset's simulator when it is a simulated dataset (for true-accuracy validation), else None."""
-    return open_backend(ds.meta, ds.emb) if ds.is_sim else None
+    return open_backend(ds.meta, ds.items, ds.emb) if ds.is_sim else None
 
 
 # ----------------------------------------------------------------------------------------------------------------------

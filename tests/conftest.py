@@ -29,3 +29,17 @@ def small_data(tmp_path_factory):
     out = tmp_path_factory.mktemp("data") / "sim"
     generate(Args(out=out, **SMALL))
     return out
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory) -> dict:
+    """Tiny random-weight Qwen2.5-VL, CLIP and text-only LM, and an OK-VQA-format dataset, built offline once."""
+    from real_fixtures import build_okvqa_fixture, build_tiny_clip, build_tiny_qwen, build_tiny_text_lm
+
+    root = tmp_path_factory.mktemp("real")
+    return {
+        "qwen": build_tiny_qwen(root / "qwen"),
+        "clip": build_tiny_clip(root / "clip"),
+        "text_lm": build_tiny_text_lm(root / "text-lm"),
+        "okvqa": build_okvqa_fixture(root / "okvqa"),
+    }

@@ -89,7 +89,7 @@ def test_selector_run_orders_epochs_and_train_split(small_data, tmp_path):
     assert all(r["row"] not in r["icds"] for r in train["results"])
 
 
-def test_random_seeds_average_and_resume(small_data, tmp_path):
+def test_random_seeds_average_and_resume(small_data, tmp_path, monkeypatch):
     run_eval(data=small_data, baseline="random", out=tmp_path / "r", seeds=2)
     doc = json.loads((tmp_path / "r" / "eval" / "val.json").read_text())
     singles = []
@@ -98,31 +98,33 @@ def test_random_seeds_average_and_resume(small_data, tmp_path):
         singles.append(json.loads((tmp_path / f"s{seed}" / "eval" / "val.json").read_text())["results"])
     for r, a, b in zip(doc["results"], *singles):
         assert r["score"] == pytest.approx((a["score"] + b["score"]) / 2, abs=1e-6)
-    # an interrupted evaluation: the partial file holds 60 questions and a truncated line; the result is the same
+    # an interrupted evaluation: killed while scoring its second chunk, with half a line written; the re-run
+    # scores only what is missing and writes the same file
     target = tmp_path / "s0" / "eval" / "val.json"
-    header = {
-        "selector": "None",
-        "baseline": "random",
-        "split": "val",
-        "order": "selected",
-        "n": 150,
-        "shots": [1, 2, 3, 4],
-        "seeds": [0],
-        "data": str(small_data),
-        "seed": 0,
-    }
-    res = singles[0]
-    lines = [json.dumps(header)] + [
-        json.dumps(
-            {"i": i, "shots": [{k: r[k] for k in ("icds", "prediction", "score")} for r in res[4 * i : 4 * i + 4]]}
-        )
-        for i in range(60)
-    ]
-    partial = target.with_name("val.json.seed0.partial.jsonl")
-    partial.write_text("\n".join(lines) + '\n{"i": 60, "sh')
     before = target.read_bytes()
     target.unlink()
-    run_eval(data=small_data, baseline="random", out=tmp_path / "s0")
+    real_open = evaluate.open_backend
+
+    def dying_backend(*a, **kw):
+        backend, calls = real_open(*a, **kw), {"n": 0}
+        real_score = backend.score
+
+        def score(*args, **kw):
+            calls["n"] += 1
+            if calls["n"] > 4:  # 4 shots per chunk: the second chunk dies
+                raise KeyboardInterrupt
+            return real_score(*args, **kw)
+
+        backend.score = score
+        return backend
+
+    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
+        m.setattr(evaluate, "open_backend", dying_backend)
+        run_eval(data=small_data, baseline="random", out=tmp_path / "s0", batch_size=60)
+    [partial] = target.parent.glob("*.partial.jsonl")
+    assert len(partial.read_text().splitlines()) == 61  # header + the first chunk's 60 questions
+    partial.write_text(partial.read_text() + '{"i": 60, "sh')
+    run_eval(data=small_data, baseline="random", out=tmp_path / "s0", batch_size=60)
     assert target.read_bytes() == before and not partial.exists()
 
 

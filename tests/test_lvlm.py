@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from real_fixtures import build_okvqa_fixture, build_tiny_clip, build_tiny_qwen, build_tiny_text_lm
 
 from lvlm import ImageOnlyQwen2_5_VLProcessor, LVLMBackend, PromptTemplate, clip_embed, load_image, load_lvlm
 from vqa import answer_rel, postprocess, vqa_score
@@ -33,17 +32,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="session")
-def assets(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("real")
-    return {
-        "qwen": build_tiny_qwen(root / "qwen"),
-        "clip": build_tiny_clip(root / "clip"),
-        "text_lm": build_tiny_text_lm(root / "text-lm"),
-        "okvqa": build_okvqa_fixture(root / "okvqa"),
-    }
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,91 @@
+"""The whole pipeline on the real backend: tiny random-weight Qwen2.5-VL + CLIP built offline, OK-VQA-format files."""
+
+import json
+
+import pytest
+import torch
+
+import compare
+import evaluate
+import grpo
+import lvlm
+import rce
+from data import load_dataset
+from gen_rl_data import Args, generate
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run single-threaded: on a busy 2-core machine intra-op threads make each matmul far slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def gen_args(assets, out, **kw):
+    return Args(
+        out=out,
+        lvlm=str(assets["qwen"]),
+        dataset="okvqa",
+        data_root=assets["okvqa"],
+        encoder=str(assets["clip"]),
+        num_queries=8,
+        pool_size=6,
+        group_size=3,
+        seq_len=2,
+        lvlm_batch_size=4,
+        **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def data(assets, tmp_path_factory):
+    out = tmp_path_factory.mktemp("real-data") / "okvqa-tiny"
+    generate(gen_args(assets, out))
+    return out
+
+
+def test_dataset_folder_records_the_real_backend(data, assets, monkeypatch):
+    ds = load_dataset(data)
+    meta = ds.meta
+    assert meta["source"] == "okvqa" and meta["lvlm"] == str(assets["qwen"]) and not meta["simulation"]
+    assert meta["prompt_template"]["query"].endswith("Short answer:") and meta["generation"]["max_new_tokens"] == 10
+    assert meta["encoder"] == str(assets["clip"]) and "revision" in meta and "calibration" not in meta
+    assert len(ds.groups) == 8 and ds.groups.seqs.shape[1:] == (3, 2)
+    assert ds.emb["train"].shape[0] == len(ds.items["train"]) == 32 and "val_image" in ds.emb
+    assert all(it["image"].endswith(".jpg") for it in ds.items["train"])
+    # re-running the same command resumes: nothing is recomputed, the CLIP embeddings are reused
+    monkeypatch.setattr(lvlm, "clip_embed", lambda *a, **k: pytest.fail("embeddings recomputed"))
+    before = {p.name: p.read_bytes() for p in data.iterdir()}
+    generate(gen_args(assets, data))
+    assert {p.name: p.read_bytes() for p in data.iterdir()} == before
+
+
+def test_train_evaluate_compare(data, assets, tmp_path):
+    small = dict(data=data, epochs=1, batch_size=4, val_frac=0.25)
+    rce.main(rce.Args(out=tmp_path / "rce", hidden=32, num_heads=2, **small))
+    grpo.main(grpo.Args(init=tmp_path / "rce", out=tmp_path / "grpo", **small))
+    grpo.main(grpo.Args(init=tmp_path / "rce", out=tmp_path / "online", online=True, group_size=2, **small))
+    online = [json.loads(x) for x in (tmp_path / "online" / "metrics.jsonl").read_text().splitlines()][-1]
+    assert online["grpo/group_size"] <= 2 and "val/acc" not in online  # no true accuracy without the simulator
+    ev = dict(data=data, shots=[1, 2], num_samples=[4, 8])
+    evaluate.main(evaluate.Args(runs=[tmp_path / "rce", tmp_path / "grpo"], **ev))
+    evaluate.main(evaluate.Args(baseline="image-sim", out=tmp_path / "sim", **ev))
+    doc = json.loads((tmp_path / "grpo" / "eval" / "val.json").read_text())
+    assert doc["backend"] == str(assets["qwen"])
+    assert not doc["simulation"] and len(doc["results"]) == 16 and doc["backend_info"]["prompt_template"]
+    text = compare.report(compare.Args(runs=[tmp_path / "rce", tmp_path / "grpo", tmp_path / "sim"]))
+    assert "### grpo vs rce" in text and "simulated" not in text.splitlines()[0]
+
+
+def test_bad_model_writes_nothing(assets, tmp_path):
+    out = tmp_path / "bad"
+    args = gen_args(assets, out)
+    args.lvlm = str(assets["text_lm"])
+    with pytest.raises(ValueError, match="Qwen2ForCausalLM"):
+        generate(args)
+    args.lvlm = str(tmp_path / "no-such-model")
+    with pytest.raises((ValueError, FileNotFoundError), match="no-such-model"):
+        generate(args)
+    assert not out.exists()

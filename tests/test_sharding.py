@@ -1,0 +1,56 @@
+"""torchrun scale-out on CPU (gloo, 2 processes): sharded runs write exactly what a single process writes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import SMALL
+
+from gen_rl_data import Args, generate
+
+ROOT = Path(__file__).resolve().parent.parent
+FLAGS = [f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()]
+
+
+def torchrun(script: str, *args: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", script, *args]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_gen_rl_data_two_ranks_equal_one(small_data, tmp_path):
+    out = tmp_path / "sharded"
+    torchrun("gen_rl_data.py", f"--out={out}", *FLAGS)
+    assert (out / "rl_data.jsonl").read_bytes() == (small_data / "rl_data.jsonl").read_bytes()
+    assert not list(out.glob("rl_data.rank*.jsonl"))
+    assert json.loads((out / "meta.json").read_text())["complete"]
+
+
+def test_leftover_shards_of_a_crashed_run_are_resumed_and_merged(small_data, tmp_path):
+    out = tmp_path / "crashed"
+    lines = (small_data / "rl_data.jsonl").read_text().splitlines(keepends=True)
+    generate(Args(out=out, **SMALL))
+    # as if rank 0 had finished its even queries and rank 1 died in the middle of its 5th line
+    (out / "rl_data.jsonl").unlink()
+    (out / "rl_data.rank0.jsonl").write_text("".join(lines[0::2]))
+    (out / "rl_data.rank1.jsonl").write_text("".join(lines[1::2][:4]) + lines[9][:40])
+    meta = json.loads((out / "meta.json").read_text())
+    (out / "meta.json").write_text(json.dumps({**meta, "complete": False}))
+    generate(Args(out=out, **SMALL))
+    assert (out / "rl_data.jsonl").read_bytes() == (small_data / "rl_data.jsonl").read_bytes()
+    assert not list(out.glob("rl_data.rank*.jsonl"))
+
+
+def test_evaluate_two_ranks_equal_one(small_data, tmp_path):
+    import evaluate
+
+    args = ["--baseline", "random", "--num-samples", "50", "150", "--batch-size", "16"]
+    torchrun("evaluate.py", "--data", str(small_data), "--out", str(tmp_path / "two"), *args)
+    evaluate.main(
+        evaluate.Args(data=small_data, baseline="random", out=tmp_path / "one", num_samples=[50, 150], batch_size=16)
+    )
+    two, one = ((tmp_path / d / "eval" / "val.json").read_text() for d in ("two", "one"))
+    assert two == one and not list((tmp_path / "two" / "eval").glob("*.partial.jsonl"))
