@@ -1,9 +1,11 @@
-"""Puts the flat repo root on sys.path and registers hypothesis profiles (HYPOTHESIS_PROFILE=dev|ci, default ci)."""
+"""Shared test setup: the flat repo root on sys.path, hypothesis profiles (HYPOTHESIS_PROFILE=dev|ci, default ci),
+and session fixtures (a small simulated dataset; tiny offline real models and an OK-VQA-format dataset)."""
 
 import os
 import sys
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -14,9 +16,6 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
-
-
-import pytest  # noqa: E402  (after the sys.path setup above)
 
 SMALL = dict(num_train=600, num_val=150, num_queries=48, group_size=8, pool_size=24)
 
@@ -43,3 +42,14 @@ def assets(tmp_path_factory) -> dict:
         "text_lm": build_tiny_text_lm(root / "text-lm"),
         "okvqa": build_okvqa_fixture(root / "okvqa"),
     }
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run single-threaded: on a busy 2-core machine intra-op threads make each tiny matmul far slower."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

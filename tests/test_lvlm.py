@@ -25,13 +25,7 @@ from vqa_data import load_vqa_split
 VISION_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Run the tiny models single-threaded: on a busy 2-core machine, intra-op threads make each matmul ~100x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 
 import compare
 import evaluate
@@ -13,14 +12,7 @@ import rce
 from data import load_dataset
 from gen_rl_data import Args, generate
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run single-threaded: on a busy 2-core machine intra-op threads make each matmul far slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def gen_args(assets, out, **kw):
