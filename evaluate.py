@@ -78,6 +78,8 @@ class Args:
     """Real LVLM: prompts per forward pass."""
     device: str = "auto"
     """Real LVLM: auto = this rank's CUDA device in bf16, else CPU float32."""
+    data_root: Path | None = None
+    """Real data: where the dataset's files live now, if they moved since gen_rl_data.py (image paths re-rooted)."""
 
 
 def check_args(args: Args) -> None:
@@ -289,9 +291,21 @@ def table(summary: dict, shots: list[int]) -> str:
     return "\n".join([head, *rows])
 
 
+def reroot_images(ds: Dataset, root: Path) -> None:
+    """Point every item's image under `root`, keeping its path relative to the data root it was recorded with."""
+    if "data_root" not in ds.meta:
+        raise ValueError(f"--data-root: {ds.folder} is a simulated dataset; it has no files to relocate")
+    old = Path(ds.meta["data_root"])
+    for items in ds.items.values():
+        for it in items:
+            it["image"] = str(Path(root).resolve() / Path(it["image"]).relative_to(old))
+
+
 def main(args: Args) -> None:
     check_args(args)
     ds = load_dataset(args.data)
+    if args.data_root is not None:
+        reroot_images(ds, args.data_root)
     backend = open_backend(ds.meta, ds.items, ds.emb, args.lvlm, args.lvlm_batch_size, args.device)
     jobs = []
     if args.baseline is not None:

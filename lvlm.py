@@ -88,8 +88,13 @@ class PromptTemplate:
 @functools.cache
 def load_image(path: str) -> Image.Image:
     """The RGB image at `path`, decoded once per process and shared (callers must not modify it)."""
-    with Image.open(path) as img:
-        return img.convert("RGB")
+    try:
+        with Image.open(path) as img:
+            return img.convert("RGB")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: image file not found") from None
+    except (OSError, SyntaxError, ValueError) as e:  # PIL's errors for truncated or corrupt files
+        raise ValueError(f"{path}: not a readable image ({e})") from None
 
 
 def answer_counts(answers: list[str]) -> list[tuple[str, int]]:

@@ -16,8 +16,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def gen_args(assets, out, **kw):
-    return Args(
-        out=out,
+    base = dict(
         lvlm=str(assets["qwen"]),
         dataset="okvqa",
         data_root=assets["okvqa"],
@@ -27,8 +26,8 @@ def gen_args(assets, out, **kw):
         group_size=3,
         seq_len=2,
         lvlm_batch_size=4,
-        **kw,
     )
+    return Args(out=out, **{**base, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +68,25 @@ def test_train_evaluate_compare(data, assets, tmp_path):
     assert not doc["simulation"] and len(doc["results"]) == 16 and doc["backend_info"]["prompt_template"]
     text = compare.report(compare.Args(runs=[tmp_path / "rce", tmp_path / "grpo", tmp_path / "sim"]))
     assert "### grpo vs rce" in text and "simulated" not in text.splitlines()[0]
+
+
+def test_moved_data_root_and_corrupt_image(data, assets, tmp_path):
+    import shutil
+
+    moved = tmp_path / "moved"
+    shutil.copytree(assets["okvqa"], moved)
+    ev = dict(data=data, baseline="random", shots=[1], num_samples=[4])
+    evaluate.main(evaluate.Args(out=tmp_path / "a", **ev))
+    lvlm.load_image.cache_clear()
+    evaluate.main(evaluate.Args(out=tmp_path / "b", data_root=moved, **ev))
+    a, b = (json.loads((tmp_path / d / "eval" / "val.json").read_text())["results"] for d in "ab")
+    assert a == b
+    broken = sorted((moved / "train2014").glob("*.jpg"))[3]
+    broken.write_bytes(b"not a jpeg")
+    lvlm.load_image.cache_clear()
+    with pytest.raises(ValueError, match=f"{broken.name}: not a readable image"):
+        generate(gen_args(assets, tmp_path / "new", data_root=moved))
+    assert not (tmp_path / "new").exists()
 
 
 def test_bad_model_writes_nothing(assets, tmp_path):
