@@ -26,6 +26,7 @@ import numpy as np
 import tyro
 
 from data import run_cli
+from model import atomic_write_text
 
 
 @dataclass
@@ -155,28 +156,50 @@ def signed(x: float) -> str:
     return f"{x:+.2f}"
 
 
+def not_comparable(a: dict, b: dict) -> str | None:
+    """Why two evaluations cannot be paired question by question (None when they can)."""
+    for key in ("split", "backend", "simulation"):
+        if a.get(key) != b.get(key):
+            return f"different {key}: {a.get(key)!r} vs {b.get(key)!r}"
+    qa, qb = ([r["question_id"] for r in d["results"] if r["shot"] == d["shots"][0]] for d in (a, b))
+    n = min(len(qa), len(qb))
+    if qa[:n] != qb[:n]:
+        return "different questions (another dataset folder or question order)"
+    return None
+
+
 def delta_section(base: Run, run: Run, args: Args, rng: np.random.Generator) -> str:
     a, b = base.eval, run.eval
+    title = f"### {run.name} vs {base.name}"
+    if why := not_comparable(a, b):
+        return f"{title}\n\nNot compared: {why}."
     shots = [s for s in a["shots"] if s in b["shots"]]
     ns = [n for n in a["summary"] if n in b["summary"]]
-    rows, counts = [], {"improved": 0, "worse": 0, "flat": 0}
+    rows, counts = [], {"better": 0, "worse": 0, "within noise": 0}
     for n in ns:
-        deltas = [b["summary"][n][str(s)] - a["summary"][n][str(s)] for s in shots]
-        for d in deltas:
-            counts["improved" if d > 0.005 else "worse" if d < -0.005 else "flat"] += 1
-        rows.append([n] + [signed(d) for d in deltas] + [signed(sum(deltas) / len(deltas))])
+        cells, deltas = [], []
+        for s in shots:
+            delta = b["summary"][n][str(s)] - a["summary"][n][str(s)]
+            lo, hi = bootstrap_ci(100 * paired(scores(a, s, int(n)), scores(b, s, int(n))), args.bootstrap, rng)
+            verdict = "better" if lo > 0 else "worse" if hi < 0 else "within noise"
+            counts[verdict] += 1
+            cells.append(signed(delta) + ("*" if verdict != "within noise" else ""))
+            deltas.append(delta)
+        rows.append([n, *cells, signed(sum(deltas) / len(deltas))])
     out = [
-        f"### {run.name} vs {base.name}",
+        title,
         "",
         md_table(["n"] + [f"shot {s}" for s in shots] + ["avg"], rows),
         "",
-        f"Cells improved / worse / flat (|delta| < 0.005): {counts['improved']} / {counts['worse']} / {counts['flat']}",
+        f"\\* paired bootstrap 95% CI of the delta excludes 0. Cells better / worse / within noise: "
+        f"{counts['better']} / {counts['worse']} / {counts['within noise']}",
         "",
     ]
     n = max(ns, key=int)
-    sig_rows = []
+    sig_rows, common = [], 0
     for s in shots:
         d = paired(scores(a, s, int(n)), scores(b, s, int(n)))
+        common = max(common, len(d))
         if len(d) == 0:
             continue
         lo, hi = bootstrap_ci(100 * d, args.bootstrap, rng)
@@ -192,7 +215,7 @@ def delta_section(base: Run, run: Run, args: Args, rng: np.random.Generator) -> 
             ]
         )
     out += [
-        f"Paired significance at n = {n} ({len(d)} common questions):",
+        f"Paired significance at n = {n} ({common} common questions):",
         "",
         md_table(
             ["shot", "delta", "95% CI (bootstrap)", "sign-test p", "better / worse questions", "verdict"], sig_rows
@@ -227,11 +250,11 @@ def training_table(run: Run) -> str:
 
 
 def curve_summary(runs: list[Run]) -> str:
-    """Per metric and run: initial, final, mean, change %, min and its epoch (epochs >= 1)."""
+    """Per metric and run: initial (epoch 0, the starting policy, where logged), final, mean, change %, min."""
     rows = []
     for c in TRAIN_COLUMNS:
         for run in runs:
-            pts = [(r["epoch"], r[c]) for r in run.epochs if c in r and r.get("epoch", 0) >= 1]
+            pts = [(r["epoch"], r[c]) for r in run.epochs if c in r]
             if not pts:
                 continue
             vals = [v for _, v in pts]
@@ -338,7 +361,7 @@ def main(args: Args) -> None:
     print(text)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+        atomic_write_text(args.out, text + "\n")
     if args.plot is not None:
         runs = [r for r in (read_run(p, args.split) for p in args.runs) if r is not None and r.epochs]
         for path in plot_curves(runs, args.plot):

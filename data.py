@@ -29,7 +29,7 @@ import torch
 import tyro
 from torch import Tensor
 
-from model import read_tensors
+from model import read_tensors, reward_spread
 
 FORMAT_VERSION = 1
 RewardMode = Literal[
@@ -355,8 +355,7 @@ def read_eval_pools(path: Path, n_val: int, n_train: int) -> Tensor:
 def group_stats(groups: Groups, reward: Tensor) -> dict[str, Tensor]:
     """Per query (Q,): reward gap (max - min), positives (correct) and negatives among its valid sequences."""
     m = groups.seq_mask
-    big = torch.finfo(reward.dtype).max
-    gap = reward.where(m, -big).amax(-1) - reward.where(m, big).amin(-1)
+    gap = reward_spread(reward, m)
     pos = ((groups.fields["correct"] > 0) & m).sum(-1)
     return {"gap": gap, "positives": pos, "negatives": m.sum(-1) - pos}
 

@@ -38,6 +38,7 @@ from tqdm import tqdm
 import pools
 import sharding
 from backends import open_backend
+from compare import accuracy_table
 from data import Dataset, load_dataset, run_cli
 from model import PointerSelector, atomic_write_text
 from training import load_selector
@@ -235,15 +236,16 @@ def evaluate_one(args: Args, ds: Dataset, backend, target: Path, selector: Path 
         if order == "reversed":
             icds = [x.flip(1) for x in icds]
         h = {**header, "seed": seed}
-        sharding.barrier(world)  # every rank has read the partial files before any rank rewrites its own
         done = read_partials(target, seed, h)
         path = own_partial(target, seed, rank, h)
-        todo = [i for i in range(n) if i not in done][rank::world]
+        todo = [i for i in sharding.share(n, rank, world) if i not in done]
         score_all(backend, split, rows, icds, args.batch_size, desc, todo, path)
     sharding.barrier(world)
     if rank != 0:
         return None
     per_seed = [read_partials(target, seed, {**header, "seed": seed}) for seed in seeds]
+    if missing := [i for d in per_seed for i in range(n) if i not in d]:
+        raise ValueError(f"{target}: {len(missing)} questions are still unscored; re-run the same command to finish")
     results = []
     for i, item in enumerate(items):
         for s, shot in enumerate(args.shots):
@@ -282,15 +284,6 @@ def summarise(results: list[dict], shots: list[int], num_samples: list[int]) -> 
     return {str(n): {str(s): round(100 * sum(v[:n]) / n, 4) for s, v in by_shot.items()} for n in sorted(num_samples)}
 
 
-def table(summary: dict, shots: list[int]) -> str:
-    head = "| n | " + " | ".join(f"{s}-shot" for s in shots) + " | avg |\n|---|" + "---|" * (len(shots) + 1)
-    rows = [
-        f"| {n} | " + " | ".join(f"{v[str(s)]:.2f}" for s in shots) + f" | {sum(v.values()) / len(v):.2f} |"
-        for n, v in summary.items()
-    ]
-    return "\n".join([head, *rows])
-
-
 def reroot_images(ds: Dataset, root: Path) -> None:
     """Point every item's image under `root`, keeping its path relative to the data root it was recorded with."""
     if "data_root" not in ds.meta:
@@ -327,7 +320,7 @@ def main(args: Args) -> None:
         doc = evaluate_one(args, ds, backend, target, selector, desc)
         if doc is not None:  # rank 0 (or a single process)
             label = " (simulated LVLM)" if ds.is_sim else f" ({doc['backend']})"
-            print(f"\n{desc}: {args.split} VQA accuracy (%){label} -> {target}\n{table(doc['summary'], args.shots)}")
+            print(f"\n{desc}: {args.split} VQA accuracy (%){label} -> {target}\n{accuracy_table(doc)}")
     sharding.finish(sharding.init()[1])
 
 

@@ -22,6 +22,7 @@ Usage:
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -48,7 +49,7 @@ from data import (
     read_meta,
     run_cli,
 )
-from model import PointerSelector, atomic_write_text, save_tensors
+from model import PointerSelector, atomic_write_text, reward_spread, save_tensors
 from sim import SimConfig, Simulator, calibrate
 
 
@@ -351,7 +352,10 @@ def generate(args: Args) -> None:
     if meta is None and rank == 0:
         emb = src.emb if src.emb is not None else embed(args, src.items)
         val_pools = make_pools(args, src.items, emb, "val", torch.arange(n_val), torch.full((n_val,), -1), stream=5)
-        out.mkdir(parents=True, exist_ok=True)
+        # Built under a temporary name and renamed: a kill here leaves no half-made folder behind.
+        build = out.with_name(out.name + ".building")
+        shutil.rmtree(build, ignore_errors=True)
+        build.mkdir(parents=True)
         meta = {
             "format_version": FORMAT_VERSION,
             "kind": "icl-select dataset",
@@ -360,10 +364,13 @@ def generate(args: Args) -> None:
             "complete": False,
             "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
         }
-        atomic_write_text(out / "items.json", json.dumps(src.items) + "\n")
-        save_tensors(out / "embeddings.safetensors", emb)
-        atomic_write_text(out / "eval_pools.json", json.dumps({"sampler": args.sampler, "pools": val_pools.tolist()}))
-        atomic_write_text(out / "meta.json", json.dumps(meta, indent=2) + "\n")
+        atomic_write_text(build / "items.json", json.dumps(src.items) + "\n")
+        save_tensors(build / "embeddings.safetensors", emb)
+        atomic_write_text(build / "eval_pools.json", json.dumps({"sampler": args.sampler, "pools": val_pools.tolist()}))
+        atomic_write_text(build / "meta.json", json.dumps(meta, indent=2) + "\n")
+        if out.exists():
+            out.rmdir()  # prepare_folder found it empty
+        build.rename(out)
     sharding.barrier(world)
     meta = read_meta(out)
     emb = (
@@ -378,7 +385,7 @@ def generate(args: Args) -> None:
     path = out / ("rl_data.jsonl" if world == 1 else f"rl_data.rank{rank}.jsonl")
     cut_truncated_tail(path)
     done = scored_lines(out)
-    todo = [i for i, q in enumerate(anchors.tolist()) if q not in done][rank::world]
+    todo = [i for i in sharding.share(len(anchors), rank, world) if int(anchors[i]) not in done]
     chunk = args.chunk or (64 if is_sim(args) else 1)
     G, S = groups.shape[1:]
     bar = tqdm(
@@ -408,6 +415,8 @@ def generate(args: Args) -> None:
     if rank == 0:
         if shard_files(out):
             merge_shards(out, anchors)
+        if missing := len(anchors) - len(scored_lines(out)):
+            raise ValueError(f"{out}: {missing} anchor queries are still unscored; re-run the same command to finish")
         if not meta["complete"]:
             meta.update(complete=True, counts={"train": n_train, "val": n_val, "anchors": len(anchors)})
             if is_sim(args):
@@ -448,8 +457,7 @@ def report(folder: Path, args: Args) -> str:
     sizes = m.sum(-1).tolist()
     correct = (g.fields["correct"] > 0) & m
     reward = compute_reward(g.fields, args)
-    big = torch.finfo(reward.dtype).max
-    varies = (reward.where(m, -big).amax(-1) > reward.where(m, big).amin(-1)).double().mean()
+    varies = (reward_spread(reward, m) > 0).double().mean()
     labels = quality_labels(g, reward)
     lines = [
         f"# Data report: {folder}" + (" (simulated LVLM)" if ds.is_sim else f" ({ds.meta.get('lvlm')})"),

@@ -34,13 +34,14 @@ from torch import Tensor
 
 from backends import open_backend
 from data import compute_reward, load_dataset, run_cli
-from model import exact_kl, group_advantages, k3_kl, ppo_clip_loss
+from model import exact_kl, group_advantages, k3_kl, ppo_clip_loss, reward_spread
 from pools import first_distinct
 from training import (
     Batch,
     Loop,
     TrainArgs,
     check_train_args,
+    clipped_step,
     fit,
     greedy_picks,
     load_selector,
@@ -87,12 +88,22 @@ class Args(TrainArgs):
 
 
 def default_out(args: Args) -> Path:
+    """runs/grpo-kl<beta> plus every key flag that differs from its default."""
     parts = [f"grpo-kl{args.kl_beta:g}"]
-    parts += ["online"] * args.online + ["rank"] * args.rank_advantage + ["frozen"] * args.freeze_backbone
-    parts += [f"scale-{args.scale_rewards}"] * (args.scale_rewards != "group")
-    parts += [args.reward_mode.replace("_", "-")] * (args.reward_mode != "hard_plus_soft")
-    parts += [f"q-{args.quality}"] * (args.quality != "all") + ["pos"] * args.require_positive
-    return Path("runs") / "-".join(parts)
+    flags = {
+        "online": args.online,
+        "rank": args.rank_advantage,
+        "frozen": args.freeze_backbone,
+        f"scale-{args.scale_rewards}": args.scale_rewards != "group",
+        args.reward_mode.replace("_", "-"): args.reward_mode != "hard_plus_soft",
+        f"q-{args.quality}": args.quality != "all",
+        "pos": args.require_positive,
+        f"target{args.kl_target}": args.kl_target is not None,
+        f"it{args.num_iterations}": args.num_iterations != 1,
+        f"lr{args.lr:g}": args.lr != Args.lr,
+        f"seed{args.seed}": args.seed != 0,
+    }
+    return Path("runs") / "-".join(parts + [name for name, on in flags.items() if on])
 
 
 def check_args(args: Args) -> None:
@@ -165,7 +176,7 @@ def main(args: Args) -> None:
     out = args.out or default_out(args)
     ds = load_dataset(args.data, args.allow_truncated)
     split = split_queries(ds, args)
-    resume_from = prepare_out(out, args.resume)
+    resume_from = prepare_out(out, args, ds)
     backend = sim_backend(ds)  # true-accuracy validation: simulator only
     # online groups are scored by the dataset's backend: the simulator, or the LVLM that scored the data
     scorer = (backend or open_backend(ds.meta, ds.items, ds.emb)) if args.online else None
@@ -221,11 +232,11 @@ def main(args: Args) -> None:
             else:
                 loss.backward()
                 extra = {}
-            norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip or float("inf"))
-            opt.step()
+            norm = clipped_step(opt, params, args.grad_clip)
+        with torch.no_grad():  # how far this batch's updates moved the policy: KL(old || new) at the sequences
+            moved = k3_kl(old, policy(b.query, b.pool, b.pool_mask, b.seqs, m).logp.sum(-1), m).item()
         r = b.reward[m]
-        big = torch.finfo(b.reward.dtype).max
-        zero_std = (b.reward.where(m, -big).amax(-1) == b.reward.where(m, big).amin(-1))[m.any(-1)]
+        zero_std = (reward_spread(b.reward, m) == 0)[m.any(-1)]
         if args.kl_target is not None:  # adaptive beta only on explicit request; then every step is logged
             state["beta"] = (
                 beta * 1.5
@@ -237,12 +248,12 @@ def main(args: Args) -> None:
             "grpo/ppo_loss": ppo.item(),
             "grpo/kl_ref": kl.item(),
             "grpo/kl_share": (beta * kl.abs() / (ppo.abs() + beta * kl.abs() + 1e-12)).item(),
-            "grpo/approx_kl_old": k3_kl(logp.detach(), old, m).item(),
+            "grpo/approx_kl_old": moved,
             "grpo/clip_frac_low": float(st["clip_frac_low"]),
             "grpo/clip_frac_high": float(st["clip_frac_high"]),
             "grpo/ratio_mean": float(st["ratio_mean"]),
             "grpo/entropy": cur.entropy[step_mask].mean().item(),
-            "train/grad_norm": float(norm),
+            "train/grad_norm": norm,
             "grpo/beta": beta,
             "grpo/reward_mean": r.mean().item(),
             "grpo/reward_std": r.std(correction=0).item(),
@@ -271,6 +282,7 @@ def main(args: Args) -> None:
         ("train/loss", "grpo/kl_ref", "grpo/reward_mean"),
         {"sampler": sampler},
         log_steps=args.kl_target is not None,
+        init_is_candidate=True,
     )
     print(f"best epoch {loop['best_epoch']} (val/reward {loop['best']:.4f}) -> {out}/model.safetensors")
 

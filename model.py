@@ -401,6 +401,13 @@ def _masked_mean(x: Tensor, mask: Tensor, dim=None) -> Tensor:
     return x.where(mask, 0.0).sum(dim) / n.clamp_min(1)
 
 
+def reward_spread(rewards: Tensor, mask: Tensor) -> Tensor:
+    """max - min of each group's valid rewards (B,); 0 for a group with no valid entry. 0 = no learning signal."""
+    big = torch.finfo(rewards.dtype).max
+    spread = rewards.where(mask, -big).amax(-1) - rewards.where(mask, big).amin(-1)
+    return spread.where(mask.any(-1), 0.0)
+
+
 def group_advantages(
     rewards: Tensor, mask: Tensor, scale: str = "group", rank: bool = False, eps: float = 1e-4
 ) -> Tensor:
@@ -418,8 +425,7 @@ def group_advantages(
     r = rewards.double().where(mask, 0.0)
     if not torch.isfinite(r).all():
         raise ValueError("rewards contain NaN or inf")
-    big = torch.finfo(r.dtype).max
-    flat = (r.where(mask, -big).amax(-1) == r.where(mask, big).amin(-1)) | ~mask.any(-1)  # (B,) all-equal groups
+    flat = reward_spread(r, mask) == 0  # (B,) all-equal (or empty) groups
     if rank:
         pair = mask[:, None, :] & mask[:, :, None]  # (B, G, G) both valid
         less = ((r[:, None, :] < r[:, :, None]) & pair).sum(-1)  # (B, G) valid entries below each entry
@@ -451,7 +457,8 @@ def ppo_clip_loss(
     eps_high = eps_low if eps_high is None else eps_high
     if eps_low <= 0 or eps_high <= 0:
         raise ValueError(f"clip epsilons must be > 0, got eps_low={eps_low}, eps_high={eps_high}")
-    ratio = (logp - old_logp).where(mask, 0.0).exp()  # (B, G)
+    # A log-ratio beyond +-20 is clipped anyway; bounding it keeps exp() finite, so inf * 0 never makes NaN.
+    ratio = (logp - old_logp).where(mask, 0.0).clamp(-20.0, 20.0).exp()  # (B, G)
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
     obj = torch.minimum(ratio * adv, clipped * adv)  # (B, G)
     loss = -_masked_mean(obj, mask)

@@ -11,7 +11,7 @@ by the RCE loss; validation queries are held-out anchor queries, never the evalu
 Usage:
     python rce.py                                  # data/sim -> runs/rce
     python rce.py --top1 --out runs/sup            # supervised top-1 baseline
-    python rce.py --epochs 20 --resume             # continue an interrupted run
+    python rce.py --resume                         # continue an interrupted run (same flags)
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from training import (
     Loop,
     TrainArgs,
     check_train_args,
+    clipped_step,
     fit,
     load_selector,
     make_batch,
@@ -72,7 +73,7 @@ def main(args: Args) -> None:
         raise ValueError("--temp-start and --temp-end must be > 0")
     ds = load_dataset(args.data, args.allow_truncated)
     split = split_queries(ds, args)
-    resume_from = prepare_out(args.out, args.resume)
+    resume_from = prepare_out(args.out, args, ds)
     torch.manual_seed(args.seed)
     if args.init is not None:
         model = load_selector(args.init)
@@ -96,15 +97,14 @@ def main(args: Args) -> None:
         loss = -(w.to(logp.dtype) * logp).sum(-1).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
-        opt.step()
-        return {"train/loss": loss.item(), "train/tau": tau, "train/grad_norm": float(norm)}
+        norm = clipped_step(opt, list(model.parameters()), args.grad_clip)
+        return {"train/loss": loss.item(), "train/tau": tau, "train/grad_norm": norm}
 
     args.out.mkdir(parents=True, exist_ok=True)
     if resume_from is None:
         write_config(args.out, args, ds, split)
     run = Loop(args, args.out, ds, split, model, opt, "rce", sim_backend(ds))
-    loop = fit(run, step, resume_from, postfix=("train/loss", "train/tau"))
+    loop = fit(run, step, resume_from, postfix=("train/loss", "train/tau"), init_is_candidate=args.init is not None)
     print(f"best epoch {loop['best_epoch']} (val/reward {loop['best']:.4f}) -> {args.out}/model.safetensors")
 
 

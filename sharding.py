@@ -28,6 +28,12 @@ def init() -> tuple[int, int]:
     return dist.get_rank(), world
 
 
+def share(n: int, rank: int, world: int) -> range:
+    """The item indices this rank owns: fixed by index, never by what is left, so ranks that read the progress
+    files at different moments still split the work into disjoint parts that cover it all."""
+    return range(rank, n, world)
+
+
 def barrier(world: int) -> None:
     if world > 1:
         dist.barrier()

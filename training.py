@@ -79,17 +79,23 @@ class Split:
 
 
 def split_queries(ds: Dataset, args: TrainArgs) -> Split:
-    """Query-level split fixed by the seed; curriculum filters apply to the training part only."""
+    """Validation queries held out by image (questions on one image never straddle the split), fixed by the seed;
+    the curriculum filters apply to the training part only."""
     g = ds.groups
     n = len(g)
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed))
-    n_val = int(round(n * args.val_frac))
-    if n_val == 0 or n_val == n:
+    target = int(round(n * args.val_frac))
+    image = torch.tensor([ds.items["train"][q]["image_id"] for q in g.queries.tolist()])
+    _, image = image.unique(return_inverse=True)  # (Q,) image index of each query
+    order = torch.randperm(int(image.max()) + 1, generator=torch.Generator().manual_seed(args.seed))
+    taken = torch.bincount(image, minlength=len(order))[order].cumsum(0)  # queries held out after each image
+    val_images = order[: int((taken < target).sum()) + 1] if target > 0 else order[:0]
+    is_val = torch.isin(image, val_images)
+    val, train = is_val.nonzero()[:, 0], (~is_val).nonzero()[:, 0]
+    if len(val) == 0 or len(train) == 0:
         raise ValueError(
-            f"--val-frac {args.val_frac} of {n} anchor queries leaves {n_val} for validation and "
-            f"{n - n_val} for training; both need at least one"
+            f"--val-frac {args.val_frac} of {n} anchor queries leaves {len(val)} for validation and "
+            f"{len(train)} for training; both need at least one"
         )
-    val, train = perm[:n_val].sort().values, perm[n_val:].sort().values
     reward = compute_reward(g.fields, args).where(g.seq_mask, 0.0)
     keep = filter_queries(g, reward, args.quality, args.require_positive)
     train = train[torch.isin(train, keep)]
@@ -170,7 +176,7 @@ def git_sha() -> str | None:
 
 def write_config(out: Path, args, ds: Dataset, split: Split, extra: dict | None = None) -> None:
     """config.json of a new run (a resumed run keeps the one it started with)."""
-    meta_digest = hashlib.sha256((ds.folder / "meta.json").read_bytes()).hexdigest()[:16]
+    ident = run_identity(args, ds)
     config = {
         "args": json.loads(json.dumps(asdict(args), default=str)),
         "argv": sys.argv,
@@ -180,7 +186,8 @@ def write_config(out: Path, args, ds: Dataset, split: Split, extra: dict | None 
             "torch": torch.__version__,
             **{pkg: version(pkg) for pkg in ("transformers", "tqdm", "safetensors", "tyro")},
         },
-        "data": {"folder": str(ds.folder), "meta_sha256": meta_digest, "simulation": ds.is_sim},
+        "data": {"folder": str(ds.folder), "meta_sha256": ident["data"], "simulation": ds.is_sim},
+        "init_sha256": ident["init"],
         "queries": {"train": len(split.train), "val": len(split.val)},
         **(extra or {}),
     }
@@ -298,16 +305,62 @@ def load_selector(source: Path) -> PointerSelector:
     return model
 
 
-def prepare_out(out: Path, resume: bool) -> Path | None:
-    """Check the output folder before any work: returns the checkpoint to resume from, if any."""
-    if resume:
-        ckpt = last_checkpoint(out)
-        if ckpt is None:
-            raise ValueError(f"--resume: {out} has no checkpoint to resume from (ckpt/epoch_*.safetensors)")
-        return ckpt
-    if (out / "metrics.jsonl").exists() or last_checkpoint(out) is not None:
+def prepare_out(out: Path, args, ds: Dataset) -> Path | None:
+    """Check the output folder before any work; returns the checkpoint to resume from, if any.
+
+    --resume continues the very same run: any other flag or another dataset is refused. A run that died before
+    its first checkpoint simply starts again.
+    """
+    ckpt = last_checkpoint(out)
+    if ckpt is None:
+        if args.resume and (out / "metrics.jsonl").exists():
+            print(f"note: {out} has no checkpoint yet (killed during epoch 1); starting it again", file=sys.stderr)
+        return None
+    if not args.resume:
         raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
-    return None
+    config = json.loads((out / "config.json").read_text())
+    now = run_identity(args, ds)
+    then = {
+        "args": {k: v for k, v in config["args"].items() if k != "resume"},
+        "data": config["data"]["meta_sha256"],
+        "init": config.get("init_sha256"),
+    }
+    if diff := sorted(k for k in now["args"] if now["args"][k] != then["args"].get(k)):
+        details = "; ".join(
+            f"--{k.replace('_', '-')}: run has {then['args'].get(k)!r}, now {now['args'][k]!r}" for k in diff
+        )
+        raise ValueError(
+            f"--resume: {out} was started with other flags ({details}); resume with the same flags, or "
+            f"start a new run with --init {out}"
+        )
+    if now["data"] != then["data"] or now["init"] != then["init"]:
+        what = "dataset" if now["data"] != then["data"] else "--init selector"
+        raise ValueError(f"--resume: the {what} changed since {out} was started; start a new run instead")
+    return ckpt
+
+
+def file_sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def run_identity(args, ds: Dataset) -> dict:
+    """What a resumed run must share with the run it continues: flags, data, and the --init weights."""
+    init = getattr(args, "init", None)
+    init_file = None if init is None else (Path(init) / "model.safetensors" if Path(init).is_dir() else Path(init))
+    return {
+        "args": {k: v for k, v in json.loads(json.dumps(asdict(args), default=str)).items() if k != "resume"},
+        "data": file_sha(ds.folder / "meta.json"),
+        "init": file_sha(init_file) if init_file is not None and init_file.is_file() else None,
+    }
+
+
+def clipped_step(opt: torch.optim.Optimizer, params, grad_clip: float) -> float:
+    """Clip the gradient norm and step; a NaN/inf gradient skips the step (the weights stay finite) and is
+    returned, so the loop stops before a poisoned checkpoint can be written."""
+    norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip or float("inf")))
+    if math.isfinite(norm):
+        opt.step()
+    return norm
 
 
 def is_bad(x: float) -> bool:
@@ -346,13 +399,15 @@ def fit(
     postfix: tuple[str, ...] = ("train/loss",),
     rngs: dict[str, torch.Generator] | None = None,
     log_steps: bool = False,
+    init_is_candidate: bool = False,
 ) -> dict:
     """Epochs over the training queries, validation, best-model selection by val/reward, checkpoints, resume.
 
     train_step(idx (B,) query indices, step, state) -> dict of float metrics, including "train/loss"; `state` is a
     mutable dict persisted in every checkpoint (e.g. an adaptive KL beta). epoch_extra() -> dict of extra epoch
     metrics; check(record) -> list of plain-words warnings; `rngs` are extra generators saved in checkpoints;
-    log_steps also writes every step's metrics ("kind": "step"). Returns the final loop state.
+    log_steps also writes every step's metrics ("kind": "step"); init_is_candidate lets epoch 0 (the starting
+    weights) be the selected model when no epoch beats its validation reward. Returns the final loop state.
     """
     from tqdm import tqdm
 
@@ -370,6 +425,9 @@ def fit(
             **validate(run.model, run.ds, run.split, run.backend),
             **(epoch_extra() if epoch_extra else {}),
         }
+        if init_is_candidate:  # a trained start (GRPO's RCE init): shipped as is unless an epoch beats it
+            loop["best"], loop["best_epoch"] = record["val/reward"], 0
+            run.model.save(out)
         log.write(record)
     n = len(run.split.train)
     steps = math.ceil(n / args.batch_size)
@@ -387,10 +445,12 @@ def fit(
             loop["step"] += 1
             if log_steps:
                 log.write({"phase": run.phase, "kind": "step", "epoch": epoch, "step": loop["step"], **m})
-            if is_bad(m["train/loss"]):
+            if is_bad(m["train/loss"]) or is_bad(m.get("train/grad_norm", 0.0)):
                 last = last_checkpoint(out)
+                what = "loss" if is_bad(m["train/loss"]) else "gradient norm"
                 raise ValueError(
-                    f"{run.phase}: the loss became {m['train/loss']} at epoch {epoch}, step {loop['step']}; stopping. "
+                    f"{run.phase}: the {what} became {m['train/loss'] if what == 'loss' else m['train/grad_norm']} "
+                    f"at epoch {epoch}, step {loop['step']}; stopping. "
                     f"The last good checkpoint is {last or 'none (no epoch finished)'}; try a lower --lr"
                     + (" or a larger --kl-beta" if run.phase == "grpo" else "")
                 )
@@ -422,4 +482,9 @@ def fit(
         save_checkpoint(out, epoch, run.model, run.opt, rngs, loop)
         summary = log_line(record, (*postfix, "val/reward", "val/acc"))
         print(f"{run.phase} epoch {epoch}: {summary}" + "".join(f"\n  warning: {w}" for w in warnings), flush=True)
+    if loop["best_epoch"] == 0:
+        print(
+            f"warning: no epoch beat the starting weights on validation reward; {out}/model.safetensors holds them",
+            file=sys.stderr,
+        )
     return loop

@@ -70,12 +70,28 @@ def test_accuracy_and_delta_tables_by_hand(tmp_path):
     assert new_rows == [["2", "100.00", "0.00", "50.00"], ["4", "90.00", "32.50", "61.25"]]
     deltas = cells(text.split("### new vs base")[1], "| n |")
     assert deltas == [["2", "+50.00", "+0.00", "+25.00"], ["4", "+40.00", "-17.50", "+11.25"]]
-    assert "improved / worse / flat (|delta| < 0.005): 2 / 1 / 1" in text
+    # 4 questions: no cell is distinguishable from noise, however large the delta looks
+    assert "Cells better / worse / within noise: 0 / 0 / 4" in text
     sig = cells(text.split("Paired significance at n = 4")[1], "| shot |")
     assert sig[0][:2] == ["1", "+40.00"] and sig[0][4] == "2 / 0" and sig[0][3] == "0.5"
     assert sig[1][:2] == ["2", "-17.50"] and sig[1][4] == "0 / 1" and sig[1][5] == "n.s."
     ident = cells(text, "| runs |")
     assert ident == [["base / new", "75.0%", "100.0%"]]
+
+
+def test_significant_cells_are_starred_and_other_questions_refused(tmp_path):
+    base = write_run(tmp_path / "base", {1: [0] * 40, 2: [0.3] * 40})
+    new = write_run(tmp_path / "new", {1: [1] * 20 + [0] * 20, 2: [0.3] * 40})
+    text = report(Args(runs=[base, new], bootstrap=2000))
+    deltas = cells(text.split("### new vs base")[1], "| n |")
+    assert deltas == [["2", "+100.00*", "+0.00", "+50.00"], ["4", "+100.00*", "+0.00", "+50.00"]]
+    assert "Cells better / worse / within noise: 2 / 0 / 2" in text
+    other = write_run(tmp_path / "other", {1: [1] * 40, 2: [1] * 40})
+    doc = json.loads((other / "eval" / "val.json").read_text())
+    for r in doc["results"]:
+        r["question_id"] += 1
+    (other / "eval" / "val.json").write_text(json.dumps(doc))
+    assert "Not compared: different questions" in report(Args(runs=[base, other]))
 
 
 def test_identical_runs_zero_delta_not_significant(tmp_path):

@@ -70,14 +70,19 @@ def test_train_evaluate_compare(data, assets, tmp_path):
     assert "### grpo vs rce" in text and "simulated" not in text.splitlines()[0]
 
 
-def test_moved_data_root_and_corrupt_image(data, assets, tmp_path):
+def test_moved_data_root_and_corrupt_image(assets, tmp_path):
     import shutil
 
-    moved = tmp_path / "moved"
-    shutil.copytree(assets["okvqa"], moved)
+    orig, moved = tmp_path / "orig", tmp_path / "moved"
+    shutil.copytree(assets["okvqa"], orig)
+    data = tmp_path / "data"
+    generate(gen_args(assets, data, data_root=orig))
     ev = dict(data=data, baseline="random", shots=[1], num_samples=[4])
     evaluate.main(evaluate.Args(out=tmp_path / "a", **ev))
+    orig.rename(moved)  # the dataset moved: its recorded image paths are gone
     lvlm.load_image.cache_clear()
+    with pytest.raises(FileNotFoundError, match="image file not found"):
+        evaluate.main(evaluate.Args(out=tmp_path / "b", **ev))
     evaluate.main(evaluate.Args(out=tmp_path / "b", data_root=moved, **ev))
     a, b = (json.loads((tmp_path / d / "eval" / "val.json").read_text())["results"] for d in "ab")
     assert a == b
@@ -86,7 +91,7 @@ def test_moved_data_root_and_corrupt_image(data, assets, tmp_path):
     lvlm.load_image.cache_clear()
     with pytest.raises(ValueError, match=f"{broken.name}: not a readable image"):
         generate(gen_args(assets, tmp_path / "new", data_root=moved))
-    assert not (tmp_path / "new").exists()
+    assert not (tmp_path / "new").exists() and not (tmp_path / "new.building").exists()
 
 
 def test_bad_model_writes_nothing(assets, tmp_path):

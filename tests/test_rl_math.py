@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from strategies import group_batches, rng, seeds
 
-from model import exact_kl, group_advantages, k3_kl, ppo_clip_loss, rce_weights
+from model import exact_kl, group_advantages, k3_kl, ppo_clip_loss, rce_weights, reward_spread
 
 SCALES = st.sampled_from(["group", "batch", "none"])
 
@@ -96,13 +96,31 @@ def test_rank_by_hand():
 
 
 def test_scale_variants_by_hand():
-    r = torch.tensor([[1.0, 3.0], [0.0, 4.0]])
+    # groups with different means, so the batch std of group-centred rewards differs from the std of raw rewards
+    r = torch.tensor([[1.0, 3.0], [10.0, 14.0]])
     mask = torch.ones(2, 2, dtype=torch.bool)
     assert torch.allclose(group_advantages(r, mask, "none"), torch.tensor([[-1.0, 1.0], [-2.0, 2.0]]))
     assert torch.allclose(group_advantages(r, mask, "group", eps=0.0), torch.tensor([[-1.0, 1.0], [-1.0, 1.0]]))
     # batch std of centred values (-1, 1, -2, 2) is sqrt(2.5)
     expected = torch.tensor([[-1.0, 1.0], [-2.0, 2.0]]) / math.sqrt(2.5)
     assert torch.allclose(group_advantages(r, mask, "batch", eps=0.0), expected)
+
+
+@given(group_batches())
+def test_reward_spread(batch):
+    r, mask = batch
+    spread = reward_spread(r, mask)
+    for b in range(len(r)):
+        valid = r[b][mask[b]]
+        assert spread[b] == valid.max() - valid.min()
+    assert reward_spread(r, torch.zeros_like(mask)).eq(0).all()
+
+
+def test_ppo_finite_for_huge_log_ratios():
+    logp = torch.tensor([[1000.0, -1000.0, 0.0]], requires_grad=True)
+    loss, stats = ppo_clip_loss(logp, torch.zeros(1, 3), torch.tensor([[0.0, 0.0, 1.0]]), torch.ones(1, 3).bool())
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all() and torch.isfinite(stats["ratio_mean"])
 
 
 def test_advantages_reject_bad_input():

@@ -54,3 +54,12 @@ def test_evaluate_two_ranks_equal_one(small_data, tmp_path):
     )
     two, one = ((tmp_path / d / "eval" / "val.json").read_text() for d in ("two", "one"))
     assert two == one and not list((tmp_path / "two" / "eval").glob("*.partial.jsonl"))
+
+
+def test_share_is_a_disjoint_cover_whatever_is_done():
+    import sharding
+
+    for n in range(0, 30):
+        for world in range(1, 5):
+            parts = [set(sharding.share(n, r, world)) for r in range(world)]
+            assert set().union(*parts) == set(range(n)) and sum(map(len, parts)) == n

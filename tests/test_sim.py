@@ -123,13 +123,14 @@ def test_score_is_consistent_with_logit(sim_seed, seed, k, split):
         assert round(acc, 6) in ALLOWED_ACC  # float32 0.3 is 0.30000001
         assert acc == pytest.approx(vqa_score(pred, answers))
         assert float(res["rel"][i]) == pytest.approx(answer_rel(pred, answers))
-        assert bool(res["correct"][i]) == (acc > 0)
-        if margin[i] > 0:  # sigmoid(logit) above the query's threshold: the majority answer, like greedy decoding
+        # correct iff sigmoid(logit) exceeds the query's threshold, and then (only then) acc > 0
+        assert bool(res["correct"][i]) == (acc > 0) == bool(margin[i] > 0)
+        if margin[i] > s.cfg.band:  # well above the threshold: the majority answer, like greedy decoding
             assert pred == majority and float(res["rel"][i]) == 1.0
-        elif margin[i] <= -s.cfg.band:  # well below: a wrong answer
+        elif margin[i] > 0:  # the band just above: a minority annotator answer when there is one
+            assert (pred != majority) == (len(set(answers)) > 1)
+        else:  # below: a wrong answer
             assert acc == 0.0 and pred != majority
-        else:  # the band: a minority annotator answer when there is one
-            assert pred != majority and (acc > 0) == (len(set(answers)) > 1)
 
 
 @given(sim_seed=sim_seeds, seed=seeds, k=st.integers(1, 4))
