@@ -24,18 +24,19 @@ Departures from the obvious implementation, and why:
 - gt_prob costs one forward pass (prompt and images included) per distinct annotator answer, batched; generation
   costs one generate() per prompt, batched.
 - The image-only processor relies on ProcessorMixin internals of the pinned transformers (5.23).
-- Each image file is decoded once per process (ICDs recur across thousands of prompts). The cache is unbounded:
-  about 1 MB per COCO image, so ~14 GB for all of OK-VQA's train+val images if every one gets used.
+- Each image file is decoded once per process and preprocessed once per process (ICDs recur across thousands of
+  prompts and across the gt_prob passes), in LRU caches of 4096 decoded and 1024 preprocessed images.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from huggingface_hub import snapshot_download
@@ -54,6 +55,7 @@ from transformers import (
     ProcessorMixin,
     Qwen2_5_VLProcessor,
 )
+from transformers.image_utils import make_flat_list_of_images
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
 from vqa import answer_rel, normalize_answer, postprocess, vqa_score
@@ -85,16 +87,64 @@ class PromptTemplate:
     """Text after the query's image, the last thing in the user turn."""
 
 
-@functools.cache
+IMAGE_KEY = "icl_select_path"  # set in each loaded image's .info, so preprocessing results can be cached by path
+
+
+@functools.lru_cache(maxsize=4096)
 def load_image(path: str) -> Image.Image:
-    """The RGB image at `path`, decoded once per process and shared (callers must not modify it)."""
+    """The RGB image at `path`, decoded once per process (LRU, 4096 images) and shared (callers must not modify it)."""
     try:
         with Image.open(path) as img:
-            return img.convert("RGB")
+            rgb = img.convert("RGB")
+            rgb.info[IMAGE_KEY] = path
+            return rgb
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: image file not found") from None
     except (OSError, SyntaxError, ValueError) as e:  # PIL's errors for truncated or corrupt files
         raise ValueError(f"{path}: not a readable image ({e})") from None
+
+
+class CachedImageProcessor:
+    """Wraps a processor's image processor so each image (by path) is preprocessed once per process.
+
+    The processor still does everything else (placeholder expansion, tokenisation); this only replaces repeated
+    resizing/normalising of the same ICD images, which recur across thousands of prompts and across the teacher-forced
+    gt_prob passes. Results are kept in an LRU of `max_images` images (a COCO image is a few MB of patches).
+    """
+
+    def __init__(self, inner, max_images: int = 1024):
+        self.inner, self.max_images = inner, max_images
+        self.cache: OrderedDict[tuple, BatchFeature] = OrderedDict()
+        self.misses = 0
+
+    def __getattr__(self, name: str):  # merge_size, patch_size, ... as the processor expects
+        return getattr(self.inner, name)
+
+    def one(self, image: Image.Image, kwargs: dict) -> BatchFeature:
+        key = (image.info.get(IMAGE_KEY), repr(sorted(kwargs.items())))
+        if key[0] is None:  # not loaded through load_image: nothing to key the cache on
+            return self.inner([image], **kwargs)
+        if key in self.cache:
+            self.cache.move_to_end(key)
+        else:
+            self.misses += 1
+            self.cache[key] = self.inner([image], **kwargs)
+            if len(self.cache) > self.max_images:
+                self.cache.popitem(last=False)
+        return self.cache[key]
+
+    def __call__(self, images, **kwargs) -> BatchFeature:
+        parts = [self.one(image, kwargs) for image in make_flat_list_of_images(images)]
+        merged = {}
+        for key in parts[0]:
+            values = [p[key] for p in parts]
+            if torch.is_tensor(values[0]):
+                merged[key] = torch.cat(values)
+            elif isinstance(values[0], np.ndarray):
+                merged[key] = np.concatenate(values)
+            else:
+                merged[key] = [v for vs in values for v in vs]
+        return BatchFeature(merged)
 
 
 def answer_counts(answers: list[str]) -> list[tuple[str, int]]:
@@ -228,6 +278,7 @@ class LVLMBackend:
         device: str = "auto",
     ):
         self.model, self.processor, self.info = load_lvlm(model, device=device)
+        self.processor.image_processor = CachedImageProcessor(self.processor.image_processor)
         self.items = items
         self.batch_size, self.max_new_tokens = batch_size, max_new_tokens
         self.system_prompt, self.template = system_prompt, template

@@ -63,6 +63,23 @@ def test_prompt_has_icds_in_order_then_query(backend, items):
     assert all(a is load_image(it["image"]) for a, it in zip(images, [*icds, query]))  # decoded once, cached
 
 
+def test_each_image_preprocessed_once(backend, items):
+    cached = backend.processor.image_processor
+    cached.cache.clear()
+    before = cached.misses
+    examples = [
+        (items["val"][0], [items["train"][i] for i in (1, 2)]),
+        (items["val"][1], [items["train"][i] for i in (2, 1)]),
+    ]
+    inputs = backend.encode(examples)
+    backend.gt_prob(examples)  # one more pass per distinct annotator answer, same images
+    assert cached.misses - before == 4  # 2 ICD images + 2 query images, whatever the number of prompts and passes
+    images = [load_image(it["image"]) for query, icds in examples for it in (*icds, query)]
+    stock = cached.inner(images=images, return_tensors="pt")  # the uncached image processor on the whole batch
+    assert torch.equal(inputs["image_grid_thw"], stock["image_grid_thw"])
+    assert torch.equal(inputs["pixel_values"], stock["pixel_values"].to(inputs["pixel_values"].dtype))
+
+
 def test_processor_gets_images_in_prompt_order(backend, items):
     icds = [items["train"][i] for i in (5, 0, 9)]
     query = items["val"][2]
