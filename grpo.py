@@ -49,6 +49,7 @@ from training import (
     prepare_out,
     sim_backend,
     split_queries,
+    steps_per_epoch,
     write_config,
 )
 
@@ -197,7 +198,7 @@ def main(args: Args) -> None:
     cache = ScoreCache(scorer) if args.online else None
     sampler = torch.Generator().manual_seed(args.seed + 2)
     S = ds.seq_len
-    steps_per_epoch = -(-len(split.train) // args.batch_size)
+    epoch_steps = steps_per_epoch(split, args.batch_size)
 
     def online_batch(idx: Tensor) -> Batch:
         """Sample G distinct sequences per query from the current policy and score them (cached)."""
@@ -227,7 +228,7 @@ def main(args: Args) -> None:
             kl = exact_kl(cur.log_dist, ref_dist, step_mask)[m].mean()
             loss = ppo + beta * kl
             opt.zero_grad(set_to_none=True)
-            if step % steps_per_epoch == 0:  # the split backward costs a second pass: measure once per epoch
+            if step % epoch_steps == 0:  # the split backward costs a second pass: measure once per epoch
                 extra = {"grpo/kl_grad_share": backward_parts(params, ppo, beta * kl)}
             else:
                 loss.backward()

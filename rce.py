@@ -35,6 +35,7 @@ from training import (
     prepare_out,
     sim_backend,
     split_queries,
+    steps_per_epoch,
     write_config,
 )
 
@@ -87,7 +88,7 @@ def main(args: Args) -> None:
         )
         model = PointerSelector(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    total = args.epochs * -(-len(split.train) // args.batch_size)
+    total = args.epochs * steps_per_epoch(split, args.batch_size)
 
     def step(idx: Tensor, step: int, state: dict) -> dict[str, float]:
         tau = args.temp_start + (args.temp_end - args.temp_start) * step / max(total - 1, 1)

@@ -106,6 +106,10 @@ def split_queries(ds: Dataset, args: TrainArgs) -> Split:
     return Split(train, val, reward)
 
 
+def steps_per_epoch(split: Split, batch_size: int) -> int:
+    return math.ceil(len(split.train) / batch_size)
+
+
 @dataclass
 class Batch:
     query: Tensor  # (B, d)
@@ -147,7 +151,7 @@ def validate(model: PointerSelector, ds: Dataset, split: Split, backend=None) ->
     w = logp.masked_fill(~b.seq_mask, float("-inf")).softmax(-1)
     out = {"val/reward": float((w * b.reward).sum(-1).mean())}
     if backend is not None:
-        picks = greedy_picks(model, ds, split.val)  # (B, S)
+        picks = model.greedy(b.query, b.pool, b.pool_mask, ds.seq_len)[0]  # (B, S)
         icds = ds.groups.pools[split.val].gather(1, picks)  # (B, S) train rows
         accs = [
             100 * float(backend.score("train", ds.groups.queries[split.val], icds[:, :k])["acc"].mean())
@@ -178,7 +182,7 @@ def write_config(out: Path, args, ds: Dataset, split: Split, extra: dict | None 
     """config.json of a new run (a resumed run keeps the one it started with)."""
     ident = run_identity(args, ds)
     config = {
-        "args": json.loads(json.dumps(asdict(args), default=str)),
+        "args": {**ident["args"], "resume": args.resume},
         "argv": sys.argv,
         "git_sha": git_sha(),
         "versions": {
@@ -278,12 +282,17 @@ def last_checkpoint(out: Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
+def load_model_part(model: PointerSelector, tensors: dict[str, Tensor], path: Path) -> None:
+    """The checkpoint's "model." tensors into `model`, strictly."""
+    load_state_strict(model, {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}, path)
+
+
 def load_checkpoint(
     path: Path, model: PointerSelector, opt: torch.optim.Optimizer | None, rngs: dict[str, torch.Generator]
 ) -> dict:
     """Restore everything save_checkpoint wrote; returns the loop state."""
     tensors, meta = read_tensors(path), checkpoint_meta(path)
-    load_state_strict(model, {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, path)
+    load_model_part(model, tensors, path)
     if opt is not None:
         restore_optimizer(opt, tensors, meta["optimizer"])
     torch.set_rng_state(tensors["rng.torch"])
@@ -300,8 +309,7 @@ def load_selector(source: Path) -> PointerSelector:
     if not source.is_file():
         raise FileNotFoundError(f"{source}: no such run folder or checkpoint")
     model = PointerSelector(SelectorConfig(**checkpoint_meta(source)["config"]))
-    tensors = read_tensors(source)
-    load_state_strict(model, {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, source)
+    load_model_part(model, read_tensors(source), source)
     return model
 
 
@@ -430,7 +438,7 @@ def fit(
             run.model.save(out)
         log.write(record)
     n = len(run.split.train)
-    steps = math.ceil(n / args.batch_size)
+    steps = steps_per_epoch(run.split, args.batch_size)
     for epoch in range(loop["epoch"] + 1, args.epochs + 1):
         order = run.split.train[torch.randperm(n, generator=rngs["shuffle"])]
         sums: dict[str, float] = {}
