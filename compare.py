@@ -224,6 +224,59 @@ def delta_section(base: Run, run: Run, args: Args, rng: np.random.Generator) -> 
     return "\n".join(out)
 
 
+def phase(run: Run) -> str | None:
+    """ "rce" / "grpo" for a training run (from metrics.jsonl), None for a baseline."""
+    return run.epochs[0].get("phase") if run.epochs else None
+
+
+def per_question(doc: dict, n: int) -> dict:
+    """question_id -> mean score over the evaluated shots, first n questions."""
+    per_shot = [scores(doc, s, n) for s in doc["shots"]]
+    return {q: sum(d[q] for d in per_shot) / len(per_shot) for q in per_shot[0]}
+
+
+def gap_section(evaluated: list[Run], args: Args, rng: np.random.Generator) -> str | None:
+    """How much of the room above the RCE run each run takes, against the simulator's two ceilings.
+
+    share = (acc(run) - acc(RCE)) / (acc(ceiling) - acc(RCE)), accuracy averaged over shots at the largest common n;
+    95% CI by a paired bootstrap over questions (the three runs answer the same questions).
+    """
+    ceilings = {r.eval.get("baseline"): r for r in evaluated if r.eval.get("baseline") in ("oracle", "observable")}
+    start = next((r for r in evaluated if phase(r) == "rce"), None)
+    if start is None or not ceilings:
+        return None
+    others = [r for r in evaluated if r is not start and r not in ceilings.values()]
+    names = [c for c in ("oracle", "observable") if c in ceilings]
+    n = min(max(map(int, r.eval["summary"])) for r in [start, *others, *ceilings.values()])
+    rows = []
+    for run in others:
+        cells = []
+        for c in names:
+            trio = (start, run, ceilings[c])
+            if any(not_comparable(start.eval, r.eval) for r in trio[1:]):
+                cells.append("not comparable")
+                continue
+            a, b, top = (per_question(r.eval, n) for r in trio)
+            qs = [q for q in a if q in b and q in top]
+            x = np.array([[a[q], b[q], top[q]] for q in qs])  # (n, 3)
+            idx = rng.integers(0, len(qs), size=(args.bootstrap, len(qs)))
+            boot = x[idx].mean(1)  # (R, 3)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                share = (x[:, 1].mean() - x[:, 0].mean()) / (x[:, 2].mean() - x[:, 0].mean())
+                shares = (boot[:, 1] - boot[:, 0]) / (boot[:, 2] - boot[:, 0])
+            lo, hi = np.nanpercentile(shares, [2.5, 97.5])
+            cells.append(f"{100 * share:.0f}% [{100 * lo:.0f}, {100 * hi:.0f}]")
+        rows.append([run.name, f"{100 * np.mean(list(per_question(run.eval, n).values())):.2f}", *cells])
+    header = ["run", f"avg acc (n={n})"] + [f"share of the {start.name} -> {c} gap closed" for c in names]
+    note = (
+        f"Share of the room between the RCE run ({start.name}) and each simulator ceiling that a run takes, accuracy "
+        "averaged over shots; [95% CI] by a paired bootstrap over questions. oracle searches the planted answer "
+        "model; observable searches the same way with the latents that probes read off the embeddings (an estimate "
+        "of what embeddings reveal, not a bound)."
+    )
+    return md_table(header, rows) + "\n\n" + note
+
+
 def selection_table(runs: list[Run]) -> str:
     """Share of common questions where two runs chose exactly the same ICDs, per shot (largest common n)."""
     rows = []
@@ -341,6 +394,8 @@ def report(args: Args) -> str:
             for r in others:
                 parts += [delta_section(base, r, args, rng), ""]
             parts += ["## Identical ICD selections (share of questions)", "", selection_table(evaluated), ""]
+        if gaps := gap_section(evaluated, args, np.random.default_rng(args.seed)):
+            parts += ["## Room taken (simulator ceilings)", "", gaps, ""]
     trained = [r for r in runs if r.epochs]
     if trained:
         parts += ["## Training", ""]

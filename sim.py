@@ -34,6 +34,7 @@ fixed set of ICDs the best order is the most helpful last (`oracle` relies on th
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -466,6 +467,30 @@ class Simulator:
         )  # (B, k)
         return cfg.help_base + affinity * topical + cfg.help_type * same_type + cfg.help_quality * quality  # (B, k)
 
+    def expected_helpfulness(self, split: str, queries: Tensor, icds: Tensor) -> Tensor:
+        """E[h(query, icd)] under the latents that `Probes` read off the fused embeddings: (B,), (B, k) -> (B, k).
+
+        The planted formula with each latent replaced by its posterior (topic, supertopic and answer-type match
+        probabilities, expected quality, probability of misleading), query and ICD posteriors taken as independent.
+        """
+        cfg, probes = self.cfg, self.probes
+        q, c = probes.read(split, queries), probes.read("train", icds)
+        same_topic = (q["topic"][:, None] * c["topic"]).sum(-1)  # (B, k)
+        same_super = (q["supertopic"][:, None] * c["supertopic"]).sum(-1)  # (B, k)
+        same_type = (q["answer_type"][:, None] * c["answer_type"]).sum(-1)  # (B, k)
+        affinity = same_topic + cfg.help_supertopic * (same_super - same_topic)  # (B, k)
+        quality, misleading = c["quality"], c["misleading"]  # (B, k)
+        topical = -cfg.help_misleading * misleading + (1 - misleading) * (
+            cfg.help_topic + cfg.help_topic_quality * quality
+        )  # (B, k)
+        h = cfg.help_base + affinity * topical + cfg.help_type * same_type + cfg.help_quality * quality
+        return h.float()
+
+    @functools.cached_property
+    def probes(self) -> Probes:
+        """Probes fitted on the train split's fused embeddings and planted latents (fitted once, ~1 s)."""
+        return Probes(self)
+
     def _pair_penalty(self, cos: Tensor) -> Tensor:
         """Redundancy penalty of each pair from its fused-embedding cosine, same shape as `cos`."""
         t = self.cfg.redundancy_threshold
@@ -520,8 +545,13 @@ class Simulator:
             "rel": self._rel[split][queries, regime],
         }
 
-    def oracle(self, split: str, queries: Tensor, pools: Tensor, k: int, beam: int = 16) -> Tensor:
+    def oracle(
+        self, split: str, queries: Tensor, pools: Tensor, k: int, beam: int = 16, observable: bool = False
+    ) -> Tensor:
         """The best ordered sequence of k distinct pool items under the known logit: (B,), (B, K) -> (B, k) ids.
+
+        observable=True searches the same way with `expected_helpfulness` instead of the planted helpfulness: the
+        best an agent that knows the answer model but sees only the embeddings could do by this search.
 
         Returns train-row ids in PROMPT order (the most helpful ICD last, next to the query): score them as they
         are; reversing them lowers the logit. Pool entries < 0 are padding and never picked.
@@ -539,7 +569,8 @@ class Simulator:
             raise ValueError(f"k={k} must be in [0, {int(num_valid.min())}], the fewest valid candidates of a pool")
         if beam < 1:
             raise ValueError(f"beam must be >= 1, got {beam}")
-        h = self.helpfulness(split, queries, pools.clamp(min=0)).masked_fill(~valid, float("-inf"))  # (B, K)
+        helpfulness = self.expected_helpfulness if observable else self.helpfulness
+        h = helpfulness(split, queries, pools.clamp(min=0)).masked_fill(~valid, float("-inf"))  # (B, K)
         # Sensitivity > 0 and the shot cost is fixed for fixed k, so maximising sum w*h - redundancy maximises logit.
         h_sorted, order = h.sort(dim=1, descending=True, stable=True)  # (B, K) padding sorted last
         ids = pools.gather(1, order).clamp(min=0)  # (B, K) pool in decreasing helpfulness
@@ -565,6 +596,68 @@ class Simulator:
             )  # (B, M', K)
         best = chosen[:, 0].flip(1)  # (B, k) prompt order: the first pick goes last
         return ids.gather(1, best)  # (B, k)
+
+
+class Probes:
+    """What the fused embeddings reveal about the planted latents, by probes fitted on the train split.
+
+    Categorical latents (topic, answer type): linear discriminant analysis with one spherical covariance shared by
+    the classes, which the simulator's isotropic noise makes the right model; supertopic = the sum of its topics'
+    posteriors. Quality: ridge regression (its expected value). Misleading: the ridge read-out along the probe
+    direction, turned into a posterior by two 1-d Gaussians with a shared variance (the read-out noise is
+    Gaussian). All in float64; posteriors of every item of both splits are computed once.
+    """
+
+    def __init__(self, sim: Simulator):
+        x, lat = sim.emb["train"].double(), sim.latents["train"]
+        topic = _lda(x, lat["topic"], NUM_TOPICS)
+        answer_type = _lda(x, lat["answer_type"], len(ANSWER_TYPES))
+        quality = _ridge(x, lat["quality"].double())
+        misleading = _binary_posterior(x, lat["misleading"])
+        self.split: dict[str, dict[str, Tensor]] = {}
+        for split in SPLITS:
+            z = sim.emb[split].double()
+            t = topic(z)  # (N, T)
+            self.split[split] = {
+                "topic": t,
+                "supertopic": t.view(len(z), len(SUPERTOPICS), SCENES_PER_SUPERTOPIC).sum(-1),  # (N, 8)
+                "answer_type": answer_type(z),  # (N, 4)
+                "quality": quality(z),  # (N,)
+                "misleading": misleading(z),  # (N,)
+            }
+
+    def read(self, split: str, rows: Tensor) -> dict[str, Tensor]:
+        """The posteriors of the items `rows` (any shape) of `split`."""
+        return {k: v[rows] for k, v in self.split[split].items()}
+
+
+def _lda(x: Tensor, y: Tensor, classes: int):
+    """Class posterior p(y | x) of a Gaussian model with class means and one shared spherical variance."""
+    count = torch.bincount(y, minlength=classes).to(x.dtype)  # (C,)
+    mean = torch.zeros(classes, x.shape[1], dtype=x.dtype).index_add_(0, y, x) / count.clamp_min(1)[:, None]
+    var = (x - mean[y]).pow(2).mean()
+    log_prior = (count / len(y)).clamp_min(1e-12).log()  # (C,)
+    return lambda z: (z @ mean.T / var - mean.pow(2).sum(-1) / (2 * var) + log_prior).softmax(-1)  # (N, C)
+
+
+def _ridge(x: Tensor, y: Tensor, strength: float = 1e-3):
+    """Ridge regression of y on x (penalty strength * N, the intercept unpenalised): returns z -> E[y | z]."""
+    x_mean, y_mean = x.mean(0), y.mean()
+    xc = x - x_mean
+    eye = torch.eye(x.shape[1], dtype=x.dtype)
+    w = torch.linalg.solve(xc.T @ xc + strength * len(x) * eye, xc.T @ (y - y_mean))  # (d,)
+    return lambda z: (z - x_mean) @ w + y_mean
+
+
+def _binary_posterior(x: Tensor, y: Tensor):
+    """P(y | z) for a binary latent: two 1-d Gaussians (shared variance) over its ridge read-out."""
+    read = _ridge(x, y.double())
+    r = read(x)
+    m1, m0 = r[y].mean(), r[~y].mean()
+    var = torch.cat([r[y] - m1, r[~y] - m0]).pow(2).mean()
+    prior = y.double().mean().clamp(1e-6, 1 - 1e-6)
+    log_odds = (prior / (1 - prior)).log()
+    return lambda z: torch.sigmoid(((read(z) - m0) ** 2 - (read(z) - m1) ** 2) / (2 * var) + log_odds)
 
 
 def calibrate(
