@@ -51,6 +51,34 @@ class LVLMOptions:
     """auto = this rank's CUDA device in bf16 when present, else CPU float32."""
 
 
+class ScoreCache:
+    """A backend's scores by (split, query, ICD train rows): only unseen ones go to the backend, in one batch.
+
+    Online GRPO and per-epoch validation score the same sequences again and again (greedy picks change slowly);
+    each distinct prompt is scored once per process.
+    """
+
+    FIELDS = ("acc", "correct", "gt_prob", "rel")
+
+    def __init__(self, backend):
+        self.backend, self.memo = backend, {}
+
+    def describe(self) -> dict:
+        return self.backend.describe()
+
+    def score(self, split: str, queries: Tensor, icds: Tensor) -> dict[str, Tensor]:
+        """queries (N,), icds (N, k) train rows -> acc, correct, gt_prob, rel as (N,) float64 (no predictions)."""
+        keys = [(split, q, tuple(s)) for q, s in zip(queries.tolist(), icds.tolist())]
+        new = [i for i, k in enumerate(keys) if k not in self.memo]
+        if new:
+            res = self.backend.score(split, queries[new], icds[new])
+            cols = [res[f].double().tolist() for f in self.FIELDS]
+            for j, i in enumerate(new):
+                self.memo[keys[i]] = tuple(c[j] for c in cols)
+        vals = torch.tensor([self.memo[k] for k in keys], dtype=torch.float64).view(len(keys), len(self.FIELDS))
+        return dict(zip(self.FIELDS, vals.unbind(-1)))
+
+
 def lvlm_backend(model: str, items: dict[str, list[dict]], opts: LVLMOptions):
     from lvlm import LVLMBackend, PromptTemplate
 

@@ -36,7 +36,7 @@ RewardMode = Literal[
     "hard_plus_soft", "separated", "hard_only", "soft_only", "hard_plus_gtprob", "hard_plus_gtprob_plus_rel"
 ]
 REWARD_MODES: tuple[str, ...] = get_args(RewardMode)
-Quality = Literal["high", "medium", "all"]
+Quality = Literal["high", "medium", "varied", "all"]
 SEQ_FIELDS = ("acc", "correct", "gt_prob", "rel")
 
 
@@ -370,10 +370,15 @@ def quality_labels(groups: Groups, reward: Tensor) -> list[str]:
 
 
 def filter_queries(groups: Groups, reward: Tensor, quality: Quality, require_positive: bool) -> Tensor:
-    """Indices of the queries kept by the curriculum filters: quality high (high only), medium (high + medium), all."""
-    labels = quality_labels(groups, reward)
-    allowed = {"high": {"high"}, "medium": {"high", "medium"}, "all": {"high", "medium", "low"}}[quality]
-    keep = torch.tensor([lab in allowed for lab in labels], dtype=torch.bool)
+    """Indices of the queries kept by the curriculum filters: quality high (high only), medium (high + medium),
+    varied (every query whose sequences do not all share one reward), all."""
+    if quality in ("high", "medium"):
+        allowed = {"high": {"high"}, "medium": {"high", "medium"}}[quality]
+        keep = torch.tensor([lab in allowed for lab in quality_labels(groups, reward)], dtype=torch.bool)
+    else:
+        keep = (
+            group_stats(groups, reward)["gap"] > 0 if quality == "varied" else torch.ones(len(groups), dtype=torch.bool)
+        )
     if require_positive:
         keep &= group_stats(groups, reward)["positives"] > 0
     return keep.nonzero()[:, 0]

@@ -2,10 +2,11 @@
 
 For each question, ICDs come from the question's own pool (eval_pools.json for val; the anchor's rl_data pool for
 --split train, which never holds the question itself): a run's selector decodes the largest shot greedily once and
-k-shot uses its first k picks; baselines pick zero-shot / random / most image- or text-similar / the simulator's
-oracle. The backend (simulator or LVLM) answers, and `vqa.vqa_score`-style accuracy is recorded per question and
-shot. Sample counts are nested prefixes of one fixed order (800 contains 400), so two runs are paired question by
-question and compare.py can test their differences.
+k-shot uses its first k picks, laid out in the prompt order it was trained with (model.json's pick_order);
+baselines pick zero-shot / random / most image- or text-similar / the simulator's oracle and its observable twin.
+The backend (simulator or LVLM) answers, and `vqa.vqa_score`-style accuracy is recorded per question and shot.
+Sample counts are nested prefixes of one fixed order (800 contains 400), so two runs are paired question by question
+and compare.py can test their differences.
 
 Writes RUN/eval/<split>.json (or <split>-epoch002.json with --epochs):
     {"data", "backend", "split", "selector", "order", "shots", "num_samples",
@@ -43,7 +44,7 @@ from data import Dataset, load_dataset, run_cli
 from model import PointerSelector, atomic_write_text
 from training import load_selector
 
-Baseline = Literal["zero-shot", "random", "image-sim", "text-sim", "oracle"]
+Baseline = Literal["zero-shot", "random", "image-sim", "text-sim", "oracle", "observable"]
 
 
 @dataclass
@@ -51,7 +52,10 @@ class Args:
     runs: tyro.conf.Positional[list[Path]] = field(default_factory=list)
     """Run folders whose selector (model.safetensors) to evaluate."""
     baseline: Baseline | None = None
-    """Evaluate a baseline instead: zero-shot, random, image-sim, text-sim or oracle (simulator only)."""
+    """Evaluate a baseline instead: zero-shot, random, image-sim, text-sim; simulator only: oracle (searches the
+    planted answer model) or observable (the same search with the latents that probes read off the embeddings: an
+    estimate of how far embeddings alone can take a selector; a learned one can still beat it, e.g. by remembering
+    which train items helped)."""
     out: Path | None = None
     """Run folder for a baseline (default runs/baseline-<name>)."""
     data: Path = Path("data/sim")
@@ -63,8 +67,9 @@ class Args:
     num_samples: list[int] = field(default_factory=lambda: [100, 200, 400, 800])
     """Question counts to summarise (nested prefixes of the fixed order)."""
     order: Literal["auto", "selected", "reversed"] = "auto"
-    """ICD order in the prompt: selected (first pick first), reversed (first pick next to the query); auto =
-    reversed for the similarity baselines (RICES convention), selected otherwise."""
+    """ICD order in the prompt: selected (first pick first), reversed (first pick next to the query); auto = the
+    selector's own pick order (model.json's pick_order), reversed for the similarity baselines (RICES convention),
+    selected otherwise."""
     epochs: list[int] = field(default_factory=list)
     """Also evaluate these epoch checkpoints of each run (eval/<split>-epochNNN.json)."""
     seeds: int = 1
@@ -126,11 +131,11 @@ def baseline_icds(
     shots = args.shots
     if args.baseline == "zero-shot":
         return [pool[:, :0] for _ in shots]
-    if args.baseline == "oracle":
+    if args.baseline in ("oracle", "observable"):
         if not hasattr(backend, "sim"):
-            raise ValueError("--baseline oracle needs the simulator (it searches the known answer model)")
+            raise ValueError(f"--baseline {args.baseline} needs the simulator (it searches the known answer model)")
         # searched per shot count (the best 2 ICDs need not be a prefix of the best 4), already in prompt order
-        return [backend.sim.oracle(split, rows, pool, s) for s in shots]
+        return [backend.sim.oracle(split, rows, pool, s, observable=args.baseline == "observable") for s in shots]
     if args.baseline == "random":
         g = torch.Generator().manual_seed(seed)
         order = pools.random_sequences(pool >= 0, 1, k, g)[:, 0]  # (n, k)
@@ -211,9 +216,13 @@ def evaluate_one(args: Args, ds: Dataset, backend, target: Path, selector: Path 
     split = args.split
     rows, pool, items = questions(ds, split, n)
     k = max(args.shots)
+    model = None if selector is None else load_selector(selector)
     order = args.order
-    if order == "auto":
-        order = "reversed" if args.baseline in ("image-sim", "text-sim") else "selected"
+    if order == "auto":  # how the selector was trained to be read; RICES puts the most similar next to the query
+        nearest = args.baseline in ("image-sim", "text-sim") or (
+            model is not None and model.cfg.pick_order == "nearest_first"
+        )
+        order = "reversed" if nearest else "selected"
     seeds = list(range(args.seed, args.seed + args.seeds)) if args.baseline == "random" else [args.seed]
     header = {
         "selector": str(selector),
@@ -228,8 +237,8 @@ def evaluate_one(args: Args, ds: Dataset, backend, target: Path, selector: Path 
     }
     target.parent.mkdir(parents=True, exist_ok=True)
     for seed in seeds:
-        if selector is not None:
-            picks = selector_icds(load_selector(selector), ds, split, rows, pool, k)
+        if model is not None:
+            picks = selector_icds(model, ds, split, rows, pool, k)
             icds = [picks[:, :s] for s in args.shots]
         else:
             icds = baseline_icds(args, ds, backend, split, rows, pool, k, seed)

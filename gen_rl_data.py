@@ -221,20 +221,13 @@ def settings(args: Args, src: Source) -> dict:
 # Pools and groups
 
 
-def similarity_matrices(emb: dict[str, Tensor], split: str, queries: Tensor) -> dict[str, Tensor]:
-    """Image and text cosine similarities (Q, N) of the queries against the train split."""
-    return {f"{view}_sim": emb[f"{split}_{view}"][queries] @ emb[f"train_{view}"].T for view in ("image", "text")}
-
-
 def make_pools(
     args: Args, items: dict, emb: dict, split: str, queries: Tensor, query_rows: Tensor, stream: int
 ) -> Tensor:
     """(Q,) query rows of `split` -> (Q, K) train rows, built by the chosen sampler."""
-    image_ids = torch.tensor([it["image_id"] for it in items[split]])
-    train_ids = torch.tensor([it["image_id"] for it in items["train"]])
-    exclude = pools.exclusion_mask(image_ids[queries], train_ids, query_rows)
-    return pools.build_pools(
-        args.sampler, args.pool_size, exclude, rng(args.seed, stream), **similarity_matrices(emb, split, queries)
+    image_ids = {s: torch.tensor([it["image_id"] for it in items[s]]) for s in {"train", split}}
+    return pools.query_pools(
+        args.sampler, args.pool_size, emb, image_ids, split, queries, query_rows, rng(args.seed, stream)
     )
 
 
@@ -247,7 +240,7 @@ def init_candidates(args: Args, query: Tensor, pool: Tensor) -> tuple[Tensor, li
     samples, _ = model.sample(
         query, pool, mask, args.seq_len, args.init_samples, rng(args.seed, 4), args.init_temperature
     )
-    seqs = torch.cat([greedy[:, None], beams, samples], 1)
+    seqs = model.cfg.to_prompt(torch.cat([greedy[:, None], beams, samples], 1))  # (Q, C, S) prompt order
     return seqs, ["greedy"] + ["beam"] * args.init_beams + ["sample"] * args.init_samples
 
 

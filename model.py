@@ -20,7 +20,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,8 @@ from torch import Tensor, nn
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The selector
+
+PickOrder = Literal["prompt", "nearest_first"]
 
 
 @dataclass(frozen=True)
@@ -48,12 +50,30 @@ class SelectorConfig:
     """Dropout after attention and on the projected features (train mode only)."""
     temperature: float = 0.1
     """Scores are cosine / temperature."""
+    pick_order: PickOrder = "prompt"
+    """How the picks become a prompt. "prompt": pick t is the t-th demonstration, so the last pick sits next to the
+    query (Lever-Plus). "nearest_first": the first pick sits next to the query (the prompt lists the picks in
+    reverse), so the best pick of a greedy decode lands where an LVLM with a recency bias weighs it most, and the
+    k-shot prompt made of the first k picks keeps it there for every k. Decoders return picks in pick order;
+    convert with `to_prompt` / `from_prompt` wherever picks meet scored data or the LVLM."""
 
     def __post_init__(self):
         if self.hidden % self.num_heads:
             raise ValueError(f"SelectorConfig: hidden={self.hidden} is not divisible by num_heads={self.num_heads}")
         if self.temperature <= 0:
             raise ValueError(f"SelectorConfig: temperature must be > 0, got {self.temperature}")
+        if self.pick_order not in get_args(PickOrder):
+            raise ValueError(
+                f"SelectorConfig: pick_order must be one of {get_args(PickOrder)}, got {self.pick_order!r}"
+            )
+
+    def to_prompt(self, picks: Tensor) -> Tensor:
+        """Picks (..., S) in pick order -> the same demonstrations in prompt order (the query comes after the last)."""
+        return picks.flip(-1) if self.pick_order == "nearest_first" else picks
+
+    def from_prompt(self, seqs: Tensor) -> Tensor:
+        """Sequences (..., S) in prompt order (as scored data stores them) -> pick order; the inverse of to_prompt."""
+        return self.to_prompt(seqs)  # a reversal is its own inverse
 
 
 class Steps(NamedTuple):
@@ -124,9 +144,11 @@ class PointerSelector(nn.Module):
         keys = F.normalize(self.cand_proj(self.drop(c)), dim=-1)  # (B, K, H)
         return s, keys
 
-    def step_log_dist(self, s: Tensor, keys: Tensor, avail: Tensor) -> Tensor:
-        """State (B, M, H), keys (B, K, H), available (B, M, K) -> log-distribution (B, M, K); -inf = unavailable."""
-        scores = torch.einsum("bmh,bkh->bmk", s, keys) / self.cfg.temperature  # (B, M, K)
+    def step_log_dist(self, s: Tensor, keys: Tensor, avail: Tensor, temperature: float = 1.0) -> Tensor:
+        """State (B, M, H), keys (B, K, H), available (B, M, K) -> log-distribution (B, M, K); -inf = unavailable.
+
+        `temperature` scales the configured one (sampling at temperature T is the policy at temperature T)."""
+        scores = torch.einsum("bmh,bkh->bmk", s, keys) / (self.cfg.temperature * temperature)  # (B, M, K)
         return scores.masked_fill(~avail, float("-inf")).log_softmax(-1)
 
     def advance(self, s: Tensor, keys: Tensor, pick: Tensor) -> Tensor:
@@ -144,11 +166,13 @@ class PointerSelector(nn.Module):
         seqs: Tensor,
         seq_mask: Tensor,
         with_dists: bool = False,
+        temperature: float = 1.0,
     ) -> Steps:
         """Teacher-forced per-step log-probs and entropies of G given sequences per query.
 
         query (B, d), pool (B, K, d), pool_mask (B, K) bool, seqs (B, G, S) long pool positions, seq_mask (B, G) bool.
-        Masked sequences may hold anything (e.g. -1 padding); their outputs are exactly 0.
+        Masked sequences may hold anything (e.g. -1 padding); their outputs are exactly 0. `temperature` gives the
+        distributions of `sample(..., temperature)`, whose samples online GRPO scores.
         """
         check_inputs(query, pool, pool_mask, seqs, seq_mask)
         B, G, S = seqs.shape
@@ -160,7 +184,7 @@ class PointerSelector(nn.Module):
         avail = pool_mask[:, None, :].expand(B, G, -1).clone()  # (B, G, K)
         logps, ents, dists = [], [], []
         for t in range(S):
-            log_dist = self.step_log_dist(s, keys, avail)  # (B, G, K)
+            log_dist = self.step_log_dist(s, keys, avail, temperature)  # (B, G, K)
             pick = seqs[:, :, t]  # (B, G)
             logps.append(log_dist.gather(-1, pick[..., None])[..., 0])
             ents.append(_entropy(log_dist, avail))

@@ -30,6 +30,7 @@ __all__ = [
     "SAMPLERS",
     "exclusion_mask",
     "build_pools",
+    "query_pools",
     "random_sequences",
     "first_distinct",
     "similarity_ranking",
@@ -104,6 +105,27 @@ def build_pools(
     taken = exclude.scatter(1, by_image, True)  # (Q, N)
     by_text = _top_allowed(text_sim, taken, pool_size - n_image)  # (Q, K - K//2)
     return torch.cat([by_image, by_text], dim=1)  # (Q, K)
+
+
+def query_pools(
+    sampler: str,
+    pool_size: int,
+    emb: dict[str, Tensor],
+    image_ids: dict[str, Tensor],
+    split: str,
+    queries: Tensor,
+    query_rows: Tensor,
+    generator: torch.Generator,
+) -> Tensor:
+    """One pool per query: rows `queries` of `split` -> (Q, K) train rows, by `build_pools` with the given sampler.
+
+    emb: "<split>_image" / "<split>_text" (N, d) views, read only by the samplers that use them; image_ids: split ->
+    (N,) image id per row; query_rows: the queries' own train rows, or -1 (see `exclusion_mask`).
+    """
+    exclude = exclusion_mask(image_ids[split][queries], image_ids["train"], query_rows)  # (Q, N)
+    views = {"image": ("image",), "text": ("text",), "mix": ("image", "text")}.get(sampler, ())
+    sims = {f"{v}_sim": emb[f"{split}_{v}"][queries] @ emb[f"train_{v}"].T for v in views}  # (Q, N) each
+    return build_pools(sampler, pool_size, exclude, generator, **sims)
 
 
 def random_sequences(pool_mask: Tensor, group_size: int, seq_len: int, generator: torch.Generator) -> Tensor:

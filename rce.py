@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from data import load_dataset, run_cli
-from model import PointerSelector, SelectorConfig, rce_weights
+from data import Quality, load_dataset, run_cli
+from model import PickOrder, PointerSelector, SelectorConfig, rce_weights
 from training import (
     Loop,
     TrainArgs,
@@ -33,9 +33,9 @@ from training import (
     load_selector,
     make_batch,
     prepare_out,
-    sim_backend,
     split_queries,
     steps_per_epoch,
+    validation_backend,
     write_config,
 )
 
@@ -48,6 +48,10 @@ class Args(TrainArgs):
     """RCE temperature at the first step."""
     temp_end: float = 0.5
     """RCE temperature at the last step (linear annealing)."""
+    quality: Quality = "varied"
+    """Training queries: varied (default) = those whose scored sequences do not all share one reward. In an
+    all-equal group softmax(reward / tau) is uniform, and its cross-entropy pulls the selector towards the uniform
+    policy over random sequences without saying which demonstrations help; high / medium / all as in grpo.py."""
     top1: bool = False
     """Plain cross-entropy on each group's best sequence instead of reward weighting."""
     init: Path | None = None
@@ -60,6 +64,9 @@ class Args(TrainArgs):
     """Attention heads (fresh selectors only)."""
     dropout: float = 0.1
     """Dropout during RCE training (fresh selectors only)."""
+    pick_order: PickOrder = "nearest_first"
+    """Fresh selectors: nearest_first = the first pick sits next to the query (prompt = picks reversed), so every
+    k-shot prefix of a greedy decode keeps the best pick next to the query; prompt = picks in prompt order."""
 
 
 def top1_weights(reward: Tensor, mask: Tensor) -> Tensor:
@@ -85,6 +92,7 @@ def main(args: Args) -> None:
             num_layers=args.num_layers,
             num_heads=args.num_heads,
             dropout=args.dropout,
+            pick_order=args.pick_order,
         )
         model = PointerSelector(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
@@ -92,7 +100,7 @@ def main(args: Args) -> None:
 
     def step(idx: Tensor, step: int, state: dict) -> dict[str, float]:
         tau = args.temp_start + (args.temp_end - args.temp_start) * step / max(total - 1, 1)
-        b = make_batch(ds, idx, split.reward)
+        b = make_batch(ds, idx, split.reward, model.cfg)
         logp = model.log_probs(b.query, b.pool, b.pool_mask, b.seqs, b.seq_mask).sum(-1)  # (B, G)
         w = top1_weights(b.reward, b.seq_mask) if args.top1 else rce_weights(b.reward, b.seq_mask, tau)  # (B, G)
         loss = -(w.to(logp.dtype) * logp).sum(-1).mean()
@@ -104,9 +112,9 @@ def main(args: Args) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if resume_from is None:
         write_config(args.out, args, ds, split)
-    run = Loop(args, args.out, ds, split, model, opt, "rce", sim_backend(ds))
-    loop = fit(run, step, resume_from, postfix=("train/loss", "train/tau"), init_is_candidate=args.init is not None)
-    print(f"best epoch {loop['best_epoch']} (val/reward {loop['best']:.4f}) -> {args.out}/model.safetensors")
+    run = Loop(args, args.out, ds, split, model, opt, "rce", validation_backend(ds, args))
+    loop = fit(run, step, resume_from, postfix=("train/loss", "train/tau"))
+    print(f"best epoch {loop['best_epoch']} ({loop['metric']} {loop['best']:.4f}) -> {args.out}/model.safetensors")
 
 
 if __name__ == "__main__":

@@ -20,9 +20,17 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from backends import open_backend
+from backends import ScoreCache, open_backend
 from data import Dataset, Quality, RewardArgs, compute_reward, filter_queries
-from model import PointerSelector, SelectorConfig, atomic_write_text, load_state_strict, read_tensors, save_tensors
+from model import (
+    PointerSelector,
+    SelectorConfig,
+    atomic_write_text,
+    load_state_strict,
+    read_tensors,
+    reward_spread,
+    save_tensors,
+)
 
 
 @dataclass
@@ -46,13 +54,20 @@ class TrainArgs(RewardArgs):
     val_frac: float = 0.1
     """Share of anchor queries held out (fixed by seed) to select the best epoch."""
     quality: Quality = "all"
-    """Curriculum filter on training queries: high (high only), medium (high + medium), all; see the data report."""
+    """Curriculum filter on training queries: high (high only), medium (high + medium), varied (rewards not all
+    equal), all; see the data report."""
     require_positive: bool = False
     """Train only on queries with at least one correct sequence."""
     resume: bool = False
     """Continue from the last epoch checkpoint in the output folder."""
     allow_truncated: bool = False
     """Ignore a truncated last line of rl_data.jsonl (an interrupted gen_rl_data run) instead of failing."""
+    val_lvlm: bool = False
+    """Real data: each epoch, also ask the dataset's LVLM to answer the validation anchors with the greedy picks
+    (1..S shots, at most --val-max-queries anchors, each distinct prompt once per process) and choose the best
+    epoch by that accuracy. The simulator always does this (it answers instantly)."""
+    val_max_queries: int = 200
+    """--val-lvlm: validation anchors answered per epoch (the first N of the held-out split)."""
 
 
 def check_train_args(args: TrainArgs) -> None:
@@ -61,6 +76,8 @@ def check_train_args(args: TrainArgs) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 < args.val_frac < 1:
         raise ValueError(f"--val-frac must be in (0, 1), got {args.val_frac}")
+    if args.val_max_queries < 1:
+        raise ValueError(f"--val-max-queries must be >= 1, got {args.val_max_queries}")
     if args.lr <= 0 or args.weight_decay < 0 or args.grad_clip < 0:
         raise ValueError("--lr must be > 0, --weight-decay and --grad-clip >= 0")
 
@@ -100,9 +117,14 @@ def split_queries(ds: Dataset, args: TrainArgs) -> Split:
     keep = filter_queries(g, reward, args.quality, args.require_positive)
     train = train[torch.isin(train, keep)]
     if len(train) == 0:
-        raise ValueError(
-            f"no training query passes --quality {args.quality}{' --require-positive' if args.require_positive else ''}"
+        flags = f"--quality {args.quality}{' --require-positive' if args.require_positive else ''}"
+        hint = (
+            f"; every group's sequences share one {args.reward_mode} reward, so there is nothing to learn from "
+            "(a graded reward such as --reward-mode hard_plus_gtprob may separate them; --quality all trains anyway)"
+            if args.quality == "varied" and not (reward_spread(reward, g.seq_mask) > 0).any()
+            else ""
         )
+        raise ValueError(f"no training query passes {flags}{hint}")
     return Split(train, val, reward)
 
 
@@ -120,13 +142,13 @@ class Batch:
     reward: Tensor  # (B, G)
 
 
-def make_batch(ds: Dataset, idx: Tensor, reward: Tensor) -> Batch:
-    """Gather the embeddings of the queries `idx` (indices into ds.groups) and their pools."""
+def make_batch(ds: Dataset, idx: Tensor, reward: Tensor, cfg: SelectorConfig) -> Batch:
+    """Gather the embeddings of the queries `idx` (indices into ds.groups), their pools, and their scored sequences
+    in the pick order of a selector configured by `cfg`."""
     g, emb = ds.groups, ds.emb["train"]
     pool_ids = g.pools[idx]  # (B, K)
-    return Batch(
-        emb[g.queries[idx]], emb[pool_ids.clamp_min(0)], g.pool_mask[idx], g.seqs[idx], g.seq_mask[idx], reward[idx]
-    )
+    seqs = cfg.from_prompt(g.seqs[idx])  # (B, G, S)
+    return Batch(emb[g.queries[idx]], emb[pool_ids.clamp_min(0)], g.pool_mask[idx], seqs, g.seq_mask[idx], reward[idx])
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -136,34 +158,48 @@ def make_batch(ds: Dataset, idx: Tensor, reward: Tensor) -> Batch:
 @torch.no_grad()
 def greedy_picks(model: PointerSelector, ds: Dataset, idx: Tensor) -> Tensor:
     """Greedy pool positions (B, S) for the queries `idx`."""
-    b = make_batch(ds, idx, torch.zeros(len(ds.groups), 1))
+    b = make_batch(ds, idx, torch.zeros(len(ds.groups), 1), model.cfg)
     return model.greedy(b.query, b.pool, b.pool_mask, ds.seq_len)[0]
 
 
 @torch.no_grad()
-def validate(model: PointerSelector, ds: Dataset, split: Split, backend=None) -> dict[str, float]:
+def validate(model: PointerSelector, ds: Dataset, split: Split, backend=None, max_queries: int | None = None) -> dict:
     """val/reward = mean over validation queries of sum_i softmax_i(log pi(seq_i)) r_i (the policy's expected
     reward when restricted to the scored sequences); with a backend, val/acc_k = VQA accuracy (%) of the greedy
-    picks' first k on the validation anchors, and val/acc = its mean over k."""
+    picks' first k on (the first `max_queries` of) the validation anchors, and val/acc = its mean over k."""
     model.eval()
-    b = make_batch(ds, split.val, split.reward)
+    b = make_batch(ds, split.val, split.reward, model.cfg)
     logp = model.log_probs(b.query, b.pool, b.pool_mask, b.seqs, b.seq_mask).sum(-1)  # (B, G)
     w = logp.masked_fill(~b.seq_mask, float("-inf")).softmax(-1)
     out = {"val/reward": float((w * b.reward).sum(-1).mean())}
     if backend is not None:
-        picks = model.greedy(b.query, b.pool, b.pool_mask, ds.seq_len)[0]  # (B, S)
-        icds = ds.groups.pools[split.val].gather(1, picks)  # (B, S) train rows
+        n = max_queries or len(split.val)
+        picks = model.greedy(b.query[:n], b.pool[:n], b.pool_mask[:n], ds.seq_len)[0]  # (n, S) pick order
+        icds = ds.groups.pools[split.val[:n]].gather(1, picks)  # (n, S) train rows in pick order
+        queries = ds.groups.queries[split.val[:n]]
         accs = [
-            100 * float(backend.score("train", ds.groups.queries[split.val], icds[:, :k])["acc"].mean())
+            100 * float(backend.score("train", queries, model.cfg.to_prompt(icds[:, :k]))["acc"].mean())
             for k in range(1, ds.seq_len + 1)
         ]
         out.update({f"val/acc_{k}": a for k, a in enumerate(accs, 1)}, **{"val/acc": sum(accs) / len(accs)})
     return out
 
 
-def sim_backend(ds: Dataset):
-    """The dataset's simulator when it is a simulated dataset (for true-accuracy validation), else None."""
-    return open_backend(ds.meta, ds.items, ds.emb) if ds.is_sim else None
+def validation_backend(ds: Dataset, args: TrainArgs) -> ScoreCache | None:
+    """What answers the validation anchors' greedy picks (cached): the simulator of a simulated dataset, the
+    dataset's LVLM with --val-lvlm, else None (then the best epoch is chosen by val/reward)."""
+    if ds.is_sim or args.val_lvlm:
+        return ScoreCache(open_backend(ds.meta, ds.items, ds.emb))
+    return None
+
+
+def selection_metric(backend) -> str:
+    """True accuracy of the greedy picks when they can be answered, else the expected reward over scored data.
+
+    val/reward is a poor proxy: it rewards putting probability on the better *scored* sequences, which need not
+    move the greedy picks the evaluation uses (on the simulator it chose epoch 1 of online GRPO runs whose
+    accuracy kept rising for 20 epochs)."""
+    return "val/reward" if backend is None else "val/acc"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -407,19 +443,28 @@ def fit(
     postfix: tuple[str, ...] = ("train/loss",),
     rngs: dict[str, torch.Generator] | None = None,
     log_steps: bool = False,
-    init_is_candidate: bool = False,
 ) -> dict:
-    """Epochs over the training queries, validation, best-model selection by val/reward, checkpoints, resume.
+    """Epochs over the training queries, validation, best-model selection (`selection_metric`), checkpoints, resume.
 
     train_step(idx (B,) query indices, step, state) -> dict of float metrics, including "train/loss"; `state` is a
     mutable dict persisted in every checkpoint (e.g. an adaptive KL beta). epoch_extra() -> dict of extra epoch
     metrics; check(record) -> list of plain-words warnings; `rngs` are extra generators saved in checkpoints;
-    log_steps also writes every step's metrics ("kind": "step"); init_is_candidate lets epoch 0 (the starting
-    weights) be the selected model when no epoch beats its validation reward. Returns the final loop state.
+    log_steps also writes every step's metrics ("kind": "step"). Returns the final loop state.
+
+    Epoch 0 (the starting weights) is logged but never selected: a trained start was itself chosen as the best of
+    its run on these same validation anchors, so its score there is biased upwards (the winner's curse) and would
+    beat a better later epoch by chance. Whether training helped is for evaluate.py and compare.py to say, on the
+    evaluation questions, with paired tests.
     """
     from tqdm import tqdm
 
     args, out = run.args, run.out
+    metric = selection_metric(run.backend)
+    cap = None if run.ds.is_sim else args.val_max_queries
+
+    def validation() -> dict:
+        return {**validate(run.model, run.ds, run.split, run.backend, cap), "select_metric": metric}
+
     rngs = {"shuffle": torch.Generator().manual_seed(args.seed + 1), **(rngs or {})}
     loop = {"epoch": 0, "step": 0, "best": -math.inf, "best_epoch": None, "state": state or {}}
     if resume_from is not None:
@@ -430,12 +475,9 @@ def fit(
             "phase": run.phase,
             "epoch": 0,
             "step": 0,
-            **validate(run.model, run.ds, run.split, run.backend),
+            **validation(),
             **(epoch_extra() if epoch_extra else {}),
         }
-        if init_is_candidate:  # a trained start (GRPO's RCE init): shipped as is unless an epoch beats it
-            loop["best"], loop["best_epoch"] = record["val/reward"], 0
-            run.model.save(out)
         log.write(record)
     n = len(run.split.train)
     steps = steps_per_epoch(run.split, args.batch_size)
@@ -475,14 +517,14 @@ def fit(
             "step": loop["step"],
             **{k: v / counts[k] for k, v in sums.items()},
             **maxes,
-            **validate(run.model, run.ds, run.split, run.backend),
+            **validation(),
             **(epoch_extra() if epoch_extra else {}),
         }
         warnings = check(record) if check else []
         if warnings:
             record["warnings"] = warnings
-        if record["val/reward"] > loop["best"]:
-            loop["best"], loop["best_epoch"] = record["val/reward"], epoch
+        if record[metric] > loop["best"]:
+            loop["best"], loop["best_epoch"] = record[metric], epoch
             run.model.save(out)
         record["best_epoch"] = loop["best_epoch"]
         loop["epoch"] = epoch
@@ -490,9 +532,5 @@ def fit(
         save_checkpoint(out, epoch, run.model, run.opt, rngs, loop)
         summary = log_line(record, (*postfix, "val/reward", "val/acc"))
         print(f"{run.phase} epoch {epoch}: {summary}" + "".join(f"\n  warning: {w}" for w in warnings), flush=True)
-    if loop["best_epoch"] == 0:
-        print(
-            f"warning: no epoch beat the starting weights on validation reward; {out}/model.safetensors holds them",
-            file=sys.stderr,
-        )
+    loop["metric"] = metric
     return loop

@@ -72,13 +72,16 @@ def test_selector_run_orders_epochs_and_train_split(small_data, tmp_path):
     best = json.loads((run / "eval" / "val.json").read_text())
     for e in (1, 2):
         assert (run / "eval" / f"val-epoch{e:03d}.json").is_file()
-    by_shot = {s: [r["icds"] for r in best["results"] if r["shot"] == s] for s in (1, 2, 3, 4)}
-    assert all(b[: len(a)] == a for a, b in zip(by_shot[2], by_shot[4]))  # k-shot = first k of the greedy picks
+    # a fresh selector's first pick sits next to the query: the k-shot prompt is its first k picks reversed
+    assert json.loads((run / "model.json").read_text())["pick_order"] == "nearest_first"
+    assert best["order"] == "reversed"
+    picks = {s: [r["icds"][::-1] for r in best["results"] if r["shot"] == s] for s in (1, 2, 3, 4)}
+    assert all(b[: len(a)] == a for a, b in zip(picks[2], picks[4]))  # k-shot = first k of the greedy picks
     rev = tmp_path / "rev"
     rev.mkdir()
     for f in ("model.safetensors", "model.json"):
         (rev / f).write_bytes((run / f).read_bytes())
-    run_eval(data=small_data, runs=[rev], order="reversed")
+    run_eval(data=small_data, runs=[rev], order="selected")
     flipped = json.loads((rev / "eval" / "val.json").read_text())
     assert [r["icds"] for r in flipped["results"]] == [r["icds"][::-1] for r in best["results"]]
     evaluate.main(evaluate.Args(data=small_data, runs=[run], split="train", num_samples=[20]))

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import SMALL
 
+import pools
 from data import load_dataset
 from gen_rl_data import Args, generate, report
 
@@ -105,8 +106,12 @@ def test_init_adds_selector_sequences(small_data, tmp_path):
     rce.main(rce.Args(data=small_data, out=run, epochs=1, batch_size=8, val_frac=0.25))
     out = tmp_path / "r2"
     generate(Args(out=out, init=run, init_beams=2, init_samples=3, **SMALL))
-    g = load_dataset(out).groups
-    for src, seqs in zip(g.sources, g.seqs):
-        assert src[0] == "greedy" and "beam" in src and "retrieval" in src and len(src) == SMALL["group_size"]
-        assert len({tuple(s) for s in seqs.tolist()}) == len(seqs)
+    ds = load_dataset(out)
+    g, emb = ds.groups, ds.emb["train"]
+    # the similarity-retrieval sequence (most similar next to the query) is in every group, as its own entry or as
+    # a selector sequence it duplicates (a near-identity selector reading picks nearest-first often equals it)
+    retrieval = pools.similarity_ranking(emb[g.queries], emb[g.pools], g.pool_mask)[:, : ds.seq_len].flip(1)
+    for src, seqs, ret in zip(g.sources, g.seqs, retrieval.tolist()):
+        assert src[0] == "greedy" and "beam" in src and len(src) == SMALL["group_size"]
+        assert len({tuple(s) for s in seqs.tolist()}) == len(seqs) and ret in seqs.tolist()
     assert json.loads((out / "meta.json").read_text())["init"]["run"] == str(run)

@@ -55,11 +55,16 @@ def test_dataset_folder_records_the_real_backend(data, assets, monkeypatch):
 
 def test_train_evaluate_compare(data, assets, tmp_path):
     small = dict(data=data, epochs=1, batch_size=4, val_frac=0.25)
-    rce.main(rce.Args(out=tmp_path / "rce", hidden=32, num_heads=2, **small))
+    with pytest.raises(ValueError, match="every group's sequences share one hard_plus_soft reward"):
+        rce.main(rce.Args(out=tmp_path / "flat", hidden=32, num_heads=2, **small))  # a random LVLM ties them all
+    rce.main(rce.Args(out=tmp_path / "rce", hidden=32, num_heads=2, quality="all", **small))
     grpo.main(grpo.Args(init=tmp_path / "rce", out=tmp_path / "grpo", **small))
-    grpo.main(grpo.Args(init=tmp_path / "rce", out=tmp_path / "online", online=True, group_size=2, **small))
+    offline = [json.loads(x) for x in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()][-1]
+    assert "val/acc" not in offline and offline["select_metric"] == "val/reward"  # the LVLM is not asked by default
+    online_args = dict(online=True, group_size=2, val_lvlm=True, val_max_queries=2, **small)
+    grpo.main(grpo.Args(init=tmp_path / "rce", out=tmp_path / "online", **online_args))
     online = [json.loads(x) for x in (tmp_path / "online" / "metrics.jsonl").read_text().splitlines()][-1]
-    assert online["grpo/group_size"] <= 2 and "val/acc" not in online  # no true accuracy without the simulator
+    assert online["grpo/group_size"] <= 2 and online["select_metric"] == "val/acc" and 0 <= online["val/acc"] <= 100
     ev = dict(data=data, shots=[1, 2], num_samples=[4, 8])
     evaluate.main(evaluate.Args(runs=[tmp_path / "rce", tmp_path / "grpo"], **ev))
     evaluate.main(evaluate.Args(baseline="image-sim", out=tmp_path / "sim", **ev))

@@ -9,6 +9,7 @@ import torch
 import grpo
 import rce
 import training
+from data import load_dataset
 from model import PointerSelector, SelectorConfig
 from training import load_selector
 
@@ -33,7 +34,9 @@ def test_rce_run_folder(rce_run):
     assert not list(rce_run.rglob("*.tmp"))
     epochs = records(rce_run)
     assert [r["epoch"] for r in epochs] == [0, 1, 2, 3]
-    best = max(epochs[1:], key=lambda r: r["val/reward"])
+    # simulator: the best epoch is the first with the highest true accuracy of its greedy picks, not val/reward
+    assert all(r["select_metric"] == "val/acc" for r in epochs)
+    best = max(epochs[1:], key=lambda r: (r["val/acc"], -r["epoch"]))
     assert epochs[-1]["best_epoch"] == best["epoch"]
     assert all(0 <= r["val/acc"] <= 100 for r in epochs)  # simulator: true accuracy of the greedy picks is logged
     taus = [r["train/tau"] for r in epochs[1:]]
@@ -70,10 +73,13 @@ def test_rce_killed_mid_epoch_resumes_bit_identical(small_data, rce_run, tmp_pat
     out = tmp_path / "mid"
     real = rce.make_batch
     calls = {"n": 0}
+    args = rce.Args(data=small_data, out=out, epochs=3, **FAST)
+    steps = training.steps_per_epoch(training.split_queries(load_dataset(small_data), args), args.batch_size)
+    assert steps >= 2
 
     def dies_in_epoch_3(*a):
         calls["n"] += 1
-        if calls["n"] == 2 * 5 + 3:  # 5 steps per epoch (36 train queries / 8): the 3rd step of epoch 3
+        if calls["n"] == 3 * steps:  # the last step of epoch 3: its other steps have updated the weights
             raise KeyboardInterrupt
         return real(*a)
 
@@ -169,10 +175,19 @@ def test_grpo_online_and_resume_bit_identical(small_data, rce_run, tmp_path, mon
 
 
 def test_curriculum_filters_shrink_the_training_set(small_data, rce_run, tmp_path):
+    ds = load_dataset(small_data)
+    kept = {
+        q: training.split_queries(ds, grpo.resolve(grpo.Args(quality=q, **FAST)))
+        for q in ("high", "medium", "varied", "all")
+    }
+    sets = [set(kept[q].train.tolist()) for q in ("high", "medium", "varied", "all")]
+    assert all(a <= b for a, b in zip(sets, sets[1:])) and len(sets[-1]) == 36 and 0 < len(sets[1]) < len(sets[2])
+    assert all(torch.equal(k.val, kept["all"].val) for k in kept.values())  # filters never touch validation
+    spread = kept["all"].reward.amax(-1) - kept["all"].reward.where(ds.groups.seq_mask, 9).amin(-1)
+    assert sets[2] == {q for q in sets[-1] if spread[q] > 0}
     grpo.main(grpo.Args(data=small_data, init=rce_run, out=tmp_path / "c", epochs=1, quality="medium", **FAST))
     n = json.loads((tmp_path / "c" / "config.json").read_text())["queries"]
-    full = json.loads((rce_run / "config.json").read_text())["queries"]
-    assert n["val"] == full["val"] == 12 and 0 < n["train"] < full["train"] == 36
+    assert n == {"train": len(sets[1]), "val": 12}
 
 
 def test_warnings_name_dead_and_runaway_signals():
@@ -183,11 +198,12 @@ def test_warnings_name_dead_and_runaway_signals():
         "grpo/clip_frac_high": 0.1,
         "grpo/kl_ref": 0.5,
     }
-    assert grpo.warnings_for(healthy) == []
-    dead = grpo.warnings_for({**healthy, "grpo/zero_std_frac": 1.0, "grpo/adv_std": 0.0})
+    assert grpo.warnings_for(healthy, 4) == []
+    dead = grpo.warnings_for({**healthy, "grpo/zero_std_frac": 1.0, "grpo/adv_std": 0.0}, 4)
     assert any("no learning signal" in w for w in dead) and any("advantage std" in w for w in dead)
-    assert "PPO clip" in grpo.warnings_for({**healthy, "grpo/clip_frac_high": 0.45})[0]
-    assert "running away" in grpo.warnings_for({**healthy, "grpo/kl_ref": 12.0})[0]
+    assert "PPO clip" in grpo.warnings_for({**healthy, "grpo/clip_frac_high": 0.45}, 4)[0]
+    assert "running away" in grpo.warnings_for({**healthy, "grpo/kl_ref": 12.5}, 4)[0]
+    assert grpo.warnings_for({**healthy, "grpo/kl_ref": 11.5}, 4) == []  # 3 nats per pick is the line
 
 
 def test_default_out_names(small_data):
