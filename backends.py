@@ -69,7 +69,8 @@ class ScoreCache:
     def score(self, split: str, queries: Tensor, icds: Tensor) -> dict[str, Tensor]:
         """queries (N,), icds (N, k) train rows -> acc, correct, gt_prob, rel as (N,) float64 (no predictions)."""
         keys = [(split, q, tuple(s)) for q, s in zip(queries.tolist(), icds.tolist())]
-        new = [i for i, k in enumerate(keys) if k not in self.memo]
+        first = {k: i for i, k in reversed(list(enumerate(keys))) if k not in self.memo}  # unseen, once each
+        new = sorted(first.values())
         if new:
             res = self.backend.score(split, queries[new], icds[new])
             cols = [res[f].double().tolist() for f in self.FIELDS]

@@ -1,6 +1,7 @@
 """Tensor tests for the pointer selector: distributions, equivariance, padding, batching, decoding, persistence."""
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -251,3 +252,38 @@ def test_bad_inputs_name_the_query_and_sequence():
         model.greedy(q, pool, mask, 6)
     with pytest.raises(ValueError, match="divisible"):
         SelectorConfig(hidden=10, num_heads=4)
+
+
+@given(batches(), st.floats(0.2, 3.0))
+def test_tempered_teacher_forcing_is_the_sampling_distribution(batch, temperature):
+    """forward(temperature=T) gives the distributions sample(..., T) draws from: softmax(log pi / T) per step."""
+    query, pool, pool_mask, seqs, seq_mask, seed = batch
+    model = make_model(seed)
+    plain = model(query, pool, pool_mask, seqs, seq_mask, with_dists=True).log_dist  # (B, G, S, K)
+    tempered = model(query, pool, pool_mask, seqs, seq_mask, True, temperature).log_dist
+    live = torch.isfinite(plain) & seq_mask[..., None, None]
+    expect = (plain / temperature).log_softmax(-1)
+    assert torch.allclose(tempered[live], expect[live], atol=1e-5)
+    assert torch.equal(torch.isfinite(tempered), torch.isfinite(plain))
+
+
+@given(seeds, st.integers(1, 5))
+def test_pick_order_maps_picks_to_prompts_and_back(seed, S):
+    picks = torch.rand(3, 4, S, generator=rng(seed)).argsort(-1)  # (B, G, S)
+    nearest, prompt = SelectorConfig(pick_order="nearest_first"), SelectorConfig(pick_order="prompt")
+    assert torch.equal(prompt.to_prompt(picks), picks) and torch.equal(prompt.from_prompt(picks), picks)
+    assert torch.equal(nearest.to_prompt(picks)[..., -1], picks[..., 0])  # the first pick sits next to the query
+    assert torch.equal(nearest.from_prompt(nearest.to_prompt(picks)), picks)
+    # the k-shot prompt of the first k picks ends with the same demonstration for every k
+    assert all(torch.equal(nearest.to_prompt(picks[..., :k])[..., -1], picks[..., 0]) for k in range(1, S + 1))
+
+
+def test_pick_order_is_validated_and_old_model_files_load_as_prompt_order(tmp_path):
+    with pytest.raises(ValueError, match="pick_order"):
+        SelectorConfig(pick_order="backwards")
+    model = make_model(0)
+    model.save(tmp_path)
+    raw = json.loads((tmp_path / "model.json").read_text())
+    del raw["pick_order"]  # a model.json written before the field existed
+    (tmp_path / "model.json").write_text(json.dumps(raw))
+    assert PointerSelector.load(tmp_path).cfg.pick_order == "prompt"

@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -244,3 +245,20 @@ def test_similarity_ranking_sorted_by_cosine_padded_last(seed, num_queries, pool
             ranking[q].tolist()
             == pools.similarity_ranking(query[q : q + 1] * 3.0, pool[q : q + 1], mask[q : q + 1])[0].tolist()
         )
+
+
+@given(seed=st.integers(0, 2**31), sampler=st.sampled_from(pools.SAMPLERS))
+def test_query_pools_is_build_pools_with_the_views_it_needs(seed, sampler):
+    g = _gen(seed)
+    n_train, n_val, d = 60, 7, 8
+    emb = {
+        f"{s}_{v}": F.normalize(torch.randn(n, d, generator=g), dim=-1)
+        for s, n in (("train", n_train), ("val", n_val))
+        for v in ("image", "text")
+    }
+    image_ids = {"train": torch.randint(30, (n_train,), generator=g), "val": torch.randint(30, 40, (n_val,))}
+    queries = torch.arange(n_val)
+    got = pools.query_pools(sampler, 10, emb, image_ids, "val", queries, torch.full((n_val,), -1), _gen(seed + 1))
+    exclude = pools.exclusion_mask(image_ids["val"], image_ids["train"], torch.full((n_val,), -1))
+    sims = {f"{v}_sim": emb[f"val_{v}"] @ emb[f"train_{v}"].T for v in ("image", "text")}
+    assert torch.equal(got, pools.build_pools(sampler, 10, exclude, _gen(seed + 1), **sims))

@@ -270,3 +270,71 @@ def test_calibration_targets_at_defaults():
     for k in (1, 2, 3, 4):
         assert r[f"oracle_{k}"] >= r[f"random_{k}"] + 8
     assert 0.25 <= r["varying_reward_frac"] <= 0.60
+
+
+@given(sim_seed=sim_seeds, seed=seeds)
+@settings(max_examples=8)
+def test_expected_helpfulness_is_the_planted_formula_at_certain_posteriors(sim_seed, seed):
+    """Fed posteriors that put all mass on the true latents, the expected helpfulness is the planted helpfulness;
+    with the fitted probes, the 1-shot observable search never beats the (then exact) oracle."""
+    s = sim.Simulator(sim.SimConfig(seed=sim_seed, num_train=300, num_val=80, dim=64))
+    queries, icds, _ = _batch(s, seed, 32, 6)
+    fitted = s.probes
+    obs = s.oracle("val", queries, icds, 1, observable=True)
+    assert (s.logit("val", queries, obs) <= s.logit("val", queries, s.oracle("val", queries, icds, 1)) + 1e-5).all()
+    certain = object.__new__(sim.Probes)
+    certain.split = {}
+    for split, lat in s.latents.items():
+        certain.split[split] = {
+            "topic": F.one_hot(lat["topic"], sim.NUM_TOPICS).double(),
+            "supertopic": F.one_hot(lat["supertopic"], len(sim.SUPERTOPICS)).double(),
+            "answer_type": F.one_hot(lat["answer_type"], len(sim.ANSWER_TYPES)).double(),
+            "quality": lat["quality"].double(),
+            "misleading": lat["misleading"].double(),
+        }
+    s.__dict__["probes"] = certain
+    assert torch.allclose(s.expected_helpfulness("val", queries, icds), s.helpfulness("val", queries, icds), atol=1e-6)
+    assert fitted is not certain
+
+
+def test_observable_ceiling_sits_between_similarity_and_the_oracle():
+    """At the defaults the probes recover topic and answer type but only part of quality (half of its read-out is
+    noise) and little of the misleading flag, so the observable search lands between retrieval and the oracle."""
+    s = default_sim()
+    probes = s.probes.read("val", torch.arange(len(s.items["val"])))
+    lat = s.latents["val"]
+    assert (probes["topic"].argmax(-1) == lat["topic"]).float().mean() > 0.95
+    assert 0.3 < torch.corrcoef(torch.stack([probes["quality"], lat["quality"].double()]))[0, 1] ** 2 < 0.6
+    assert abs(float(probes["misleading"].mean()) - float(lat["misleading"].double().mean())) < 0.03  # calibrated
+    cal = sim.calibrate(s, num_anchors=16)
+    queries = torch.arange(600)
+    exclude = pools.exclusion_mask(lat["image_id"][queries], s.latents["train"]["image_id"], torch.full((600,), -1))
+    pool = pools.build_pools("random", 64, exclude, torch.Generator().manual_seed(0))
+    for k in (1, 4):
+        obs = 100 * float(s.score("val", queries, s.oracle("val", queries, pool, k, observable=True))["acc"].mean())
+        best = 100 * float(s.score("val", queries, s.oracle("val", queries, pool, k))["acc"].mean())
+        assert cal[f"similar_{k}"] + 3 < obs < best - 3, (k, obs, best)
+
+
+@given(sim_seed=sim_seeds, seed=seeds)
+@settings(max_examples=10)
+def test_score_cache_asks_once_per_distinct_prompt_and_changes_nothing(sim_seed, seed):
+    from backends import ScoreCache, SimBackend
+
+    s = small_sim(sim_seed)
+    queries, icds, g = _batch(s, seed, 12, 3, split="train")
+    queries, icds = queries.repeat(2), icds.repeat(2, 1)  # every prompt twice
+    asked = []
+
+    class Counting(SimBackend):
+        def score(self, split, q, i, gt_prob=True):
+            asked.append(len(q))
+            return super().score(split, q, i)
+
+    cache = ScoreCache(Counting(s))
+    got = cache.score("train", queries, icds)
+    again = cache.score("train", queries[:5], icds[:5])
+    direct = s.score("train", queries, icds)
+    for key in ScoreCache.FIELDS:
+        assert torch.equal(got[key], direct[key].double()) and torch.equal(again[key], got[key][:5])
+    assert asked == [len({(q, tuple(i)) for q, i in zip(queries.tolist(), icds.tolist())})]
