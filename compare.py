@@ -235,6 +235,17 @@ def per_question(doc: dict, n: int) -> dict:
     return {q: sum(d[q] for d in per_shot) / len(per_shot) for q in per_shot[0]}
 
 
+def gap_share(a: dict, b: dict, top: dict, resamples: int, rng: np.random.Generator) -> tuple[float, float, float]:
+    """Share of the mean a -> top gap that b closes over their common questions, with a paired bootstrap 95% CI
+    (questions resampled together for the three runs)."""
+    x = np.array([[a[q], b[q], top[q]] for q in a if q in b and q in top])  # (n, 3)
+    boot = x[rng.integers(0, len(x), size=(resamples, len(x)))].mean(1)  # (R, 3)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share, shares = ((m[..., 1] - m[..., 0]) / (m[..., 2] - m[..., 0]) for m in (x.mean(0), boot))
+    lo, hi = np.nanpercentile(shares, [2.5, 97.5])
+    return float(share), float(lo), float(hi)
+
+
 def gap_section(evaluated: list[Run], args: Args, rng: np.random.Generator) -> str | None:
     """How much of the room above the RCE run each run takes, against the simulator's two ceilings.
 
@@ -256,15 +267,7 @@ def gap_section(evaluated: list[Run], args: Args, rng: np.random.Generator) -> s
             if any(not_comparable(start.eval, r.eval) for r in trio[1:]):
                 cells.append("not comparable")
                 continue
-            a, b, top = (per_question(r.eval, n) for r in trio)
-            qs = [q for q in a if q in b and q in top]
-            x = np.array([[a[q], b[q], top[q]] for q in qs])  # (n, 3)
-            idx = rng.integers(0, len(qs), size=(args.bootstrap, len(qs)))
-            boot = x[idx].mean(1)  # (R, 3)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                share = (x[:, 1].mean() - x[:, 0].mean()) / (x[:, 2].mean() - x[:, 0].mean())
-                shares = (boot[:, 1] - boot[:, 0]) / (boot[:, 2] - boot[:, 0])
-            lo, hi = np.nanpercentile(shares, [2.5, 97.5])
+            share, lo, hi = gap_share(*(per_question(r.eval, n) for r in trio), args.bootstrap, rng)
             cells.append(f"{100 * share:.0f}% [{100 * lo:.0f}, {100 * hi:.0f}]")
         rows.append([run.name, f"{100 * np.mean(list(per_question(run.eval, n).values())):.2f}", *cells])
     header = ["run", f"avg acc (n={n})"] + [f"share of the {start.name} -> {c} gap closed" for c in names]

@@ -26,15 +26,15 @@ Two modes, and what each one is:
   once per process) and updates: real on-policy GRPO. The ratio, the KL and the entropy are those of the sampling
   policy at that temperature (as in TRL). Queries come from all train questions held out from validation
   (--queries train), not only the anchors. Use it whenever LVLM calls during training are affordable: on the
-  simulator it is the mode that learns most (README, "What moves GRPO").
+  simulator it is the mode that learns most (README, "What moves the learning").
 
-Defaults differ by mode where the README's ablation says they should: offline 10 epochs at lr 1e-4 with reward
-hard_plus_soft; online 30 epochs at lr 1e-3 with reward hard_plus_gtprob (gt_prob gives every group a graded
-signal: with 0/1 correctness most groups tie).
+Defaults differ by mode where the README's ablation says they should: offline 10 epochs at lr 1e-4, reward
+hard_plus_soft, beta 0.1; online 30 epochs at lr 1e-3, reward hard_plus_gtprob (gt_prob grades every group: with
+0/1 correctness most groups tie), beta 0.3.
 
 Usage:
     python grpo.py --kl-beta 0.1 --no-rank-advantage         # offline, init runs/rce -> runs/grpo-kl0.1
-    python grpo.py --online                                   # online -> runs/grpo-kl0.1-online
+    python grpo.py --online                                   # online -> runs/grpo-kl0.3-online
     python grpo.py --quality medium --out runs/cur1 && python grpo.py --init runs/cur1 --out runs/cur2  # curriculum
 """
 
@@ -75,7 +75,7 @@ class Args(TrainArgs):
     init: Path = Path("runs/rce")
     """Starting selector (run folder or epoch checkpoint); also the frozen KL reference."""
     out: Path | None = None
-    """Run folder; default runs/grpo-<key flags>, e.g. runs/grpo-kl0.1 or runs/grpo-kl0.1-online."""
+    """Run folder; default runs/grpo-<key flags>, e.g. runs/grpo-kl0.1 or runs/grpo-kl0.3-online."""
     epochs: int | None = None
     """Passes over the training queries (an online epoch takes as many steps); default 10 offline, 30 online."""
     lr: float | None = None
@@ -83,8 +83,9 @@ class Args(TrainArgs):
     reward_mode: RewardMode | None = None
     """As in data.py (hard_plus_soft, hard_plus_gtprob, ...); default hard_plus_soft offline, hard_plus_gtprob
     online."""
-    kl_beta: float = 0.1
-    """Weight of the exact KL to the reference policy; used as given for the whole run."""
+    kl_beta: float | None = None
+    """Weight of the exact KL to the reference policy, used as given for the whole run; default 0.1 offline, 0.3
+    online."""
     kl_target: float | None = None
     """Adaptive beta: after each step, x1.5 when its KL is above 1.5x this target, /1.5 below target/1.5."""
     num_iterations: int = 1
@@ -111,10 +112,10 @@ class Args(TrainArgs):
     need not be confined to the scored anchors); anchors = the scored anchor queries and their pools."""
 
 
-# Per-mode defaults of the flags left at None (measured on the simulator: README, "What moves GRPO").
+# Per-mode defaults of the flags left at None (measured on the simulator: README, "What moves the learning").
 MODE_DEFAULTS = {
-    "offline": {"epochs": 10, "lr": 1e-4, "reward_mode": "hard_plus_soft"},
-    "online": {"epochs": 30, "lr": 1e-3, "reward_mode": "hard_plus_gtprob"},
+    "offline": {"epochs": 10, "lr": 1e-4, "reward_mode": "hard_plus_soft", "kl_beta": 0.1},
+    "online": {"epochs": 30, "lr": 1e-3, "reward_mode": "hard_plus_gtprob", "kl_beta": 0.3},
 }
 
 
@@ -139,6 +140,7 @@ def default_out(args: Args) -> Path:
         f"target{args.kl_target}": args.kl_target is not None,
         f"it{args.num_iterations}": args.num_iterations != 1,
         f"lr{args.lr:g}": args.lr != defaults["lr"],
+        f"lr-{args.lr_schedule}": args.lr_schedule != "constant",
         f"queries-{args.queries}": args.online and args.queries != "train",
         f"t{args.temperature:g}": args.online and args.temperature != 1.0,
         f"g{args.group_size}": args.online and args.group_size != 16,

@@ -4,9 +4,15 @@ Loss per query: sum_i w_i * (-log pi(seq_i)) over its group of scored sequences,
 the group's valid sequences, tau annealed linearly from --temp-start to --temp-end over all steps. `--top1` is
 plain cross-entropy on each group's best sequence (the supervised baseline the user calls v2).
 
-Departures from the user's earlier trainer: the best epoch is chosen by a validation *reward* metric (the policy's
-expected reward over held-out groups; on the simulator the true accuracy of its greedy picks is logged too), not
-by the RCE loss; validation queries are held-out anchor queries, never the evaluation questions.
+Departures from Lever-Plus's trainer, each measured on the simulator (README, "What moves the learning"):
+- only groups whose rewards differ are trained on (--quality varied). In a group where every sequence scored the
+  same, softmax(reward / tau) is uniform and its cross-entropy pulls the selector towards the uniform policy over
+  random sequences; with 60% of the groups tied, that pull dominated and the warm-up barely moved from its init;
+- a fresh selector reads its picks nearest-first (model.json pick_order): the first pick sits next to the query,
+  so the greedy decode's best pick stays there in every k-shot prompt (k-shot = the first k picks);
+- the best epoch is chosen by the true accuracy of the greedy picks on held-out anchor queries when the backend
+  can answer them (always on the simulator; --val-lvlm on real data), else by validation reward; never by the RCE
+  loss, never on the evaluation questions.
 
 Usage:
     python rce.py                                  # data/sim -> runs/rce

@@ -16,6 +16,7 @@ import sys
 from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -49,6 +50,8 @@ class TrainArgs(RewardArgs):
     """AdamW weight decay."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 = off)."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning rate over the run: constant, or decayed to 0 at the last step (linear as TRL's default, cosine)."""
     seed: int = 0
     """Seed of the init, the train/val split, the shuffling and dropout."""
     val_frac: float = 0.1
@@ -398,6 +401,12 @@ def run_identity(args, ds: Dataset) -> dict:
     }
 
 
+def lr_factor(schedule: str, step: int, total: int) -> float:
+    """Multiplier of the base learning rate at `step` (0-based) of `total` steps."""
+    done = step / max(total, 1)
+    return {"constant": 1.0, "linear": 1.0 - done, "cosine": 0.5 * (1.0 + math.cos(math.pi * done))}[schedule]
+
+
 def clipped_step(opt: torch.optim.Optimizer, params, grad_clip: float) -> float:
     """Clip the gradient norm and step; a NaN/inf gradient skips the step (the weights stay finite) and is
     returned, so the loop stops before a poisoned checkpoint can be written."""
@@ -490,6 +499,8 @@ def fit(
             range(steps), desc=f"{run.phase} epoch {epoch}/{args.epochs}", unit="step", dynamic_ncols=True, leave=False
         )
         for i in bar:
+            for group in run.opt.param_groups:  # a function of the step alone, so a resumed run follows it exactly
+                group["lr"] = args.lr * lr_factor(args.lr_schedule, loop["step"], args.epochs * steps)
             run.model.train() if run.phase == "rce" else run.model.eval()
             m = train_step(order[i * args.batch_size : (i + 1) * args.batch_size], loop["step"], loop["state"])
             loop["step"] += 1

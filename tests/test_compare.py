@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from compare import Args, bootstrap_ci, report, sign_test
+import ablate
+from compare import Args, bootstrap_ci, gap_share, report, sign_test
 
 
 def write_run(folder, scores_by_shot, icds_by_shot=None, metrics=None, epoch_evals=None):
@@ -162,3 +163,56 @@ def test_statistics_properties(diffs, seed):
 def test_sign_test_by_hand():
     assert math.isclose(sign_test(np.array([1.0] * 5)), 2 / 32)
     assert math.isclose(sign_test(np.array([1.0] * 9 + [-1.0])), 2 * 11 / 1024)
+
+
+def test_room_taken_against_the_simulator_ceilings_by_hand(tmp_path):
+    """RCE 25%, a run 50%, oracle 75%, observable 50% (mean over shots): the run takes 50% of the room to the
+    oracle and all of it to the observable ceiling."""
+    rce = write_run(tmp_path / "rce", {1: [1, 0, 0, 0], 2: [1, 0, 0, 0]}, metrics=[{"phase": "rce", "epoch": 0}])
+    run = write_run(tmp_path / "grpo", {1: [1, 1, 0, 0], 2: [1, 1, 0, 0]}, metrics=[{"phase": "grpo", "epoch": 0}])
+    paths = [rce, run]
+    for name, row in (("oracle", [1, 1, 1, 0]), ("observable", [1, 1, 0, 0])):
+        write_run(tmp_path / name, {1: row, 2: row})
+        doc = json.loads((tmp_path / name / "eval" / "val.json").read_text())
+        (tmp_path / name / "eval" / "val.json").write_text(json.dumps({**doc, "baseline": name}))
+        paths.append(tmp_path / name)
+    text = report(Args(runs=paths, bootstrap=200))
+    [row] = cells(text, "| run | avg acc")
+    assert row[0] == "grpo" and row[1] == "50.00" and row[2].startswith("50% [") and row[3].startswith("100% [")
+    assert "Room taken" not in report(Args(runs=paths[1:], bootstrap=200))  # no RCE run: no room to measure
+
+
+@given(st.integers(0, 2**32 - 1), st.integers(2, 40))
+def test_gap_share_is_the_ratio_of_mean_gaps_and_bounded_by_its_ends(seed, n):
+    rng = np.random.default_rng(seed)
+    a, b, top = ({q: float(v) for q, v in enumerate(rng.random(n))} for _ in range(3))
+    top = {q: v + 2.0 for q, v in top.items()}  # the ceiling is above both runs on every question: gap > 0
+    share, lo, hi = gap_share(a, b, top, 300, rng)
+    mean = [np.mean(list(d.values())) for d in (a, b, top)]
+    assert share == pytest.approx((mean[1] - mean[0]) / (mean[2] - mean[0]))
+    assert lo <= share + 1e-12 and share <= hi + 1e-12
+    assert gap_share(a, a, top, 50, rng)[0] == 0.0 and gap_share(a, top, top, 50, rng)[0] == pytest.approx(1.0)
+
+
+def test_ablate_orders_references_first_and_tables_pool_seeds_by_hand(tmp_path):
+    assert ablate.order(["online, picks in prompt order"]) == [
+        "rce",
+        "rce, picks in prompt order",
+        "online",
+        "online, picks in prompt order",
+    ]
+    # per seed (4 questions, shots 1-2): rce 25%, online 50%, beta-0.1 variant 25% or 50%, oracle 75%, ...
+    rows = {"rce": [1, 0, 0, 0], "online": [1, 1, 0, 0], "image-sim": [0, 0, 0, 0], "oracle": [1, 1, 1, 0]}
+    rows |= {"observable": [1, 1, 0, 0]}
+    for seed, variant in ((0, [1, 0, 0, 0]), (1, [1, 1, 0, 0])):
+        for name, row in {**rows, "online, beta 0.1": variant}.items():
+            write_run(tmp_path / f"seed{seed}" / ablate.slug(name), {1: row, 2: row})
+    text = ablate.tables(ablate.Args(seeds=[0, 1], out=tmp_path, bootstrap=200))
+    acc = {r[0]: r[1:] for r in cells(text, "| run |")}
+    assert acc["online"] == ["50.00", "50.00"] and acc["online, beta 0.1"] == ["25.00", "50.00"]
+    [row] = cells(text, "| variant |")
+    assert row[:2] == ["online, beta 0.1", "online"]
+    assert row[2].startswith("-25.00 [") and row[3] == "+0.00 [+0.00, +0.00]" and row[4].startswith("-12.50 [")
+    targets = cells(text, "| seed |")
+    assert [r[0] for r in targets] == ["0", "1"]
+    assert all(r[1].startswith("+25.00 [") and r[2].startswith("50% [") and r[3].startswith("100% [") for r in targets)

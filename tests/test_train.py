@@ -2,13 +2,17 @@
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import grpo
 import rce
 import training
+from backends import ScoreCache
 from data import load_dataset
 from model import PointerSelector, SelectorConfig
 from training import load_selector
@@ -160,9 +164,50 @@ def test_grpo_iterations_clip_and_frozen_backbone(small_data, rce_run, tmp_path)
         assert torch.equal(a, b) == frozen, name
 
 
+def test_offline_ratio_is_one_and_iterations_make_the_clip_bind(small_data, rce_run, tmp_path):
+    """Offline groups were not sampled by the policy: with one update per batch the ratio is exactly 1 and the clip
+    never binds; more updates per batch move the ratio away from the refreshed old policy until the clip binds."""
+    plain, iters = tmp_path / "plain", tmp_path / "iters"
+    grpo.main(grpo.Args(data=small_data, init=rce_run, out=plain, epochs=1, lr=3e-3, **FAST))
+    grpo.main(grpo.Args(data=small_data, init=rce_run, out=iters, epochs=1, lr=3e-3, num_iterations=4, **FAST))
+    one, four = records(plain)[-1], records(iters)[-1]
+    assert one["grpo/ratio_mean"] == 1.0 and one["grpo/clip_frac_low"] == one["grpo/clip_frac_high"] == 0.0
+    assert four["grpo/clip_frac_low"] + four["grpo/clip_frac_high"] > 0
+
+
+def test_online_queries_come_from_train_but_never_from_validation_images(small_data, rce_run, tmp_path, monkeypatch):
+    asked = []
+    real = ScoreCache.score
+
+    def spy(self, split, queries, icds):
+        asked.append(queries.clone())
+        return real(self, split, queries, icds)
+
+    monkeypatch.setattr(ScoreCache, "score", spy)
+    args = grpo.resolve(grpo.Args(data=small_data, init=rce_run, out=tmp_path / "o", online=True, **FAST))
+    assert (args.epochs, args.lr, args.reward_mode, args.kl_beta) == (30, 1e-3, "hard_plus_gtprob", 0.3)
+    grpo.main(replace(args, epochs=1))
+    ds = load_dataset(small_data)
+    split = training.split_queries(ds, args)
+    image = torch.tensor([it["image_id"] for it in ds.items["train"]])
+    val_images = set(image[ds.groups.queries[split.val]].tolist())
+    trained = torch.cat([q for q in asked if len(q) > len(split.val)])  # the groups (validation asks 12 at a time)
+    assert not set(image[trained].tolist()) & val_images
+    assert not set(trained.tolist()) <= set(ds.groups.queries.tolist())  # not only the anchors
+
+
 def test_grpo_online_and_resume_bit_identical(small_data, rce_run, tmp_path, monkeypatch):
     full, part = tmp_path / "full", tmp_path / "part"
-    common = dict(data=small_data, init=rce_run, online=True, group_size=6, temperature=1.5, epochs=2, **FAST)
+    common = dict(
+        data=small_data,
+        init=rce_run,
+        online=True,
+        group_size=6,
+        temperature=1.5,
+        epochs=2,
+        lr_schedule="cosine",
+        **FAST,
+    )
     grpo.main(grpo.Args(out=full, **common))
     with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
         killed_after_epoch(m, 1)
@@ -208,6 +253,10 @@ def test_warnings_name_dead_and_runaway_signals():
 
 def test_default_out_names(small_data):
     assert grpo.default_out(grpo.Args(kl_beta=0.1)).as_posix() == "runs/grpo-kl0.1"
+    assert grpo.default_out(grpo.Args(online=True)).name == "grpo-kl0.3-online"  # online defaults are no flags
+    assert grpo.default_out(grpo.Args(online=True, lr=1e-4, lr_schedule="cosine", queries="anchors")).name == (
+        "grpo-kl0.3-online-lr0.0001-lr-cosine-queries-anchors"
+    )
     assert grpo.default_out(grpo.Args(kl_beta=0.05, online=True, rank_advantage=True)).name == "grpo-kl0.05-online-rank"
     assert grpo.default_out(grpo.Args(kl_target=0.05, lr=3e-5)).name == "grpo-kl0.1-target0.05-lr3e-05"
 
@@ -271,3 +320,13 @@ def test_nan_loss_stops_with_clear_message(small_data, rce_run, tmp_path, monkey
     with pytest.raises(ValueError, match=r"loss became nan at epoch 2.*last good checkpoint is .*epoch_001"):
         grpo.main(grpo.Args(data=small_data, init=rce_run, out=out, epochs=3, **FAST))
     assert (out / "ckpt" / "epoch_001.safetensors").is_file() and not (out / "ckpt" / "epoch_002.safetensors").exists()
+
+
+@given(st.sampled_from(["constant", "linear", "cosine"]), st.integers(1, 500), st.data())
+def test_lr_schedule_starts_at_the_base_rate_and_never_rises(schedule, total, data):
+    step = data.draw(st.integers(0, total - 1))
+    f = [training.lr_factor(schedule, s, total) for s in (0, step, step + 1)]
+    assert f[0] == 1.0 and 0.0 <= f[2] <= f[1] <= 1.0
+    if schedule != "constant":  # decays to 0 at the end of the run: the step after the last one has rate 0
+        assert training.lr_factor(schedule, total, total) == pytest.approx(0.0, abs=1e-12)
+        assert step == 0 or f[1] < 1.0

@@ -1,0 +1,197 @@
+"""Ablations on the simulator: each variant against the stage defaults, on several seeds, with paired CIs.
+
+For every seed: a simulated dataset, the default RCE and online GRPO runs, the variants (each differs from its
+reference in the flags shown), and the image-similarity, oracle and observable baselines, all evaluated on the
+same 800 validation questions. Every number is VQA accuracy averaged over 1-4 shots; a delta's 95% CI comes from a
+paired bootstrap over questions (pooled: over the questions of all seeds). Runs are cached in --out: re-running
+resumes, and a finished variant is never retrained.
+
+Usage:
+    python ablate.py                                  # seeds 0 1 2 -> runs/ablate (about 20 min a seed here)
+    python ablate.py --seeds 3 --only online          # one more seed, one variant
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import evaluate
+import gen_rl_data
+import grpo
+import rce
+from compare import bootstrap_ci, gap_share, md_table, paired, per_question
+from data import run_cli
+
+# name -> (stage, flags, reference). GRPO variants start from the default RCE run of their seed unless they name
+# another init; their reference is the default online run.
+VARIANTS: dict[str, tuple[str, dict, str | None]] = {
+    "rce": ("rce", {}, None),
+    "rce, all groups (Lever-Plus)": ("rce", {"quality": "all"}, "rce"),
+    "rce, picks in prompt order": ("rce", {"pick_order": "prompt"}, "rce"),
+    "online": ("grpo", {"online": True}, None),
+    "online, beta 0.1": ("grpo", {"online": True, "kl_beta": 0.1}, "online"),
+    "online, beta 0": ("grpo", {"online": True, "kl_beta": 0.0}, "online"),
+    "online, cosine lr decay": ("grpo", {"online": True, "lr_schedule": "cosine"}, "online"),
+    "online, lr 1e-4": ("grpo", {"online": True, "lr": 1e-4}, "online"),
+    "online, 10 epochs": ("grpo", {"online": True, "epochs": 10}, "online"),
+    "online, reward hard_plus_soft": ("grpo", {"online": True, "reward_mode": "hard_plus_soft"}, "online"),
+    "online, anchor queries only": ("grpo", {"online": True, "queries": "anchors"}, "online"),
+    "online, temperature 0.5": ("grpo", {"online": True, "temperature": 0.5}, "online"),
+    "online, 2 iterations per batch": ("grpo", {"online": True, "num_iterations": 2}, "online"),
+    "online, group size 8": ("grpo", {"online": True, "group_size": 8}, "online"),
+    "online, group size 32": ("grpo", {"online": True, "group_size": 32}, "online"),
+    "online, picks in prompt order": ("grpo", {"online": True, "init": "rce, picks in prompt order"}, "online"),
+    "online, previous defaults": (
+        "grpo",
+        {
+            "online": True,
+            "queries": "anchors",
+            "lr": 1e-4,
+            "epochs": 10,
+            "reward_mode": "hard_plus_soft",
+            "kl_beta": 0.1,
+        },
+        "online",
+    ),
+    "offline": ("grpo", {}, "online"),
+}
+BASELINES = ("image-sim", "oracle", "observable")
+
+
+@dataclass
+class Args:
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    """Simulator seeds (each builds its own dataset)."""
+    out: Path = Path("runs/ablate")
+    """Folder of the cached datasets and runs."""
+    only: list[str] = field(default_factory=list)
+    """Train only these variants (their references too); default all. The tables show whatever is finished."""
+    bootstrap: int = 10000
+    """Bootstrap resamples for the CIs."""
+
+
+def slug(name: str) -> str:
+    return "".join(c if c.isalnum() or c in ".-" else "-" for c in name).strip("-")
+
+
+def quietly(fn, *a):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return fn(*a)
+
+
+def build(args: Args, seed: int, names: list[str]) -> None:
+    """Train and evaluate what is missing for one seed."""
+    root = args.out / f"seed{seed}"
+    data = root / "data"
+    if not (data / "meta.json").is_file() or not json.loads((data / "meta.json").read_text())["complete"]:
+        quietly(gen_rl_data.generate, gen_rl_data.Args(out=data, seed=seed))
+    for b in BASELINES:
+        if not (root / b / "eval" / "val.json").is_file():
+            quietly(evaluate.main, evaluate.Args(data=data, baseline=b, out=root / b, num_samples=[800]))
+    for name in names:
+        stage, flags, _ = VARIANTS[name]
+        run = root / slug(name)
+        resume = (run / "ckpt").is_dir() and any((run / "ckpt").iterdir())
+        common = {"data": data, "out": run, "seed": seed, "resume": resume}
+        if stage == "rce":
+            run_args = rce.Args(**common, **flags)
+        else:
+            run_args = grpo.resolve(grpo.Args(**common, **{**flags, "init": root / slug(flags.get("init", "rce"))}))
+        if (run / "config.json").is_file():  # a cached run must have been made with exactly these flags
+            then = json.loads((run / "config.json").read_text())["args"]
+            now = json.loads(json.dumps(asdict(run_args), default=str))
+            if diff := sorted(k for k in now if k not in ("resume", "out") and now[k] != then.get(k)):
+                raise ValueError(f"{run} was made with other flags ({', '.join(diff)}): delete it to rebuild it")
+        if (run / "eval" / "val.json").is_file():
+            continue
+        start = time.perf_counter()
+        quietly(rce.main if stage == "rce" else grpo.main, run_args)
+        quietly(evaluate.main, evaluate.Args(data=data, runs=[run], num_samples=[800]))
+        print(f"seed {seed}: {name} ({time.perf_counter() - start:.0f} s)", flush=True)
+
+
+def order(names: list[str]) -> list[str]:
+    """The variants to train, each after what it starts from."""
+    need = set(names)
+    for name in names:
+        _, flags, ref = VARIANTS[name]
+        need |= {VARIANTS[name][0] == "grpo" and "rce", ref, flags.get("init")} - {None, False}
+    return [n for n in VARIANTS if n in need]
+
+
+def scores(args: Args, seed: int, name: str) -> dict | None:
+    path = args.out / f"seed{seed}" / slug(name) / "eval" / "val.json"
+    return per_question(json.loads(path.read_text()), 800) if path.is_file() else None
+
+
+def delta(pairs: list[tuple[dict, dict]], resamples: int, rng: np.random.Generator) -> str:
+    """Mean of b - a over the common questions of every (a, b) pair, with a paired bootstrap 95% CI."""
+    d = np.concatenate([100 * paired(a, b) for a, b in pairs])
+    lo, hi = bootstrap_ci(d, resamples, rng)
+    return f"{d.mean():+.2f} [{lo:+.2f}, {hi:+.2f}]"
+
+
+def share(a: dict, b: dict, top: dict, resamples: int, rng: np.random.Generator) -> str:
+    s, lo, hi = gap_share(a, b, top, resamples, rng)
+    return f"{100 * s:.0f}% [{100 * lo:.0f}, {100 * hi:.0f}]"
+
+
+def tables(args: Args) -> str:
+    rng = np.random.default_rng(0)
+    seeds = args.seeds
+    got = {(s, n): scores(args, s, n) for s in seeds for n in [*VARIANTS, *BASELINES]}
+
+    def acc(s, n):
+        return f"{100 * np.mean(list(got[s, n].values())):.2f}" if got[s, n] else "-"
+
+    head = ["run", *[f"seed {s}" for s in seeds]]
+    rows = [[n, *[acc(s, n) for s in seeds]] for n in [*BASELINES, *VARIANTS] if any(got[s, n] for s in seeds)]
+    out = ["VQA accuracy (%), mean over 1-4 shots, 800 validation questions", "", md_table(head, rows), ""]
+    rows = []
+    for name, (_, _, ref) in VARIANTS.items():
+        pairs = {s: (got[s, ref], got[s, name]) for s in seeds if ref and got[s, ref] and got[s, name]}
+        if pairs:
+            cells = [delta([pairs[s]], args.bootstrap, rng) if s in pairs else "-" for s in seeds]
+            pooled = delta(list(pairs.values()), args.bootstrap, rng) if len(pairs) > 1 else "-"
+            rows.append([name, ref, *cells, pooled])
+    if rows:
+        head = ["variant", "against", *[f"seed {s}" for s in seeds], "pooled over seeds"]
+        out += ["Deltas (points) with paired bootstrap 95% CIs", "", md_table(head, rows), ""]
+    rows = []
+    for s in seeds:
+        r, o, img = got[s, "rce"], got[s, "online"], got[s, "image-sim"]
+        if r and o and img and got[s, "oracle"] and got[s, "observable"]:
+            rows.append(
+                [
+                    str(s),
+                    delta([(img, r)], args.bootstrap, rng),
+                    share(r, o, got[s, "oracle"], args.bootstrap, rng),
+                    share(r, o, got[s, "observable"], args.bootstrap, rng),
+                ]
+            )
+    if rows:
+        head = ["seed", "rce - image-sim", "online: share of rce->oracle gap", "online: share of rce->observable gap"]
+        out += ["Targets", "", md_table(head, rows), ""]
+    return "\n".join(out)
+
+
+def main(args: Args) -> None:
+    if unknown := [n for n in args.only if n not in VARIANTS]:
+        raise ValueError(f"--only: unknown variants {unknown}; known: {list(VARIANTS)}")
+    torch.set_num_threads(1)
+    names = order(args.only or list(VARIANTS))
+    for seed in args.seeds:
+        build(args, seed, names)
+    print(tables(args))
+
+
+if __name__ == "__main__":
+    run_cli(main, Args)
