@@ -4,18 +4,19 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 export TQDM_MININTERVAL=${TQDM_MININTERVAL:-5}   # fewer progress-bar redraws in logs
-rm -rf runs/rce runs/grpo-kl0.1 runs/grpo-kl0.1-online runs/baseline-*
+rm -rf runs/rce runs/grpo-kl0.1 runs/grpo-kl0.3-online runs/baseline-*
 
 python gen_rl_data.py                                   # data/sim (resumes if interrupted)
 python gen_rl_data.py --report data/sim
 python rce.py                                           # runs/rce
 python grpo.py --kl-beta 0.1 --no-rank-advantage        # runs/grpo-kl0.1 (offline, the scored groups)
-python grpo.py --kl-beta 0.1 --online                   # runs/grpo-kl0.1-online (simulator in the loop)
+python grpo.py --online                                 # runs/grpo-kl0.3-online (simulator in the loop)
 
-for b in zero-shot random image-sim text-sim oracle; do
+for b in zero-shot random image-sim text-sim oracle observable; do
   python evaluate.py --baseline "$b" --seeds 3
 done
-python evaluate.py runs/rce runs/grpo-kl0.1 runs/grpo-kl0.1-online
+python evaluate.py runs/rce runs/grpo-kl0.1 runs/grpo-kl0.3-online
 
 python compare.py runs/baseline-random runs/baseline-zero-shot runs/baseline-image-sim runs/baseline-text-sim \
-  runs/baseline-oracle runs/rce runs/grpo-kl0.1 runs/grpo-kl0.1-online --baseline rce --out runs/report.md
+  runs/baseline-oracle runs/baseline-observable runs/rce runs/grpo-kl0.1 runs/grpo-kl0.3-online --baseline rce \
+  --out runs/report.md

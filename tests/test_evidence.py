@@ -1,45 +1,60 @@
-"""Evidence on the simulator, where the truth is known: RCE beats random ICDs, GRPO beats RCE, and the KL weight
-changes what GRPO selects (the user's beta sweep selected 100% identical ICDs; this one must not)."""
+"""Evidence on the default simulator (data seed 0, 800 validation questions), where the truth is known: RCE beats
+image similarity, online GRPO takes about half of the RCE->oracle room, offline GRPO less, and the KL weight
+changes what GRPO selects (a beta sweep of Lever-Plus selected 100% identical ICDs at every beta; this one must
+not). The README's tables and ablate.py report the same runs on more seeds with CIs. Slow (minutes): left out of
+a plain `pytest -q`, run by .ci/run with `-m slow`."""
 
 import json
 
+import numpy as np
 import pytest
 
 import evaluate
 import grpo
 import rce
+from compare import per_question
 from gen_rl_data import Args as GenArgs
 from gen_rl_data import generate
 
-EPOCHS = 4
+pytestmark = pytest.mark.slow
+N = 800  # validation questions, as in run.sh and the README
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, one_thread):
     root = tmp_path_factory.mktemp("evidence")
     data = root / "data"
-    generate(GenArgs(out=data, num_val=600))  # 800 anchors x 16 sequences, K=64, S=4 (the defaults)
-    rce.main(rce.Args(data=data, out=root / "rce", epochs=EPOCHS))
-    common = dict(data=data, init=root / "rce", epochs=EPOCHS)
-    grpo.main(grpo.Args(out=root / "offline", kl_beta=0.1, **common))
-    grpo.main(grpo.Args(out=root / "online", kl_beta=0.1, online=True, group_size=16, **common))
-    for beta in (0.0, 1.0):
-        grpo.main(grpo.Args(out=root / f"beta{beta}", kl_beta=beta, **common))
-    evaluate.main(evaluate.Args(data=data, baseline="random", out=root / "random", num_samples=[600]))
-    evaluate.main(evaluate.Args(data=data, runs=[root / "rce", root / "offline", root / "online"], num_samples=[600]))
+    generate(GenArgs(out=data))  # the defaults: 800 anchors x 16 sequences, K=64, S=4, 1200 val questions
+    rce.main(rce.Args(data=data, out=root / "rce"))
+    grpo.main(grpo.Args(data=data, init=root / "rce", out=root / "online", online=True))
+    for beta in (0.0, 0.1, 1.0):
+        grpo.main(grpo.Args(data=data, init=root / "rce", out=root / f"offline-beta{beta}", kl_beta=beta))
+    for b in ("image-sim", "oracle"):
+        evaluate.main(evaluate.Args(data=data, baseline=b, out=root / b, num_samples=[N]))
+    evaluate.main(
+        evaluate.Args(data=data, runs=[root / "rce", root / "online", root / "offline-beta0.1"], num_samples=[N])
+    )
     return root
 
 
-def mean_accuracy(run):
-    summary = json.loads((run / "eval" / "val.json").read_text())["summary"]["600"]
-    return sum(summary.values()) / len(summary)
+def accuracy(run) -> dict:
+    """question -> VQA accuracy (%) averaged over 1-4 shots."""
+    doc = json.loads((run / "eval" / "val.json").read_text())
+    return {q: 100 * v for q, v in per_question(doc, N).items()}
 
 
-def test_rce_beats_random_and_grpo_beats_rce(runs):
-    acc = {name: mean_accuracy(runs / name) for name in ("random", "rce", "offline", "online")}
-    assert acc["rce"] >= acc["random"] + 2, acc
-    assert acc["online"] >= acc["rce"] + 2, acc
-    assert acc["offline"] >= acc["rce"] + 2, acc
+def mean(run) -> float:
+    return float(np.mean(list(accuracy(run).values())))
+
+
+def test_rce_beats_similarity_and_online_grpo_takes_about_half_the_room_to_the_oracle(runs):
+    acc = {name: mean(runs / name) for name in ("image-sim", "rce", "online", "offline-beta0.1", "oracle")}
+    assert acc["rce"] >= acc["image-sim"] + 2, acc
+    # Online GRPO's share of the RCE -> oracle room: 51% on this seed here, 44-57% over five seeds (README). The
+    # bound guards against regressions with room for CPUs whose float rounding sends training elsewhere.
+    assert acc["online"] - acc["rce"] >= 0.45 * (acc["oracle"] - acc["rce"]), acc
+    assert acc["offline-beta0.1"] >= acc["rce"] + 1, acc
+    assert acc["online"] > acc["offline-beta0.1"], acc  # sampling its own groups learns more than the fixed ones
 
 
 def test_selection_change_decreases_with_kl_beta(runs):
@@ -47,5 +62,5 @@ def test_selection_change_decreases_with_kl_beta(runs):
         records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         return records[-1]["grpo/selection_change"]
 
-    rates = [change(runs / "beta0.0"), change(runs / "offline"), change(runs / "beta1.0")]
+    rates = [change(runs / f"offline-beta{beta}") for beta in (0.0, 0.1, 1.0)]
     assert rates[0] >= rates[1] >= rates[2] and rates[0] > rates[2], rates
