@@ -7,7 +7,7 @@ paired bootstrap over questions (pooled: over the questions of all seeds). Runs 
 resumes, and a finished variant is never retrained.
 
 Usage:
-    python ablate.py                                  # seeds 0 1 2 -> runs/ablate (about 20 min a seed here)
+    python ablate.py                                  # seeds 0 1 2 -> runs/ablate (about 35 min a seed, 1 core)
     python ablate.py --seeds 3 --only online          # one more seed, one variant
 """
 

@@ -77,8 +77,9 @@ def bench_log_probs(repeats: int, B=32, G=40, S=4, K=64, d=512, queries=800) -> 
     print(f"  pass over {queries} queries:        {fast * queries / B:8.2f} s (vectorised)")
 
 
-def bench_epochs(data: Path | None) -> None:
-    """One RCE and one offline GRPO epoch (steps + validation) over the default simulated data: 800 x 16 x 4, K=64."""
+def bench_epochs(data: Path | None, repeats: int) -> None:
+    """One RCE, one offline and one online GRPO epoch (steps + validation + start-up) over the default simulated
+    data: 800 x 16 x 4, K=64. The three are interleaved in every repeat, so machine load hits them alike."""
     import contextlib
     import io
 
@@ -93,25 +94,28 @@ def bench_epochs(data: Path | None) -> None:
             data = tmp / "data"
             with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
                 generate(GenArgs(out=data))
-        times = {}
-        for name, fn in (
-            ("rce", lambda: rce.main(rce.Args(data=data, out=tmp / "rce", epochs=1))),
-            ("grpo", lambda: grpo.main(grpo.Args(data=data, init=tmp / "rce", out=tmp / "g", epochs=1))),
-            (
-                "grpo --online",
-                lambda: grpo.main(grpo.Args(data=data, init=tmp / "rce", out=tmp / "o", epochs=1, online=True)),
+        stages = {
+            "rce": lambda r: rce.main(rce.Args(data=data, out=r / "rce", epochs=1)),
+            "grpo": lambda r: grpo.main(grpo.Args(data=data, init=r / "rce", out=r / "g", epochs=1)),
+            "grpo --online": lambda r: grpo.main(
+                grpo.Args(data=data, init=r / "rce", out=r / "o", epochs=1, online=True)
             ),
-        ):
-            t0 = time.perf_counter()
-            with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-                fn()
-            times[name] = time.perf_counter() - t0
-    print(
-        f"one epoch over {data if data.name != 'data' else 'the default sim data'} (800 queries x 16 x 4, K=64), "
-        "including validation and start-up"
-    )
+        }
+        times = {name: [] for name in stages}
+        for rep in range(repeats):
+            for name, fn in stages.items():
+                t0 = time.perf_counter()
+                with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+                    fn(tmp / f"rep{rep}")
+                times[name].append(time.perf_counter() - t0)
+    where = data if data.name != "data" else "the default sim data"
+    print(f"one epoch over {where} (800 queries x 16 x 4, K=64), validation and start-up included, {repeats} repeats")
+    base = statistics.median(times["rce"])
     for name, t in times.items():
-        print(f"  {name:14s} {t:6.2f} s   ({t / times['rce']:.2f}x rce)")
+        print(
+            f"  {name:14s} min {min(t):6.2f} s  median {statistics.median(t):6.2f} s  max {max(t):6.2f} s"
+            f"   (median {statistics.median(t) / base:.2f}x rce)"
+        )
 
 
 def main(args: Args) -> None:
@@ -121,7 +125,7 @@ def main(args: Args) -> None:
     if args.only in ("all", "log-probs"):
         bench_log_probs(args.repeats)
     if args.only in ("all", "epochs"):
-        bench_epochs(args.data)
+        bench_epochs(args.data, args.repeats)
 
 
 if __name__ == "__main__":
