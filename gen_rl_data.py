@@ -3,8 +3,11 @@
 For each anchor query (a train item) it builds a pool of K train items (never the query nor another question on
 its image), makes G distinct sequences of S picks from it (a selector's greedy/beam/sampled picks with `--init`,
 one similarity-retrieval sequence, random ones to fill the group), and scores every sequence with the LVLM:
-official VQA accuracy `acc`, `correct = acc > 0`, `gt_prob` and `rel`. It also builds one pool per validation
-query (eval_pools.json) with the same sampler, so training and inference see the same kind of pool.
+official VQA accuracy `acc`, `correct = acc > 0`, `gt_prob` (the LVLM's probability of replying with an answer the
+VQA metric credits, each credited reply weighted by its credit: every normalised annotator answer and each raw
+spelling the annotators used, 0.3/0.6/0.9/1.0 for 1/2/3/4+ of 10 matching annotators) and `rel`. It also builds one
+pool per validation query (eval_pools.json) with the same sampler, so training and inference see the same kind of
+pool.
 
 The default LVLM is the built-in simulator (`--lvlm sim`), labelled as simulation in every output.
 
@@ -55,6 +58,11 @@ from sim import SimConfig, Simulator, calibrate
 
 @dataclass
 class Args(RewardArgs, LVLMOptions):
+    """Build a dataset folder: candidate pools and LVLM-scored demonstration sequences for RCE and GRPO. Each sequence
+    stores acc (official VQA accuracy of the answer), correct (acc > 0), gt_prob (the LVLM's probability of replying
+    with an answer the metric credits, times that credit, summed over every normalised annotator answer and each raw
+    spelling annotators used: 0.3/0.6/0.9/1.0 for 1/2/3/4+ of 10 matching annotators) and rel (answer closeness)."""
+
     out: Path | None = None
     """Dataset folder to write (default data/sim, or data/<dataset>-<model name> for a real LVLM); re-running
     the same command resumes it."""

@@ -16,9 +16,10 @@ Departures from the obvious implementation, and why:
   top_k=1, temperature=0.1, repetition_penalty=1.05) that would otherwise silently change the "greedy" answer.
 - gt_prob scores only the assistant reply's tokens (never the prompt's), and the reply includes the token that ends
   the turn (<|im_end|> for Qwen), so P("red") is the probability of answering exactly "red", not of any answer that
-  starts with it. Distinct answers are then exclusive events, and gt_prob = sum over distinct annotator answers a of
-  min(count_a / 3, 1) * P(a), the expected VQA accuracy of the model's answer distribution restricted to annotator
-  answers, lies in [0, 1].
+  starts with it. Distinct replies are then exclusive events, and gt_prob = sum over the replies the VQA metric
+  credits (each normalised annotator answer and every raw spelling of it the annotators used: "yes" and "Yes") of
+  credit * P(reply), credit being the official leave-one-out VQA accuracy of that answer (0.3/0.6/0.9/1.0): the
+  expected VQA accuracy of the model's answers over those spellings, in [0, 1], whatever the annotators' order.
 - Qwen2.5-VL's stock processor cannot be built without torchvision (its video processor needs it); an image-only
   subclass is used then, which loads the same files and produces the same image and text inputs.
 - gt_prob costs one forward pass (prompt and images included) per distinct annotator answer, batched; generation
@@ -66,6 +67,7 @@ __all__ = [
     "LVLMBackend",
     "PromptTemplate",
     "answer_counts",
+    "credited_replies",
     "clip_embed",
     "load_image",
     "load_lvlm",
@@ -158,6 +160,23 @@ def answer_counts(answers: list[str]) -> list[tuple[str, int]]:
         groups.setdefault(normalize_answer(a), Counter())[a] += 1
     counted = [(spellings.most_common(1)[0][0], spellings.total()) for spellings in groups.values()]
     return sorted(counted, key=lambda sc: -sc[1])
+
+
+def credited_replies(answers: list[str]) -> list[tuple[str, float]]:
+    """The replies whose probability gt_prob adds up, each with the VQA credit the official metric gives it.
+
+    For every normalised answer that some annotator gave: its normalised form and each distinct raw spelling the
+    annotators used ("yes", "Yes"), all credited alike because the metric normalises the prediction too. Credit =
+    vqa_score(answer, answers): leave-one-out min(matches / 3, 1) averaged over annotators, so 0.3 / 0.6 / 0.9 / 1.0
+    for 1 / 2 / 3 / 4+ of 10 matching annotators (not min(count / 3, 1)). Sorted, so the annotators' order changes
+    nothing.
+    """
+    replies = []
+    for norm in sorted({normalize_answer(a) for a in answers}):
+        credit = vqa_score(norm, answers)
+        spellings = {norm} | {a for a in answers if normalize_answer(a) == norm}
+        replies += [(s, credit) for s in sorted(spellings)]
+    return replies
 
 
 def resolve_device(device: str = "auto", dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
@@ -386,16 +405,21 @@ class LVLMBackend:
         return torch.cat(probs) if probs else torch.zeros(0)
 
     def gt_prob(self, examples: list[Example]) -> Tensor:
-        """sum over distinct annotator answers a of min(count_a / 3, 1) * P(reply = a): (N,), in [0, 1]."""
-        rows, answers, weights = [], [], []
+        """Probability mass the model puts on replies the VQA metric credits, weighted by that credit: (N,), in [0, 1].
+
+        sum over credited_replies(answers) of credit * P(reply): distinct reply strings end with the turn's closing
+        token, so they are exclusive events and the sum is the expected VQA accuracy of the model's answers over these
+        spellings (a lower bound of the full expectation: spellings no annotator used, like "Yes.", are not scored).
+        """
+        rows, replies, credits = [], [], []
         for i, (query, _) in enumerate(examples):
-            for answer, count in answer_counts(query["answers"]):
+            for reply, credit in credited_replies(query["answers"]):
                 rows.append(i)
-                answers.append(answer)
-                weights.append(min(count / 3.0, 1.0))
-        p = self.answer_prob([examples[i] for i in rows], answers)  # (R,)
+                replies.append(reply)
+                credits.append(credit)
+        p = self.answer_prob([examples[i] for i in rows], replies)  # (R,)
         rows_t = torch.tensor(rows, dtype=torch.long)  # (R,)
-        total = torch.zeros(len(examples)).index_add_(0, rows_t, p * torch.tensor(weights))  # (N,)
+        total = torch.zeros(len(examples)).index_add_(0, rows_t, p * torch.tensor(credits))  # (N,)
         # Exclusive replies make the sum at most 1; the clamp only removes float rounding above it.
         return total.clamp_(max=1.0)  # (N,)
 
@@ -431,6 +455,8 @@ class LVLMBackend:
             "prompt_template": asdict(self.template),
             "system_prompt": self.system_prompt,
             "generation": {"max_new_tokens": self.max_new_tokens, "do_sample": False},
+            # What gt_prob means, so that a dataset folder never mixes two definitions when it resumes.
+            "gt_prob": "sum of VQA credit x P(reply) over normalised annotator answers and their raw spellings",
             "simulation": False,
         }
 

@@ -17,9 +17,19 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
 
-from lvlm import ImageOnlyQwen2_5_VLProcessor, LVLMBackend, PromptTemplate, clip_embed, load_image, load_lvlm
-from vqa import answer_rel, postprocess, vqa_score
+from lvlm import (
+    ImageOnlyQwen2_5_VLProcessor,
+    LVLMBackend,
+    PromptTemplate,
+    clip_embed,
+    credited_replies,
+    load_image,
+    load_lvlm,
+)
+from vqa import answer_rel, normalize_answer, postprocess, vqa_score
 from vqa_data import load_vqa_split
 
 VISION_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -115,6 +125,7 @@ def test_system_prompt_and_template_are_used_and_described(assets, items):
         "prompt_template": {"icd": template.icd, "query": template.query},
         "system_prompt": "Answer briefly.",
         "generation": {"max_new_tokens": 3, "do_sample": False},
+        "gt_prob": "sum of VQA credit x P(reply) over normalised annotator answers and their raw spellings",
         "simulation": False,
     }
 
@@ -188,18 +199,72 @@ def test_gt_prob_single_answer_is_product_of_answer_token_probs(backend, items):
 def test_gt_prob_weights_distinct_answers_by_vqa_credit(backend, items):
     # Single-character answers are single byte-level tokens, so their probabilities under the random model are of
     # similar size and a wrong weight or grouping changes the sum visibly. "X" normalises to "x": one answer given 4
-    # times, scored as its most common spelling.
+    # times, scored under both spellings; credits are the official leave-one-out ones (4+: 1.0, 3: 0.9, 2: 0.6, 1: 0.3).
     answers = ["x", "X", "y", "x", "w", "z", "y", "w", "x", "w"]
     query = dict(items["val"][3], answers=answers)
     icds = items["train"][6:7]
     p = {a: reply_prob_by_hand(backend, query, icds, a) for a in ("x", "y", "z", "w", "X")}
     assert max(p.values()) < 3 * min(p.values())
-    expected = p["x"] + 2 / 3 * p["y"] + 1 / 3 * p["z"] + p["w"]
+    expected = p["x"] + p["X"] + 0.6 * p["y"] + 0.3 * p["z"] + 0.9 * p["w"]
     other = (items["val"][5], items["train"][:2])
     got = backend.gt_prob([other, (query, icds)])
     assert got[1].item() == pytest.approx(expected, rel=1e-4)
     assert got[0].item() == pytest.approx(backend.gt_prob([other]).item(), rel=1e-4)
     assert ((got >= 0) & (got <= 1)).all()
+
+
+SPELLINGS = ["yes", "Yes", "YES.", "no", "No", "red", "a red", "2", "two", "the"]
+
+
+@given(st.lists(st.sampled_from(SPELLINGS), min_size=10, max_size=10), st.randoms(use_true_random=False))
+def test_credited_replies_are_what_the_metric_credits_in_any_annotator_order(answers, rnd):
+    replies = credited_replies(answers)
+    shuffled = rnd.sample(answers, len(answers))
+    assert credited_replies(shuffled) == replies
+    assert {r for r, _ in replies} >= set(answers)  # every raw spelling, plus each normalised form
+    assert {normalize_answer(r) for r, _ in replies} == {normalize_answer(a) for a in answers}
+    for reply, credit in replies:
+        assert credit == vqa_score(reply, answers) and credit in (0.3, 0.6, 0.9, 1.0)
+    assert len({r for r, _ in replies}) == len(replies)  # distinct replies: exclusive events
+
+
+@pytest.fixture(scope="module")
+def biased(assets, items) -> LVLMBackend:
+    """The tiny Qwen made to answer (almost) the same distribution at every position, biased towards the tokens of
+    "yes" and, 50x less, of "Yes": a huge value bias in the last attention layer adds one constant vector to every
+    position's residual stream, so the final norm's output is the same everywhere, and the head's rows of the chosen
+    tokens are set to give them fixed logits along it."""
+    b = LVLMBackend(str(assets["qwen"]), items, batch_size=4, max_new_tokens=4)
+    tok, model = b.tokenizer, b.model
+    yes, cap = (tok(w, add_special_tokens=False)["input_ids"] for w in ("yes", "Yes"))
+    seen = []
+    with torch.no_grad():
+        v = model.model.language_model.layers[-1].self_attn.v_proj
+        v.bias.copy_(1e3 * torch.randn(v.bias.shape, generator=torch.Generator().manual_seed(0)))
+        hook = model.lm_head.register_forward_hook(lambda mod, inp, out: seen.append(inp[0]))
+        b.gt_prob([(items["val"][0], items["train"][:2])])
+        hook.remove()
+        x = seen[0].reshape(-1, seen[0].shape[-1])  # (T, d) the head's input at every position
+        assert F.cosine_similarity(x, x.mean(0, keepdim=True)).min() > 0.999
+        u = x.mean(0)  # (d,)
+        for ids, logit in ((set(yes) | set(b.closer_ids), 8.0), (set(cap) - set(yes), 4.0)):
+            model.lm_head.weight[sorted(ids)] = logit * u / u.dot(u)
+    return b
+
+
+def test_gt_prob_credits_every_spelling_whatever_the_annotators_order(biased, items):
+    icds = items["train"][3:5]
+    lower_first, upper_first = (
+        dict(items["val"][1], answers=a) for a in (["yes"] * 5 + ["Yes"] * 5, ["Yes"] * 5 + ["yes"] * 5)
+    )
+    p = {a: reply_prob_by_hand(biased, lower_first, icds, a) for a in ("yes", "Yes", "blue")}
+    assert p["yes"] > 1e-3 and p["yes"] > 20 * p["Yes"] > 0  # the bias works: far from the random model's ~1e-9
+    got = biased.gt_prob([(lower_first, icds), (upper_first, icds)])
+    assert got.tolist() == pytest.approx([p["yes"] + p["Yes"]] * 2, rel=1e-4)
+    # Two of 10 annotators (in two spellings) give 0.6 credit, 8 give 1.0: weights are the metric's, not count / 3.
+    mixed = dict(items["val"][1], answers=["Yes", "blue", "blue", "yes", *["blue"] * 6])
+    expected = 0.6 * (p["yes"] + p["Yes"]) + p["blue"]
+    assert biased.gt_prob([(mixed, icds)]).item() == pytest.approx(expected, rel=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------------------------
