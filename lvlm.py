@@ -202,12 +202,16 @@ def resolve_model(model: str, cache_dir: str | Path | None = None) -> tuple[Path
     path = Path(model).expanduser()
     if path.is_dir():
         return path.resolve(), None
+    # Only "org/name" can be a hub id: an absolute, ~, ./ or deeper path is a missing folder, and a download
+    # command would not help.
+    if model.startswith(("/", "~", ".")) or model.count("/") != 1:
+        raise ValueError(f"model folder {model} does not exist")
     try:
         snapshot = Path(snapshot_download(repo_id=model, cache_dir=cache_dir, local_files_only=True))
     except (HFValidationError, LocalEntryNotFoundError) as e:
         raise ValueError(
-            f"model {model!r} not found locally; download it first with `huggingface-cli download {model}` "
-            "or pass a local path"
+            f"model {model!r} is neither a local folder nor in the local Hugging Face cache; download it first "
+            f"with `hf download {model}` or pass a local path"
         ) from e
     # The hub cache stores each revision under snapshots/<commit hash>/.
     return snapshot, snapshot.name
@@ -235,18 +239,27 @@ class ImageOnlyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
 
 
 def _load_processor(folder: Path, config: PretrainedConfig) -> ProcessorMixin:
-    """The model's processor, set up for left padding (batched generation appends on the right)."""
-    try:
-        processor = AutoProcessor.from_pretrained(folder)
-    except ImportError:
-        # Without torchvision, AutoProcessor fails on Qwen2.5-VL's video processor: images need none of it.
-        if config.model_type != "qwen2_5_vl":
-            raise
-        processor = ImageOnlyQwen2_5_VLProcessor.from_pretrained(folder)
-    if getattr(processor, "image_processor", None) is None or getattr(processor, "tokenizer", None) is None:
-        raise ValueError(f"{folder}: AutoProcessor built a {type(processor).__name__}, not an image+text processor")
-    processor.tokenizer.padding_side = "left"
-    return processor
+    """The model's image+text processor, set up for left padding (batched generation appends on the right).
+
+    AutoProcessor first; for Qwen2.5-VL the image-only processor next, which loads what AutoProcessor cannot here:
+    folders whose processor needs torchvision's video processor (ImportError), has none saved (transformers 5 saves
+    processor_config.json without one: OSError), or is named by a class AutoProcessor does not know (it then falls
+    back to the bare tokenizer). Anything else is one ValueError naming the folder and each loader's reason.
+    """
+    loaders = [AutoProcessor] + ([ImageOnlyQwen2_5_VLProcessor] if config.model_type == "qwen2_5_vl" else [])
+    reasons = []
+    for loader in loaders:
+        try:
+            processor = loader.from_pretrained(folder)
+        except (ImportError, OSError, ValueError, KeyError, TypeError) as e:
+            first = (str(e).strip() or type(e).__name__).splitlines()[0].split(". ")[0]  # transformers' hints: noise
+            reasons.append(f"{loader.__name__}: {first}")
+            continue
+        if getattr(processor, "image_processor", None) is not None and getattr(processor, "tokenizer", None):
+            processor.tokenizer.padding_side = "left"
+            return processor
+        reasons.append(f"{loader.__name__} built a {type(processor).__name__}, not an image+text processor")
+    raise ValueError(f"{folder}: no image+text processor loads ({'; '.join(reasons)})")
 
 
 def load_lvlm(

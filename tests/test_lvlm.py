@@ -424,10 +424,44 @@ def test_clip_embed_matches_the_model(assets, items):
 
 
 def test_load_lvlm_unknown_model(tmp_path):
-    with pytest.raises(ValueError, match="not found locally; download it first"):
+    with pytest.raises(ValueError, match=r"^model folder .*/no/such/model does not exist$"):
         load_lvlm(str(tmp_path / "no" / "such" / "model"))
-    with pytest.raises(ValueError, match="huggingface-cli download no-such-org/no-such-model"):
+    with pytest.raises(
+        ValueError, match=r"nor in the local Hugging Face cache.*`hf download no-such-org/no-such-model`"
+    ):
         load_lvlm("no-such-org/no-such-model", cache_dir=tmp_path)
+
+
+def saved_processor_folder(assets, tmp_path, processor_class: str | None) -> Path:
+    """The tiny Qwen with its processor saved by transformers 5 (one nested processor_config.json, no video
+    processor), naming `processor_class` (None: no processor_config.json and no preprocessor config at all)."""
+    folder = tmp_path / f"qwen-{processor_class}"
+    shutil.copytree(assets["qwen"], folder)
+    processor = ImageOnlyQwen2_5_VLProcessor.from_pretrained(assets["qwen"])
+    (folder / "preprocessor_config.json").unlink()
+    if processor_class is not None:
+        processor.save_pretrained(folder)
+        config = json.loads((folder / "processor_config.json").read_text())
+        assert "image_processor" in config and not (folder / "video_preprocessor_config.json").exists()
+        (folder / "processor_config.json").write_text(json.dumps(config | {"processor_class": processor_class}))
+    return folder
+
+
+@pytest.mark.parametrize("processor_class", ["Qwen2_5_VLProcessor", "ImageOnlyQwen2_5_VLProcessor"])
+def test_processor_folders_saved_by_transformers_5_load_and_encode_alike(assets, items, tmp_path, processor_class):
+    folder = saved_processor_folder(assets, tmp_path, processor_class)
+    stock = LVLMBackend(str(assets["qwen"]), items, batch_size=4, max_new_tokens=4)
+    saved = LVLMBackend(str(folder), items, batch_size=4, max_new_tokens=4)
+    examples = [(items["val"][0], items["train"][1:3]), (items["val"][1], [])]
+    a, b = stock.encode(examples), saved.encode(examples)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_processor_folder_that_nothing_loads_is_one_line(assets, tmp_path):
+    folder = saved_processor_folder(assets, tmp_path, None)
+    reasons = r"\(AutoProcessor: .*; ImageOnlyQwen2_5_VLProcessor: Can't load image processor for '[^']*'\)$"
+    with pytest.raises(ValueError, match=r"no image\+text processor loads " + reasons):
+        load_lvlm(str(folder), device="cpu")
 
 
 def test_load_lvlm_rejects_other_models(assets):
