@@ -287,8 +287,9 @@ def selection_table(runs: list[Run]) -> str:
     for a, b in combinations(runs, 2):
         cells = []
         for s in shots:
-            ia = {r["question_id"]: r["icds"] for r in a.eval["results"] if r["shot"] == s}
-            ib = {r["question_id"]: r["icds"] for r in b.eval["results"] if r["shot"] == s}
+            # A multi-seed random baseline has no single selection (its results hold per_seed picks): "-".
+            ia = {r["question_id"]: r["icds"] for r in a.eval["results"] if r["shot"] == s and "icds" in r}
+            ib = {r["question_id"]: r["icds"] for r in b.eval["results"] if r["shot"] == s and "icds" in r}
             common = [q for q in ia if q in ib]
             cells.append(f"{100 * sum(ia[q] == ib[q] for q in common) / len(common):.1f}%" if common else "-")
         rows.append([f"{a.name} / {b.name}"] + cells)

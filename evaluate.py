@@ -12,6 +12,8 @@ Writes RUN/eval/<split>.json (or <split>-epoch002.json with --epochs):
     {"data", "backend", "split", "selector", "order", "shots", "num_samples",
      "results": [{"question_id", "row", "shot", "icds": [train rows], "prediction", "score"}, ...],  # question order
      "summary": {"800": {"1": 48.55, ...}, ...}}                                                    # percentages
+With --seeds N > 1 (random baseline) a result holds the mean "score" and "per_seed": [{"seed", "icds",
+"prediction", "score"}, ...] instead of one seed's icds and prediction.
 Progress is kept per question in <file>.seedN.rankR.partial.jsonl, so an interrupted evaluation resumes where it
 stopped; under torchrun each rank scores every world-th question and rank 0 writes the file.
 
@@ -258,18 +260,13 @@ def evaluate_one(args: Args, ds: Dataset, backend, target: Path, selector: Path 
     results = []
     for i, item in enumerate(items):
         for s, shot in enumerate(args.shots):
-            first = per_seed[0][i][s]
-            score = sum(d[i][s]["score"] for d in per_seed) / len(per_seed)
-            results.append(
-                {
-                    "question_id": item["question_id"],
-                    "row": int(rows[i]),
-                    "shot": shot,
-                    "icds": first["icds"],
-                    "prediction": first["prediction"],
-                    "score": round(score, 6),
-                }
-            )
+            picks = [{k: d[i][s][k] for k in ("icds", "prediction", "score")} for d in per_seed]
+            score = round(sum(p["score"] for p in picks) / len(picks), 6)
+            r = {"question_id": item["question_id"], "row": int(rows[i]), "shot": shot}
+            # One seed: its picks and answer. Several (random baseline): every seed's, and the mean score, so no
+            # prediction ever sits beside a score it did not get.
+            multi = {"score": score, "per_seed": [{"seed": sd, **p} for sd, p in zip(seeds, picks)]}
+            results.append(r | (picks[0] if len(picks) == 1 else multi))
     doc = {
         "data": str(ds.folder),
         "backend": backend.describe()["lvlm"],

@@ -104,6 +104,12 @@ def test_identical_runs_zero_delta_not_significant(tmp_path):
     sig = cells(text.split("Paired significance")[1], "| shot |")
     assert all(r[5] == "n.s." and r[3] == "1" for r in sig)
     assert cells(text, "| runs |") == [["a / b", "100.0%", "100.0%"]]
+    # a multi-seed random baseline stores per-seed picks only: it has no single selection to compare
+    doc = json.loads((b / "eval" / "val.json").read_text())
+    for r in doc["results"]:
+        r["per_seed"] = [{"seed": 0, "icds": r.pop("icds"), "prediction": r.pop("prediction"), "score": r["score"]}]
+    (b / "eval" / "val.json").write_text(json.dumps(doc))
+    assert cells(report(Args(runs=[a, b])), "| runs |") == [["a / b", "-", "-"]]
 
 
 def test_training_tables_curves_epochs_and_skips(tmp_path, capsys):

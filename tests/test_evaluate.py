@@ -101,6 +101,11 @@ def test_random_seeds_average_and_resume(small_data, tmp_path, monkeypatch):
         singles.append(json.loads((tmp_path / f"s{seed}" / "eval" / "val.json").read_text())["results"])
     for r, a, b in zip(doc["results"], *singles):
         assert r["score"] == pytest.approx((a["score"] + b["score"]) / 2, abs=1e-6)
+        # every seed's own picks, answer and score; no single prediction beside the mean score
+        assert "icds" not in r and "prediction" not in r
+        assert r["per_seed"] == [
+            {"seed": sd, **{k: x[k] for k in ("icds", "prediction", "score")}} for sd, x in ((0, a), (1, b))
+        ]
     # an interrupted evaluation: killed while scoring its second chunk, with half a line written; the re-run
     # scores only what is missing and writes the same file
     target = tmp_path / "s0" / "eval" / "val.json"
