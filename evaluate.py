@@ -45,6 +45,7 @@ from compare import accuracy_table
 from data import Dataset, load_dataset, run_cli
 from model import PointerSelector, atomic_write_text
 from training import load_selector
+from vqa_data import check_images
 
 Baseline = Literal["zero-shot", "random", "image-sim", "text-sim", "oracle", "observable"]
 
@@ -300,11 +301,25 @@ def reroot_images(ds: Dataset, root: Path) -> None:
             it["image"] = str(Path(root).resolve() / Path(it["image"]).relative_to(old))
 
 
+def preflight(args: Args, ds: Dataset) -> None:
+    """What can be checked without the LVLM, before it is loaded: the question count, and on real data every image
+    the evaluation may read (the questions' own and, unless zero-shot, their pools'), so that a bad file stops the
+    run at once with its name instead of failing a batch after the model has loaded."""
+    rows, pool, items = questions(ds, args.split, max(args.num_samples))
+    if ds.is_sim:
+        return
+    paths = [it["image"] for it in items]
+    if args.baseline != "zero-shot":
+        paths += [ds.items["train"][j]["image"] for j in pool[pool >= 0].tolist()]
+    check_images(paths, f"that evaluating {max(args.num_samples)} {args.split} questions of {ds.folder} reads")
+
+
 def main(args: Args) -> None:
     check_args(args)
     ds = load_dataset(args.data)
     if args.data_root is not None:
         reroot_images(ds, args.data_root)
+    preflight(args, ds)
     backend = open_backend(ds.meta, ds.items, ds.emb, args.lvlm, args.lvlm_batch_size, args.device)
     jobs = []
     if args.baseline is not None:

@@ -75,7 +75,7 @@ def test_train_evaluate_compare(data, assets, tmp_path):
     assert "### grpo vs rce" in text and "simulated" not in text.splitlines()[0]
 
 
-def test_moved_data_root_and_corrupt_image(assets, tmp_path):
+def test_moved_data_root_and_corrupt_image(assets, tmp_path, monkeypatch):
     import shutil
 
     orig, moved = tmp_path / "orig", tmp_path / "moved"
@@ -86,14 +86,25 @@ def test_moved_data_root_and_corrupt_image(assets, tmp_path):
     evaluate.main(evaluate.Args(out=tmp_path / "a", **ev))
     orig.rename(moved)  # the dataset moved: its recorded image paths are gone
     lvlm.load_image.cache_clear()
-    with pytest.raises(FileNotFoundError, match="image file not found"):
+    with pytest.raises(
+        ValueError, match=r"images that evaluating 4 val questions of .* reads are unreadable: .*not found"
+    ):
         evaluate.main(evaluate.Args(out=tmp_path / "b", **ev))
+    assert not (tmp_path / "b").exists()
     evaluate.main(evaluate.Args(out=tmp_path / "b", data_root=moved, **ev))
     a, b = (json.loads((tmp_path / d / "eval" / "val.json").read_text())["results"] for d in "ab")
     assert a == b
     broken = sorted((moved / "train2014").glob("*.jpg"))[3]
     broken.write_bytes(b"not a jpeg")
     lvlm.load_image.cache_clear()
+    pool_images = {str(p) for p in (moved / "train2014").glob("*.jpg")}  # evaluation reads pools of train images
+    assert str(broken) in pool_images
+    with (
+        monkeypatch.context() as m,
+        pytest.raises(ValueError, match=rf"1 of the images .* unreadable: .*{broken.name}"),
+    ):
+        m.setattr(evaluate, "open_backend", lambda *a, **k: pytest.fail("the LVLM was loaded before the image check"))
+        evaluate.main(evaluate.Args(out=tmp_path / "c", data_root=moved, **ev))
     with pytest.raises(ValueError, match=f"{broken.name}: not a readable image"):
         generate(gen_args(assets, tmp_path / "new", data_root=moved))
     assert not (tmp_path / "new").exists() and not (tmp_path / "new.building").exists()
