@@ -171,6 +171,7 @@ def open_source(args: Args) -> Source:
     if is_sim(args):
         sim = make_sim(args)
         return Source(sim.items, sim.emb, SimBackend(sim), {"source": "sim", "encoder": "sim"})
+    from lvlm import resolve_model
     from vqa_data import load_vqa_split
 
     files = {
@@ -186,6 +187,9 @@ def open_source(args: Args) -> Source:
         "files": files,
         "limits": limit,
         "encoder": args.encoder,
+        # The commit of the cached CLIP snapshot (None for a local folder), as the LVLM's revision is recorded:
+        # embeddings from other weights would silently change every pool.
+        "encoder_revision": resolve_model(args.encoder)[1],
     }
     return Source(items, None, backend, {**data, "system_prompt": args.system_prompt})
 

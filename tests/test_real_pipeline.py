@@ -43,6 +43,7 @@ def test_dataset_folder_records_the_real_backend(data, assets, monkeypatch):
     assert meta["source"] == "okvqa" and meta["lvlm"] == str(assets["qwen"]) and not meta["simulation"]
     assert meta["prompt_template"]["query"].endswith("Short answer:") and meta["generation"]["max_new_tokens"] == 10
     assert meta["encoder"] == str(assets["clip"]) and "revision" in meta and "calibration" not in meta
+    assert "encoder_revision" in meta and meta["encoder_revision"] is None  # a local folder has no hub commit
     assert len(ds.groups) == 8 and ds.groups.seqs.shape[1:] == (3, 2)
     assert ds.emb["train"].shape[0] == len(ds.items["train"]) == 32 and "val_image" in ds.emb
     assert all(it["image"].endswith(".jpg") for it in ds.items["train"])
