@@ -28,6 +28,7 @@ from typing import Literal, get_args
 import torch
 import tyro
 from torch import Tensor
+from tqdm import tqdm
 
 from model import read_tensors, reward_spread
 
@@ -55,6 +56,9 @@ def run_cli(main: Callable, args_type: type) -> None:
     except (ValueError, FileNotFoundError) as e:
         if os.environ.get("ICL_SELECT_DEBUG"):
             raise
+        # A loop that failed leaves its progress bar open, mid-line: close it so the error gets a line of its own.
+        for bar in list(getattr(tqdm, "_instances", ())):
+            bar.close()
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

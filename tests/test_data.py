@@ -2,6 +2,8 @@
 
 import json
 import shutil
+import sys
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -9,8 +11,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from strategies import rng, seeds
+from tqdm import tqdm
 
-from data import REWARD_MODES, DataError, RewardArgs, compute_reward, filter_queries, load_dataset, quality_labels
+from data import (
+    REWARD_MODES,
+    DataError,
+    RewardArgs,
+    compute_reward,
+    filter_queries,
+    load_dataset,
+    quality_labels,
+    run_cli,
+)
 
 
 @pytest.fixture
@@ -143,3 +155,24 @@ def test_quality_and_filters(small_data):
     assert set(high) <= set(medium) and len(filter_queries(g, reward, "all", False)) == len(g)
     positive = filter_queries(g, reward, "all", True)
     assert (g.fields["correct"][positive].sum(-1) > 0).all()
+
+
+@dataclass
+class _NoFlags:
+    pass
+
+
+def test_cli_error_gets_a_line_of_its_own_after_a_progress_bar(monkeypatch, capsys):
+    def main(_):
+        bar = tqdm(total=10, desc="scoring", mininterval=0)  # a bar held by a variable, as in clip_embed
+        bar.update(5)
+        raise ValueError("data/x/rl_data.jsonl: line 5: field 'seqs' is missing")
+
+    monkeypatch.setattr(sys, "argv", ["prog"])
+    with pytest.raises(SystemExit) as stop:
+        run_cli(main, _NoFlags)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "scoring" in err  # the bar was drawn ...
+    last = err.rstrip("\n").split("\n")[-1].split("\r")[-1]  # ... and the terminal shows the error alone on its line
+    assert last == "error: data/x/rl_data.jsonl: line 5: field 'seqs' is missing"
