@@ -87,6 +87,8 @@ class Args:
     """Real LVLM: prompts per forward pass."""
     device: str = "auto"
     """Real LVLM: auto = this rank's CUDA device in bf16, else CPU float32."""
+    image_cache_mib: int = 4096
+    """Real LVLM: memory per process for images decoded and preprocessed once and reused (half each)."""
     data_root: Path | None = None
     """Real data: where the dataset's files live now, if they moved since gen_rl_data.py (image paths re-rooted)."""
 
@@ -98,8 +100,8 @@ def check_args(args: Args) -> None:
         raise ValueError("--out is for baselines; a run's results go to RUN/eval/")
     if not args.shots or min(args.shots) < 1 or not args.num_samples or min(args.num_samples) < 1:
         raise ValueError("--shots and --num-samples must be positive")
-    if args.seeds < 1 or args.batch_size < 1:
-        raise ValueError("--seeds and --batch-size must be >= 1")
+    if args.seeds < 1 or args.batch_size < 1 or args.image_cache_mib < 1:
+        raise ValueError("--seeds, --batch-size and --image-cache-mib must be >= 1")
     for run in args.runs:
         if not (run / "model.safetensors").is_file():
             raise ValueError(f"{run}: no model.safetensors; is this a finished rce/grpo run?")
@@ -320,7 +322,9 @@ def main(args: Args) -> None:
     if args.data_root is not None:
         reroot_images(ds, args.data_root)
     preflight(args, ds)
-    backend = open_backend(ds.meta, ds.items, ds.emb, args.lvlm, args.lvlm_batch_size, args.device)
+    backend = open_backend(
+        ds.meta, ds.items, ds.emb, args.lvlm, args.lvlm_batch_size, args.device, args.image_cache_mib
+    )
     jobs = []
     if args.baseline is not None:
         out = args.out or Path("runs") / f"baseline-{args.baseline}"

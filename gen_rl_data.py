@@ -145,7 +145,7 @@ def out_folder(args: Args) -> Path:
 
 
 def check_args(args: Args) -> None:
-    for name in ("num_queries", "num_train", "num_val", "pool_size", "group_size", "seq_len"):
+    for name in ("num_queries", "num_train", "num_val", "pool_size", "group_size", "seq_len", "image_cache_mib"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.seq_len > args.pool_size:

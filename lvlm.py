@@ -25,15 +25,16 @@ Departures from the obvious implementation, and why:
 - gt_prob costs one forward pass (prompt and images included) per distinct annotator answer, batched; generation
   costs one generate() per prompt, batched.
 - The image-only processor relies on ProcessorMixin internals of the pinned transformers (5.23).
-- Each image file is decoded once per process and preprocessed once per process (ICDs recur across thousands of
-  prompts and across the gt_prob passes), in LRU caches of 4096 decoded and 1024 preprocessed images.
+- Each image file is decoded and preprocessed once while it stays cached (ICDs recur across thousands of prompts
+  and across the gt_prob passes), in least-recently-used caches bounded by bytes: --image-cache-mib (default 4096
+  per process, half decoded images, half patches; one COCO image is about 0.9 + 7 MiB at Qwen2.5-VL's defaults).
 """
 
 from __future__ import annotations
 
-import functools
 import os
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -64,6 +65,7 @@ from vqa import answer_rel, normalize_answer, postprocess, vqa_score
 __all__ = [
     "Example",
     "ImageOnlyQwen2_5_VLProcessor",
+    "ByteLRU",
     "LVLMBackend",
     "PromptTemplate",
     "answer_counts",
@@ -92,9 +94,40 @@ class PromptTemplate:
 IMAGE_KEY = "icl_select_path"  # set in each loaded image's .info, so preprocessing results can be cached by path
 
 
-@functools.lru_cache(maxsize=4096)
-def load_image(path: str) -> Image.Image:
-    """The RGB image at `path`, decoded once per process (LRU, 4096 images) and shared (callers must not modify it)."""
+class ByteLRU:
+    """A least-recently-used cache bounded by the bytes of what it holds, not by a count (COCO images and their
+    patch tensors vary tenfold in size). The newest entry always stays, even alone over the budget."""
+
+    def __init__(self, budget: int, sizeof: Callable[[object], int]):
+        self.budget, self.sizeof = budget, sizeof
+        self.entries: OrderedDict[object, tuple[object, int]] = OrderedDict()
+        self.bytes = self.misses = 0
+
+    def get(self, key, make: Callable[[], object]):
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return self.entries[key][0]
+        value = make()
+        self.misses += 1
+        self.entries[key] = (value, self.sizeof(value))
+        self.bytes += self.entries[key][1]
+        while self.bytes > self.budget and len(self.entries) > 1:
+            self.bytes -= self.entries.popitem(last=False)[1][1]
+        return value
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.bytes = 0
+
+
+MIB = 2**20
+DEFAULT_IMAGE_CACHE_MIB = 4096
+# Decoded RGB images by path, shared by every backend of the process (half of the image cache budget; an LVLMBackend
+# sets it). A 640x480 COCO image is 0.9 MiB decoded.
+DECODED_IMAGES = ByteLRU(DEFAULT_IMAGE_CACHE_MIB * MIB // 2, lambda img: img.width * img.height * 3)
+
+
+def _decode(path: str) -> Image.Image:
     try:
         with Image.open(path) as img:
             rgb = img.convert("RGB")
@@ -106,18 +139,32 @@ def load_image(path: str) -> Image.Image:
         raise ValueError(f"{path}: not a readable image ({e})") from None
 
 
+def load_image(path: str) -> Image.Image:
+    """The RGB image at `path`, decoded once while it stays in DECODED_IMAGES and shared (callers must not modify
+    it)."""
+    return DECODED_IMAGES.get(path, lambda: _decode(path))
+
+
+def _feature_bytes(feature: BatchFeature) -> int:
+    return sum(v.nbytes for v in feature.values() if torch.is_tensor(v) or isinstance(v, np.ndarray))
+
+
 class CachedImageProcessor:
-    """Wraps a processor's image processor so each image (by path) is preprocessed once per process.
+    """Wraps a processor's image processor so each image (by path) is preprocessed once while it stays cached.
 
     The processor still does everything else (placeholder expansion, tokenisation); this only replaces repeated
     resizing/normalising of the same ICD images, which recur across thousands of prompts and across the teacher-forced
-    gt_prob passes. Results are kept in an LRU of `max_images` images (a COCO image is a few MB of patches).
+    gt_prob passes. Results are kept in a ByteLRU of `budget` bytes: at Qwen2.5-VL's default pixel bounds a COCO
+    image is about 7 MiB of float32 patches.
     """
 
-    def __init__(self, inner, max_images: int = 1024):
-        self.inner, self.max_images = inner, max_images
-        self.cache: OrderedDict[tuple, BatchFeature] = OrderedDict()
-        self.misses = 0
+    def __init__(self, inner, budget: int = DEFAULT_IMAGE_CACHE_MIB * MIB // 2):
+        self.inner = inner
+        self.cache = ByteLRU(budget, _feature_bytes)
+
+    @property
+    def misses(self) -> int:
+        return self.cache.misses
 
     def __getattr__(self, name: str):  # merge_size, patch_size, ... as the processor expects
         return getattr(self.inner, name)
@@ -126,14 +173,7 @@ class CachedImageProcessor:
         key = (image.info.get(IMAGE_KEY), repr(sorted(kwargs.items())))
         if key[0] is None:  # not loaded through load_image: nothing to key the cache on
             return self.inner([image], **kwargs)
-        if key in self.cache:
-            self.cache.move_to_end(key)
-        else:
-            self.misses += 1
-            self.cache[key] = self.inner([image], **kwargs)
-            if len(self.cache) > self.max_images:
-                self.cache.popitem(last=False)
-        return self.cache[key]
+        return self.cache.get(key, lambda: self.inner([image], **kwargs))
 
     def __call__(self, images, **kwargs) -> BatchFeature:
         parts = [self.one(image, kwargs) for image in make_flat_list_of_images(images)]
@@ -308,9 +348,14 @@ class LVLMBackend:
         system_prompt: str | None = None,
         template: PromptTemplate = PromptTemplate(),
         device: str = "auto",
+        image_cache_mib: int = DEFAULT_IMAGE_CACHE_MIB,
     ):
         self.model, self.processor, self.info = load_lvlm(model, device=device)
-        self.processor.image_processor = CachedImageProcessor(self.processor.image_processor)
+        # The process's image memory: half for decoded images, half for their preprocessed patches.
+        DECODED_IMAGES.budget = image_cache_mib * MIB // 2
+        self.processor.image_processor = CachedImageProcessor(
+            self.processor.image_processor, image_cache_mib * MIB // 2
+        )
         self.items = items
         self.batch_size, self.max_new_tokens = batch_size, max_new_tokens
         self.system_prompt, self.template = system_prompt, template

@@ -20,7 +20,9 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
+import lvlm
 from lvlm import (
+    ByteLRU,
     ImageOnlyQwen2_5_VLProcessor,
     LVLMBackend,
     PromptTemplate,
@@ -33,6 +35,7 @@ from vqa import answer_rel, normalize_answer, postprocess, vqa_score
 from vqa_data import load_vqa_split
 
 VISION_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
+MIB = 2**20
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -88,6 +91,33 @@ def test_each_image_preprocessed_once(backend, items):
     stock = cached.inner(images=images, return_tensors="pt")  # the uncached image processor on the whole batch
     assert torch.equal(inputs["image_grid_thw"], stock["image_grid_thw"])
     assert torch.equal(inputs["pixel_values"], stock["pixel_values"].to(inputs["pixel_values"].dtype))
+
+
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(1, 40)), max_size=60), st.integers(1, 100))
+def test_byte_lru_stays_within_budget_and_evicts_the_least_recently_used(ops, budget):
+    cache, made, order = ByteLRU(budget, sizeof=lambda v: v[1]), [], []
+    for key, size in ops:
+        value = cache.get(key, lambda k=key, s=size: made.append(k) or (k, s))  # noqa: B023
+        assert value[0] == key
+        order = [k for k in order if k != key] + [key]  # recency, oldest first
+        assert list(cache.entries) == order[-len(cache.entries) :]  # what is kept: the most recently used
+        assert cache.bytes == sum(size for _, size in cache.entries.values())
+        assert cache.bytes <= budget or len(cache.entries) == 1  # the newest entry alone may exceed it
+        order = list(cache.entries)
+    assert cache.misses == len(made)
+
+
+def test_image_caches_follow_the_budget_flag(assets, items):
+    small = LVLMBackend(str(assets["qwen"]), items, batch_size=4, max_new_tokens=4, image_cache_mib=1)
+    patches = small.processor.image_processor.cache
+    assert lvlm.DECODED_IMAGES.budget == patches.budget == MIB // 2
+    examples = [(items["val"][q], items["train"][3 * q : 3 * q + 3]) for q in range(6)]
+    small.encode(examples)  # about 0.9 MiB of patches at the fixture's sizes: some must go
+    assert 0 < patches.bytes <= MIB // 2 and patches.misses > len(patches.entries)
+    big = LVLMBackend(str(assets["qwen"]), items, batch_size=4, max_new_tokens=4)  # the default: 4 GiB
+    assert lvlm.DECODED_IMAGES.budget == 2048 * MIB
+    a, b = small.encode(examples), big.encode(examples)  # eviction changes memory, never the inputs
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_processor_gets_images_in_prompt_order(backend, items):

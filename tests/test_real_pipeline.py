@@ -86,7 +86,7 @@ def test_moved_data_root_and_corrupt_image(assets, tmp_path, monkeypatch):
     ev = dict(data=data, baseline="random", shots=[1], num_samples=[4])
     evaluate.main(evaluate.Args(out=tmp_path / "a", **ev))
     orig.rename(moved)  # the dataset moved: its recorded image paths are gone
-    lvlm.load_image.cache_clear()
+    lvlm.DECODED_IMAGES.clear()
     with pytest.raises(
         ValueError, match=r"images that evaluating 4 val questions of .* reads are unreadable: .*not found"
     ):
@@ -97,7 +97,7 @@ def test_moved_data_root_and_corrupt_image(assets, tmp_path, monkeypatch):
     assert a == b
     broken = sorted((moved / "train2014").glob("*.jpg"))[3]
     broken.write_bytes(b"not a jpeg")
-    lvlm.load_image.cache_clear()
+    lvlm.DECODED_IMAGES.clear()
     pool_images = {str(p) for p in (moved / "train2014").glob("*.jpg")}  # evaluation reads pools of train images
     assert str(broken) in pool_images
     with (
