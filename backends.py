@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -42,7 +43,10 @@ class LVLMOptions:
     icd_template: str = "Question: {question} Short answer: {answer}"
     """Text after each demonstration's image."""
     query_template: str = "Question: {question} Short answer:"
-    """Text after the query's image (the end of the user turn)."""
+    """Text after the query's image (the end of the user turn); in turn-per-demo also each ICD's question."""
+    prompt_style: Literal["single-turn", "turn-per-demo"] = "single-turn"
+    """single-turn: every ICD and the query in one user turn; turn-per-demo: each ICD its own user turn (image and
+    question) answered by an assistant turn, then the query's user turn."""
     max_new_tokens: int = 10
     """Greedy generation length."""
     lvlm_batch_size: int = 8
@@ -86,7 +90,7 @@ class ScoreCache:
 def lvlm_backend(model: str, items: dict[str, list[dict]], opts: LVLMOptions):
     from lvlm import LVLMBackend, PromptTemplate
 
-    template = PromptTemplate(icd=opts.icd_template, query=opts.query_template)
+    template = PromptTemplate(icd=opts.icd_template, query=opts.query_template, style=opts.prompt_style)
     return LVLMBackend(
         model,
         items,
@@ -129,6 +133,7 @@ def open_backend(
         system_prompt=meta.get("system_prompt"),
         icd_template=meta["prompt_template"]["icd"],
         query_template=meta["prompt_template"]["query"],
+        prompt_style=meta["prompt_template"].get("style", "single-turn"),  # folders from before the option
         max_new_tokens=meta["generation"]["max_new_tokens"],
         lvlm_batch_size=batch_size,
         device=device,

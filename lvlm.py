@@ -7,7 +7,8 @@
 
 Prompt: an optional system turn, then ONE user turn holding the k ICDs, each as its image followed by
 "Question: {q} Short answer: {a}" (a = the ICD's most common annotator answer), then the query's image and
-"Question: {q} Short answer:", rendered with the model's own chat template and its generation prompt.
+"Question: {q} Short answer:", rendered with the model's own chat template and its generation prompt. The other
+common multi-image ICL layout, one user/assistant turn pair per ICD, is PromptTemplate(style="turn-per-demo").
 
 Departures from the obvious implementation, and why:
 - Models load only from a local folder or the local Hugging Face cache, never from the network: the commit hash of
@@ -37,6 +38,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -62,6 +64,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_
 
 from vqa import answer_rel, normalize_answer, postprocess, vqa_score
 
+PromptStyle = Literal["single-turn", "turn-per-demo"]
+
 __all__ = [
     "Example",
     "ImageOnlyQwen2_5_VLProcessor",
@@ -83,12 +87,15 @@ Example = tuple[dict, list[dict]]
 
 @dataclass(frozen=True)
 class PromptTemplate:
-    """The text after each image of the user turn; {question} and {answer} are filled per item."""
+    """How ICDs and the query become a chat; {question} and {answer} are filled per item."""
 
     icd: str = "Question: {question} Short answer: {answer}"
-    """Text after an ICD's image."""
+    """Text after an ICD's image (single-turn style)."""
     query: str = "Question: {question} Short answer:"
-    """Text after the query's image, the last thing in the user turn."""
+    """Text after the query's image, the last thing in the user turn (and each ICD's question in turn-per-demo)."""
+    style: PromptStyle = "single-turn"
+    """single-turn: one user turn holding every ICD and the query; turn-per-demo: each ICD is a user turn (its image
+    and `query` filled with its question) answered by an assistant turn (its answer), then the query's user turn."""
 
 
 IMAGE_KEY = "icl_select_path"  # set in each loaded image's .info, so preprocessing results can be cached by path
@@ -393,14 +400,23 @@ class LVLMBackend:
         return ids[: stops[0] + 1] if stops else self.stop_ids[:1]
 
     def messages(self, query: dict, icds: list[dict]) -> list[dict]:
-        """The chat: optional system turn, then one user turn of (image, ICD text) x k, the query image and question."""
+        """The chat: optional system turn, then the ICDs and the query in the template's style (see PromptTemplate)."""
+        t = self.template
+        chat = [{"role": "system", "content": [{"type": "text", "text": self.system_prompt}]}]
+        chat = chat if self.system_prompt is not None else []
         content = []
         for icd in icds:
-            text = self.template.icd.format(question=icd["question"], answer=answer_counts(icd["answers"])[0][0])
-            content += [{"type": "image"}, {"type": "text", "text": text}]
-        content += [{"type": "image"}, {"type": "text", "text": self.template.query.format(question=query["question"])}]
-        system = [{"role": "system", "content": [{"type": "text", "text": self.system_prompt}]}]
-        return [*(system if self.system_prompt is not None else []), {"role": "user", "content": content}]
+            answer = answer_counts(icd["answers"])[0][0]
+            if t.style == "turn-per-demo":
+                asked = [{"type": "image"}, {"type": "text", "text": t.query.format(question=icd["question"])}]
+                chat += [{"role": "user", "content": asked}, {"role": "assistant", "content": answer}]
+            else:
+                content += [
+                    {"type": "image"},
+                    {"type": "text", "text": t.icd.format(question=icd["question"], answer=answer)},
+                ]
+        content += [{"type": "image"}, {"type": "text", "text": t.query.format(question=query["question"])}]
+        return [*chat, {"role": "user", "content": content}]
 
     def render(self, query: dict, icds: list[dict]) -> tuple[str, list[Image.Image]]:
         """The rendered prompt text (with the generation prompt) and its images in prompt order (ICDs, then query)."""

@@ -152,7 +152,7 @@ def test_system_prompt_and_template_are_used_and_described(assets, items):
     assert custom.describe() == {
         "lvlm": str(assets["qwen"]),
         "revision": None,
-        "prompt_template": {"icd": template.icd, "query": template.query},
+        "prompt_template": {"icd": template.icd, "query": template.query, "style": "single-turn"},
         "system_prompt": "Answer briefly.",
         "generation": {"max_new_tokens": 3, "do_sample": False},
         "gt_prob": "sum of VQA credit x P(reply) over normalised annotator answers and their raw spellings",
@@ -163,6 +163,30 @@ def test_system_prompt_and_template_are_used_and_described(assets, items):
 # ---------------------------------------------------------------------------------------------------------------
 # generation
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def test_turn_per_demo_style_gives_each_icd_its_own_turn_pair(assets, items):
+    style = PromptTemplate(style="turn-per-demo")
+    turns = LVLMBackend(str(assets["qwen"]), items, batch_size=4, max_new_tokens=3, template=style)
+    icds = [items["train"][i] for i in (5, 0)]
+    query = items["val"][2]
+    text, images = turns.render(query, icds)
+    pairs = "".join(
+        f"<|im_start|>user\n{VISION_BLOCK}Question: {it['question']} Short answer:<|im_end|>\n"
+        f"<|im_start|>assistant\n{majority(it)}<|im_end|>\n"
+        for it in icds
+    )
+    assert text == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        + pairs
+        + f"<|im_start|>user\n{VISION_BLOCK}Question: {query['question']} Short answer:<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert images == [load_image(it["image"]) for it in [*icds, query]]
+    assert turns.describe()["prompt_template"]["style"] == "turn-per-demo"
+    # it scores like the single-turn layout does: answers and gt_prob for the same examples, in a batch
+    out = turns.score_examples([(query, icds), (items["val"][0], [])])
+    assert len(out["prediction"]) == 2 and ((out["gt_prob"] > 0) & (out["gt_prob"] <= 1)).all()
 
 
 def test_batched_generation_equals_one_by_one(backend, items):

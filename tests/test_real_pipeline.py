@@ -9,6 +9,7 @@ import evaluate
 import grpo
 import lvlm
 import rce
+from backends import open_backend
 from data import load_dataset
 from gen_rl_data import Args, generate
 
@@ -44,6 +45,10 @@ def test_dataset_folder_records_the_real_backend(data, assets, monkeypatch):
     assert meta["prompt_template"]["query"].endswith("Short answer:") and meta["generation"]["max_new_tokens"] == 10
     assert meta["encoder"] == str(assets["clip"]) and "revision" in meta and "calibration" not in meta
     assert "encoder_revision" in meta and meta["encoder_revision"] is None  # a local folder has no hub commit
+    assert meta["prompt_template"]["style"] == "single-turn"
+    # evaluate.py and online GRPO rebuild the backend from meta.json, prompt style included
+    turns = dict(meta, prompt_template=dict(meta["prompt_template"], style="turn-per-demo"))
+    assert open_backend(turns, ds.items, ds.emb, device="cpu").template.style == "turn-per-demo"
     assert len(ds.groups) == 8 and ds.groups.seqs.shape[1:] == (3, 2)
     assert ds.emb["train"].shape[0] == len(ds.items["train"]) == 32 and "val_image" in ds.emb
     assert all(it["image"].endswith(".jpg") for it in ds.items["train"])
