@@ -6,6 +6,7 @@ Usage:
     python bench.py                 # all benchmarks
     python bench.py --only log-probs
     python bench.py --only epochs --data data/sim
+    python bench.py --only lvlm --lvlm Qwen/Qwen2.5-VL-3B-Instruct --vqa-root /data/okvqa --device cuda
 """
 
 from __future__ import annotations
@@ -20,20 +21,37 @@ from typing import Literal
 
 import torch
 import tyro
+from torch import Tensor
 
 from model import PointerSelector, SelectorConfig
 
 
 @dataclass
 class Args:
-    only: Literal["all", "log-probs", "epochs"] = "all"
-    """Which benchmark to run."""
+    only: Literal["all", "log-probs", "epochs", "lvlm"] = "all"
+    """Which benchmark to run (all = the CPU ones; lvlm needs --lvlm and --vqa-root)."""
     repeats: int = 5
     """Timed repeats per measurement (the median is reported)."""
     threads: int = 0
     """torch threads (0 = torch's default)."""
     data: Path | None = None
     """Dataset folder for the epoch benchmarks (default: generate the default simulated data in a temp folder)."""
+    lvlm: str | None = None
+    """LVLM benchmark: the model (hub id in the local cache, or a folder)."""
+    vqa_root: Path | None = None
+    """LVLM benchmark: folder of the official OK-VQA / VQAv2 files and COCO images."""
+    dataset: Literal["okvqa", "vqav2"] = "okvqa"
+    """LVLM benchmark: which dataset's files are under --vqa-root."""
+    device: str = "auto"
+    """LVLM benchmark: cpu, cuda, or auto (this process's CUDA device in bf16, else CPU float32)."""
+    queries: int = 4
+    """LVLM benchmark: validation questions, each with --group-size sequences."""
+    group_size: int = 8
+    """LVLM benchmark: sequences (G) per question."""
+    shots: int = 4
+    """LVLM benchmark: ICDs (S) per sequence."""
+    lvlm_batch_size: int = 8
+    """LVLM benchmark: prompts per forward pass."""
 
 
 def median_seconds(fn: Callable[[], None], repeats: int) -> float:
@@ -118,6 +136,109 @@ def bench_epochs(data: Path | None, repeats: int) -> None:
         )
 
 
+@torch.inference_mode()
+def unshared_scores(backend, examples: list) -> tuple[list[str], Tensor]:
+    """The reference the LVLM benchmark compares against: each prompt runs once for transformers' generate() and
+    once more per credited reply, teacher-forced behind it (how scoring worked before prompts were shared).
+    Returns (raw answers, gt_prob (N,)) and counts prompt tokens in backend.prompt_tokens like LVLMBackend.run."""
+    from lvlm import credited_replies
+
+    texts, rows, replies, credits = [], [], [], []
+    for start in range(0, len(examples), backend.batch_size):
+        inputs = backend.encode(examples[start : start + backend.batch_size])
+        backend.prompt_tokens += int(inputs["attention_mask"].sum())
+        out = backend.model.generate(**inputs)  # (B, T + new)
+        texts += backend.tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    for i, (query, _) in enumerate(examples):
+        for reply, credit in credited_replies(query["answers"]):
+            rows, replies, credits = rows + [i], replies + [reply], credits + [credit]
+    probs = []
+    for start in range(0, len(rows), backend.batch_size):
+        batch = [examples[i] for i in rows[start : start + backend.batch_size]]
+        inputs = backend.encode(batch)
+        backend.prompt_tokens += int(inputs["attention_mask"].sum())
+        ids = [
+            torch.tensor(backend.tokenizer(a, add_special_tokens=False)["input_ids"] + backend.closer_ids)
+            for a in replies[start : start + backend.batch_size]
+        ]
+        reply = torch.nn.utils.rnn.pad_sequence(ids, batch_first=True, padding_value=backend.pad_id)  # (B, L)
+        reply = reply.to(backend.model.device)
+        reply_mask = (torch.arange(reply.shape[1]) < torch.tensor([len(x) for x in ids])[:, None]).to(reply.device)
+        prompt = inputs["input_ids"]  # (B, T)
+        full = dict(inputs, input_ids=torch.cat([prompt, reply], dim=1))  # (B, T + L)
+        for key, value in inputs.items():  # attention mask and per-token type ids grow by the reply's columns
+            if key != "input_ids" and value.shape == prompt.shape and not value.is_floating_point():
+                fill = reply_mask if key == "attention_mask" else torch.zeros_like(reply_mask)
+                full[key] = torch.cat([value, fill.to(value.dtype)], dim=1)
+        logits = backend.model(**full, use_cache=False, logits_to_keep=reply.shape[1] + 1).logits[:, :-1]  # (B, L, V)
+        logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, reply[..., None]).squeeze(-1)  # (B, L)
+        probs.append((logp * reply_mask).sum(1).exp().cpu())
+    p = torch.cat(probs) * torch.tensor(credits)  # (R,)
+    return texts, torch.zeros(len(examples)).index_add_(0, torch.tensor(rows), p).clamp_(max=1.0)
+
+
+def bench_lvlm(args: Args) -> dict:
+    """G sequences of S shots for a few validation questions, scored (greedy answer + gt_prob) with each prompt run
+    once (LVLMBackend) and with the unshared reference: prompt tokens per scored sequence, sequences/s, peak memory,
+    and the largest difference between the two."""
+    import random
+    import resource
+
+    from lvlm import LVLMBackend
+    from vqa_data import load_vqa_split
+
+    if args.lvlm is None or args.vqa_root is None:
+        raise SystemExit("--only lvlm needs --lvlm MODEL and --vqa-root FOLDER (the official VQA files and images)")
+    items = {s: load_vqa_split(args.dataset, args.vqa_root, s) for s in ("train", "val")}
+    backend = LVLMBackend(args.lvlm, items, batch_size=args.lvlm_batch_size, device=args.device)
+    rng = random.Random(0)
+    examples = [
+        (items["val"][q], rng.sample(items["train"], args.shots))
+        for q in range(args.queries)
+        for _ in range(args.group_size)
+    ]
+    cuda = backend.model.device.type == "cuda"
+    results = {}
+    for name, score in (
+        ("shared", lambda: backend.score_examples(examples)),
+        ("unshared", lambda: unshared_scores(backend, examples)),
+    ):
+        score()  # warm-up (image caches, kernels)
+        backend.prompt_tokens = 0
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        out = score()
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        answers, gt = (out["prediction"], out["gt_prob"]) if name == "shared" else out
+        results[name] = {
+            "tokens": backend.prompt_tokens / len(examples),
+            "rate": len(examples) / seconds,
+            "peak": peak,
+            "answers": answers,
+            "gt_prob": gt,
+        }
+    shared, ref = results["shared"], results["unshared"]
+    from vqa import postprocess
+
+    same = shared["answers"] == [postprocess(t) for t in ref["answers"]]
+    diff = float((shared["gt_prob"] - ref["gt_prob"]).abs().max())
+    where = f"{backend.model.device} ({backend.model.dtype})"
+    print(f"LVLM {args.lvlm} on {where}, {args.queries} questions x G={args.group_size} x S={args.shots} shots")
+    print("(each sequence scored for its greedy answer and gt_prob)")
+    memory = "peak GPU memory" if cuda else "peak process RSS"
+    for name, r in results.items():
+        rate = f"{r['rate']:7.2f} sequences/s"
+        print(f"  {name:9s} prompt tokens/sequence {r['tokens']:9.1f}  {rate}  {memory} {r['peak'] / 2**30:6.2f} GiB")
+    ratio = ref["tokens"] / shared["tokens"]
+    print(f"  {ratio:.2f}x fewer prompt tokens shared; same answers: {same}; max |gt_prob difference| {diff:.2e}")
+    return {"token_ratio": ref["tokens"] / shared["tokens"], "same_answers": same, "max_diff": diff}
+
+
 def main(args: Args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -126,6 +247,8 @@ def main(args: Args) -> None:
         bench_log_probs(args.repeats)
     if args.only in ("all", "epochs"):
         bench_epochs(args.data, args.repeats)
+    if args.only == "lvlm":
+        bench_lvlm(args)
 
 
 if __name__ == "__main__":

@@ -23,8 +23,9 @@ Departures from the obvious implementation, and why:
   expected VQA accuracy of the model's answers over those spellings, in [0, 1], whatever the annotators' order.
 - Qwen2.5-VL's stock processor cannot be built without torchvision (its video processor needs it); an image-only
   subclass is used then, which loads the same files and produces the same image and text inputs.
-- gt_prob costs one forward pass (prompt and images included) per distinct annotator answer, batched; generation
-  costs one generate() per prompt, batched.
+- Each prompt (images included) runs through the model once: its KV cache serves the greedy answer (decoded token
+  by token, as generate() would) and then every credited reply, teacher-forced over the reply tokens only. Scoring
+  the replies from fresh passes would run each prompt 1 + R times (R = 3-5 distinct annotator answers).
 - The image-only processor relies on ProcessorMixin internals of the pinned transformers (5.23).
 - Each image file is decoded and preprocessed once while it stays cached (ICDs recur across thousands of prompts
   and across the gt_prob passes), in least-recently-used caches bounded by bytes: --image-cache-mib (default 4096
@@ -383,6 +384,7 @@ class LVLMBackend:
             bos_token_id=self.model.generation_config.bos_token_id,
         )
         self.closer_ids = self._turn_closer()
+        self.prompt_tokens = 0  # prompt tokens run through the model so far (bench.py reports it per sequence)
 
     def _chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return self.processor.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
@@ -433,76 +435,111 @@ class LVLMBackend:
         return range(0, n, self.batch_size)
 
     @torch.inference_mode()
-    def generate(self, examples: list[Example]) -> list[str]:
-        """Raw greedy generations (new tokens only, special tokens dropped), batch_size prompts at a time."""
-        texts: list[str] = []
-        for start in self._batches(len(examples)):
-            inputs = self.encode(examples[start : start + self.batch_size])
-            out = self.model.generate(**inputs)  # (B, T + new)
-            # Left padding ends every prompt at column T, so the new tokens are exactly the columns after it.
-            new = out[:, inputs["input_ids"].shape[1] :]  # (B, new)
-            texts += self.tokenizer.batch_decode(new, skip_special_tokens=True)
-        return texts
+    def run(
+        self, examples: list[Example], replies: list[list[str]] | None = None, answer: bool = True
+    ) -> tuple[list[str], list[Tensor]]:
+        """Everything asked of each prompt from ONE pass over it, batch_size prompts at a time.
 
-    @torch.inference_mode()
-    def answer_prob(self, examples: list[Example], answers: list[str]) -> Tensor:
-        """Teacher-forced probability that the assistant replies exactly answers[i] to examples[i]: (N,).
-
-        The reply (the answer's tokens, then the turn's closing token) is appended to the left-padded prompt ids and
-        right-padded; one forward pass scores it, and only the reply's tokens enter the product.
+        The prompt pass keeps its KV cache. With `answer`, the greedy answer is decoded from it (raw text, new tokens
+        only, special tokens dropped), token by token as generate() would with do_sample=False. Then the cache is cut
+        back to the prompt, each prompt's rows repeated once per reply, and every reply of replies[i] (its tokens and
+        the turn's closing token) is teacher-forced behind prompt i in one more forward over the reply tokens only:
+        P(reply) is the product of its tokens' probabilities, the first from the prompt pass's last logits. Returns
+        (answers or [], [P(reply) per reply of example i: (R_i,)]). Continuation positions are the prompt's text
+        positions plus the model's rope offset (Qwen2.5-VL's 3-d rope deltas; 0 for 1-d rope models).
         """
-        probs = []
+        texts, probs = [], []
         for start in self._batches(len(examples)):
-            inputs = self.encode(examples[start : start + self.batch_size])
-            replies = [
-                torch.tensor(self.tokenizer(a, add_special_tokens=False)["input_ids"] + self.closer_ids)
-                for a in answers[start : start + self.batch_size]
-            ]
-            lengths = torch.tensor([len(r) for r in replies])  # (B,)
-            reply = torch.nn.utils.rnn.pad_sequence(replies, batch_first=True, padding_value=self.pad_id)  # (B, L)
-            reply = reply.to(self.model.device)
-            reply_mask = (torch.arange(reply.shape[1]) < lengths[:, None]).to(self.model.device)  # (B, L)
-            prompt_ids = inputs["input_ids"]  # (B, T)
-            # Every per-token input grows by the L reply columns: the ids themselves, the attention mask (1 where the
-            # reply is not padding), and type ids such as Qwen's mm_token_type_ids (0 = text).
-            extended = dict(inputs, input_ids=torch.cat([prompt_ids, reply], dim=1))  # (B, T + L)
-            for key, value in inputs.items():
-                if key != "input_ids" and value.shape == prompt_ids.shape and not value.is_floating_point():
-                    fill = reply_mask if key == "attention_mask" else torch.zeros_like(reply_mask)  # (B, L)
-                    extended[key] = torch.cat([value, fill.to(value.dtype)], dim=1)  # (B, T + L)
-            # Reply token j is predicted at column T - 1 + j: compute logits for the last L + 1 columns only (the final
-            # one predicts nothing and is dropped) instead of (T + L) x vocabulary floats per row.
-            out = self.model(**extended, use_cache=False, logits_to_keep=reply.shape[1] + 1)
-            logits = out.logits[:, :-1]  # (B, L, V)
-            logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, reply[..., None]).squeeze(-1)  # (B, L)
-            probs.append((logp * reply_mask).sum(1).exp().cpu())  # (B,)
-        return torch.cat(probs) if probs else torch.zeros(0)
+            batch = examples[start : start + self.batch_size]
+            inputs = self.encode(batch)
+            self.prompt_tokens += int(inputs["attention_mask"].sum())  # bench.py: prompt tokens processed
+            out = self.model(**inputs, use_cache=True, logits_to_keep=1)
+            cache, last = out.past_key_values, out.logits[:, -1]  # (B, V)
+            rope = getattr(getattr(self.model, "model", None), "rope_deltas", None)  # set by this prompt pass
+            offset = torch.zeros_like(last[:, :1], dtype=torch.long) if rope is None else rope.clone()  # (B, 1)
+            mask = inputs["attention_mask"]  # (B, T)
+            if answer:
+                new, mask = self._greedy(last, cache, mask, offset)
+                texts += self.tokenizer.batch_decode(new, skip_special_tokens=True)
+                if new.shape[1] > 1:  # the last token was never fed: the cache holds new.shape[1] - 1 of them
+                    cache.crop(-(new.shape[1] - 1))
+                mask = inputs["attention_mask"]
+            if replies is not None:
+                probs += self._replies(replies[start : start + self.batch_size], last, cache, mask, offset)
+        return texts, probs
 
-    def gt_prob(self, examples: list[Example]) -> Tensor:
+    def _greedy(self, last: Tensor, cache, mask: Tensor, offset: Tensor) -> tuple[Tensor, Tensor]:
+        """Greedy tokens (B, new) from a prompt's last logits and cache, padded after each row's stop token."""
+        stop = torch.tensor(self.stop_ids, device=last.device)
+        done = torch.zeros(last.shape[0], dtype=torch.bool, device=last.device)  # (B,)
+        tokens, nxt = [], last.argmax(-1)  # (B,)
+        for step in range(self.max_new_tokens):
+            nxt = nxt.masked_fill(done, self.pad_id)
+            tokens.append(nxt)
+            done |= torch.isin(nxt, stop)
+            if done.all() or step + 1 == self.max_new_tokens:
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # (B, T + step + 1)
+            pos = (mask.cumsum(-1) - 1)[:, -1:] + offset  # (B, 1) text position of the new token
+            out = self.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache)
+            nxt = out.logits[:, -1].argmax(-1)
+        return torch.stack(tokens, dim=1), mask  # (B, new)
+
+    def _replies(self, replies: list[list[str]], last: Tensor, cache, mask: Tensor, offset: Tensor) -> list[Tensor]:
+        """P(reply) for every reply of each prompt, teacher-forced from the prompt's cache (which this consumes)."""
+        rows = torch.tensor([i for i, rs in enumerate(replies) for _ in rs], dtype=torch.long, device=last.device)
+        if len(rows) == 0:
+            return [torch.zeros(0) for _ in replies]
+        ids = [
+            torch.tensor(self.tokenizer(a, add_special_tokens=False)["input_ids"] + self.closer_ids)
+            for rs in replies
+            for a in rs
+        ]
+        reply = torch.nn.utils.rnn.pad_sequence(ids, batch_first=True, padding_value=self.pad_id).to(
+            last.device
+        )  # (R, L)
+        reply_mask = (
+            torch.arange(reply.shape[1], device=last.device)
+            < torch.tensor([len(x) for x in ids], device=last.device)[:, None]
+        )  # (R, L)
+        cache.batch_select_indices(rows)  # each prompt's keys and values once per reply
+        full = torch.cat([mask[rows], reply_mask.to(mask.dtype)], dim=1)  # (R, T + L)
+        pos = (full.cumsum(-1) - 1)[:, mask.shape[1] :] + offset[rows]  # (R, L)
+        out = self.model(input_ids=reply, attention_mask=full, position_ids=pos, past_key_values=cache)
+        # Reply token 0 is predicted by the prompt's last logits, token j > 0 by the reply's column j - 1.
+        logits = torch.cat([last[rows][:, None], out.logits[:, :-1]], dim=1)  # (R, L, V)
+        logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, reply[..., None]).squeeze(-1)  # (R, L)
+        p = (logp * reply_mask).sum(1).exp().cpu()  # (R,)
+        return list(p.split([len(rs) for rs in replies]))
+
+    def generate(self, examples: list[Example]) -> list[str]:
+        """Raw greedy generations (new tokens only, special tokens dropped)."""
+        return self.run(examples)[0]
+
+    def gt_prob(self, examples: list[Example], probs: list[Tensor] | None = None) -> Tensor:
         """Probability mass the model puts on replies the VQA metric credits, weighted by that credit: (N,), in [0, 1].
 
         sum over credited_replies(answers) of credit * P(reply): distinct reply strings end with the turn's closing
         token, so they are exclusive events and the sum is the expected VQA accuracy of the model's answers over these
         spellings (a lower bound of the full expectation: spellings no annotator used, like "Yes.", are not scored).
+        `probs`: the replies' probabilities when run() already computed them.
         """
-        rows, replies, credits = [], [], []
-        for i, (query, _) in enumerate(examples):
-            for reply, credit in credited_replies(query["answers"]):
-                rows.append(i)
-                replies.append(reply)
-                credits.append(credit)
-        p = self.answer_prob([examples[i] for i in rows], replies)  # (R,)
-        rows_t = torch.tensor(rows, dtype=torch.long)  # (R,)
-        total = torch.zeros(len(examples)).index_add_(0, rows_t, p * torch.tensor(credits))  # (N,)
+        credited = [credited_replies(query["answers"]) for query, _ in examples]
+        if probs is None:
+            probs = self.run(examples, [[r for r, _ in c] for c in credited], answer=False)[1]
+        total = torch.stack([(p * torch.tensor([w for _, w in c])).sum() for p, c in zip(probs, credited)])  # (N,)
         # Exclusive replies make the sum at most 1; the clamp only removes float rounding above it.
         return total.clamp_(max=1.0)  # (N,)
 
     def score_examples(self, examples: list[Example], gt_prob: bool = True) -> dict:
         """score() for explicit (query item, ICD items) prompts; the ICD lists may differ in length.
 
-        gt_prob=False skips the teacher-forced passes (NaN instead): evaluation needs only the answers.
+        One prompt pass per example serves both the answer and gt_prob (run()); gt_prob=False skips the replies
+        (NaN instead): evaluation needs only the answers.
         """
-        predictions = [postprocess(text) for text in self.generate(examples)]
+        replies = [[r for r, _ in credited_replies(query["answers"])] for query, _ in examples] if gt_prob else None
+        texts, probs = self.run(examples, replies)
+        predictions = [postprocess(text) for text in texts]
         gts = [query["answers"] for query, _ in examples]
         acc = torch.tensor([vqa_score(p, a) for p, a in zip(predictions, gts)], dtype=torch.float32)  # (N,)
         rel = torch.tensor([answer_rel(p, a) for p, a in zip(predictions, gts)], dtype=torch.float32)  # (N,)
@@ -510,7 +547,7 @@ class LVLMBackend:
             "prediction": predictions,
             "acc": acc,
             "correct": acc > 0,
-            "gt_prob": self.gt_prob(examples) if gt_prob else torch.full((len(examples),), float("nan")),
+            "gt_prob": self.gt_prob(examples, probs) if gt_prob else torch.full((len(examples),), float("nan")),
             "rel": rel,
         }
 

@@ -198,6 +198,10 @@ def test_batched_generation_equals_one_by_one(backend, items):
     single = [backend.generate([ex])[0] for ex in examples]
     assert batched == single
     assert any(batched), "the tiny model should generate some visible text"
+    # decoding from the prompt's KV cache gives what transformers' own greedy generate() gives
+    inputs = backend.encode(examples[:4])
+    reference = backend.model.generate(**inputs)[:, inputs["input_ids"].shape[1] :]  # (4, new)
+    assert batched[:4] == backend.tokenizer.batch_decode(reference, skip_special_tokens=True)
 
 
 def test_generation_is_plain_greedy(backend, items):
@@ -344,11 +348,32 @@ def test_score_outputs_match_the_vqa_metrics(backend, items):
         assert all(v.shape == (3,) for key, v in out.items() if key != "prediction")
 
 
+def test_each_prompt_runs_once_for_its_answer_and_all_its_replies(backend, items):
+    examples = [(items["val"][q], items["train"][q : q + 2]) for q in range(5)]
+    lengths = [int(backend.encode([ex])["attention_mask"].sum()) for ex in examples]
+    replies = [len(credited_replies(query["answers"])) for query, _ in examples]
+    assert sum(replies) >= 2 * len(examples)  # without sharing: 1 + R passes per prompt, here >= 3x the tokens
+    before = backend.prompt_tokens
+    out = backend.score_examples(examples)
+    assert backend.prompt_tokens - before == sum(lengths)
+    assert torch.allclose(out["gt_prob"], backend.gt_prob(examples), rtol=1e-5, atol=0)
+
+
+def test_lvlm_bench_shares_prompts_at_least_3x_with_identical_results(assets, capsys):
+    import bench
+
+    args = bench.Args(only="lvlm", lvlm=str(assets["qwen"]), vqa_root=assets["okvqa"], device="cpu", queries=2)
+    got = bench.bench_lvlm(args)
+    assert got["token_ratio"] >= 3 and got["same_answers"] and got["max_diff"] <= 1e-5
+    assert "prompt tokens/sequence" in capsys.readouterr().out
+
+
 def test_score_postprocesses_generations(backend, items, monkeypatch):
     queries, icds = torch.tensor([0, 1, 2]), torch.tensor([[0], [1], [2]])
     truths = [majority(items["val"][q]) for q in queries.tolist()]
     raw = [f"{truths[0].upper()}.", "Short answer: zebra\nred", f'"{truths[2]}"\nmore text']
-    monkeypatch.setattr(backend, "generate", lambda examples: raw[: len(examples)])
+    real = backend.run  # the model's real reply probabilities, with the raw generations above as its answers
+    monkeypatch.setattr(backend, "run", lambda ex, replies=None: (raw[: len(ex)], real(ex, replies, answer=False)[1]))
     out = backend.score("val", queries, icds)
     assert out["prediction"] == [truths[0].upper(), "zebra", truths[2]]
     assert out["correct"].tolist() == [True, False, True]
