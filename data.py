@@ -1,11 +1,11 @@
-"""Dataset folders (DESIGN §2.1): reading, strict validation, rewards, and tensors ready for training.
+"""Dataset folders: reading, strict validation, rewards, and tensors ready for training.
 
 A dataset folder holds meta.json, items.json, embeddings.safetensors, rl_data.jsonl and eval_pools.json. Every
 malformed input raises one `DataError` naming the file, the line (jsonl) and the field; stages call
 `load_dataset` before writing anything, so bad input never leaves a half-made run behind.
 
 Rewards are computed here, from the per-sequence fields every backend stores (acc, correct, gt_prob, rel), by a
-`reward_mode` (the user's names):
+`reward_mode` (Lever-Plus's names):
     hard_plus_soft             hard_w * correct + soft_w * acc
     separated                  correct ? 2 + acc : acc
     hard_only                  correct
@@ -53,7 +53,7 @@ def run_cli(main: Callable, args_type: type) -> None:
     args = tyro.cli(args_type)
     try:
         main(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # OSError: a missing file, a read-only or full disk, a path through a file
         if os.environ.get("ICL_SELECT_DEBUG"):
             raise
         # A loop that failed leaves its progress bar open, mid-line: close it so the error gets a line of its own.

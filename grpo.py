@@ -63,6 +63,7 @@ from training import (
     load_selector,
     make_batch,
     prepare_out,
+    run_folder,
     split_queries,
     steps_per_epoch,
     validation_backend,
@@ -97,7 +98,7 @@ class Args(TrainArgs):
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """Divide centred rewards by the group std, the batch std, or nothing."""
     rank_advantage: bool = False
-    """Replace rewards by their within-group rank mapped onto [-1, 1] (the user's old default)."""
+    """Replace rewards by their within-group rank mapped onto [-1, 1] (Lever-Plus's default)."""
     freeze_backbone: bool = False
     """Train only the query/candidate projections and the gate."""
     online: bool = False
@@ -314,21 +315,21 @@ def main(args: Args) -> None:
         changed = (greedy_picks(policy, ds, split.val) != ref_greedy).any(-1)
         return {"grpo/selection_change": changed.double().mean().item()}
 
-    out.mkdir(parents=True, exist_ok=True)
-    if resume_from is None:
-        write_config(out, args, ds, split, {"out": str(out)})
-    run = Loop(args, out, ds, split, policy, opt, "grpo", backend)
-    loop = fit(
-        run,
-        step,
-        resume_from,
-        selection_change,
-        lambda record: warnings_for(record, S),
-        {"beta": args.kl_beta},
-        ("train/loss", "grpo/kl_ref", "grpo/reward_mean"),
-        {"sampler": sampler, "queries": draws},
-        log_steps=args.kl_target is not None,
-    )
+    with run_folder(out):
+        if resume_from is None:
+            write_config(out, args, ds, split, {"out": str(out)})
+        run = Loop(args, out, ds, split, policy, opt, "grpo", backend)
+        loop = fit(
+            run,
+            step,
+            resume_from,
+            selection_change,
+            lambda record: warnings_for(record, S),
+            {"beta": args.kl_beta},
+            ("train/loss", "grpo/kl_ref", "grpo/reward_mean"),
+            {"sampler": sampler, "queries": draws},
+            log_steps=args.kl_target is not None,
+        )
     print(f"best epoch {loop['best_epoch']} ({loop['metric']} {loop['best']:.4f}) -> {out}/model.safetensors")
 
 

@@ -20,7 +20,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Literal, NamedTuple, get_args
+from typing import Literal, NamedTuple, get_args, get_type_hints
 
 import torch
 import torch.nn.functional as F
@@ -392,11 +392,34 @@ def read_tensors(path: Path, map_location: str = "cpu") -> dict[str, Tensor]:
 def read_config(path: Path) -> SelectorConfig:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file (a selector folder holds model.json + model.safetensors)")
-    raw = json.loads(path.read_text())
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object of selector settings, got {type(raw).__name__}")
     known = {f.name for f in fields(SelectorConfig)}
     if unknown := set(raw) - known:
         raise ValueError(f"{path}: unknown config fields {sorted(unknown)}; expected a subset of {sorted(known)}")
-    return SelectorConfig(**raw)
+    for name, kind in get_type_hints(SelectorConfig).items():
+        value = raw.get(name)
+        if name in raw and not _is_a(value, kind):
+            want = "a string" if kind is not int and kind is not float else f"an {kind.__name__}"
+            want = "a number" if kind is float else want
+            raise ValueError(f"{path}: field {name!r} must be {want}, got {value!r}")
+    try:
+        return SelectorConfig(**raw)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def _is_a(value, kind) -> bool:
+    """JSON value check for SelectorConfig's field types: int (not bool), float (any number), str/Literal."""
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, str)
 
 
 def load_state_strict(model: nn.Module, tensors: dict[str, Tensor], source: str | os.PathLike) -> None:

@@ -39,6 +39,7 @@ from training import (
     load_selector,
     make_batch,
     prepare_out,
+    run_folder,
     split_queries,
     steps_per_epoch,
     validation_backend,
@@ -115,11 +116,11 @@ def main(args: Args) -> None:
         norm = clipped_step(opt, list(model.parameters()), args.grad_clip)
         return {"train/loss": loss.item(), "train/tau": tau, "train/grad_norm": norm}
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    if resume_from is None:
-        write_config(args.out, args, ds, split)
-    run = Loop(args, args.out, ds, split, model, opt, "rce", validation_backend(ds, args))
-    loop = fit(run, step, resume_from, postfix=("train/loss", "train/tau"))
+    with run_folder(args.out):
+        if resume_from is None:
+            write_config(args.out, args, ds, split)
+        run = Loop(args, args.out, ds, split, model, opt, "rce", validation_backend(ds, args))
+        loop = fit(run, step, resume_from, postfix=("train/loss", "train/tau"))
     print(f"best epoch {loop['best_epoch']} ({loop['metric']} {loop['best']:.4f}) -> {args.out}/model.safetensors")
 
 

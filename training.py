@@ -1,16 +1,19 @@
 """What rce.py and grpo.py share: arguments, run folders, batches, validation, checkpoints with exact resume.
 
-Run folder (DESIGN §2.2): config.json, metrics.jsonl (one flushed JSON object per logged epoch),
-ckpt/epoch_NNN.safetensors (model + optimizer + RNG state + loop state, so `--resume` ends bit-identical to an
-uninterrupted run), and model.safetensors + model.json = the best epoch by a validation *reward* metric.
+Run folder: config.json, metrics.jsonl (one flushed JSON object per logged epoch), ckpt/epoch_NNN.safetensors
+(model + optimizer + RNG state + loop state, so `--resume` ends bit-identical to an uninterrupted run), and
+model.safetensors + model.json = the best trained epoch by the true accuracy of its greedy picks on held-out anchor
+queries when the backend can answer them (else by validation reward).
 Every file is written to a temporary name and renamed, so a killed run never leaves a half-written file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
+import shutil
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -22,7 +25,7 @@ import torch
 from torch import Tensor
 
 from backends import ScoreCache, open_backend
-from data import Dataset, Quality, RewardArgs, compute_reward, filter_queries
+from data import Dataset, Quality, RewardArgs, compute_reward, filter_queries, read_json
 from model import (
     PointerSelector,
     SelectorConfig,
@@ -217,11 +220,27 @@ def git_sha() -> str | None:
         return None
 
 
+@contextlib.contextmanager
+def run_folder(out: Path):
+    """Creates the run folder `out`; if the run then stops with an error before its first checkpoint, a folder this
+    process created is removed again, so a failed check never leaves a config.json behind. Ctrl-C keeps it (the
+    same command then starts the run again)."""
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        yield out
+    except (ValueError, OSError):
+        if created and last_checkpoint(out) is None:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
 def write_config(out: Path, args, ds: Dataset, split: Split, extra: dict | None = None) -> None:
     """config.json of a new run (a resumed run keeps the one it started with)."""
     ident = run_identity(args, ds)
+    flags = json.loads(json.dumps(asdict(args), default=str))
     config = {
-        "args": {**ident["args"], "resume": args.resume},
+        "args": flags,
         "argv": sys.argv,
         "git_sha": git_sha(),
         "versions": {
@@ -229,7 +248,7 @@ def write_config(out: Path, args, ds: Dataset, split: Split, extra: dict | None 
             "torch": torch.__version__,
             **{pkg: version(pkg) for pkg in ("transformers", "tqdm", "safetensors", "tyro")},
         },
-        "data": {"folder": str(ds.folder), "meta_sha256": ident["data"], "simulation": ds.is_sim},
+        "data": {"folder": str(ds.folder), "digest": ident["data"], "simulation": ds.is_sim},
         "init_sha256": ident["init"],
         "queries": {"train": len(split.train), "val": len(split.val)},
         **(extra or {}),
@@ -355,8 +374,8 @@ def load_selector(source: Path) -> PointerSelector:
 def prepare_out(out: Path, args, ds: Dataset) -> Path | None:
     """Check the output folder before any work; returns the checkpoint to resume from, if any.
 
-    --resume continues the very same run: any other flag or another dataset is refused. A run that died before
-    its first checkpoint simply starts again.
+    --resume continues the very same run: any other flag, other data content or other --init weights are refused
+    (paths may differ: folders can move). A run that died before its first checkpoint simply starts again.
     """
     ckpt = last_checkpoint(out)
     if ckpt is None:
@@ -365,13 +384,23 @@ def prepare_out(out: Path, args, ds: Dataset) -> Path | None:
         return None
     if not args.resume:
         raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
-    config = json.loads((out / "config.json").read_text())
+    config = read_json(out / "config.json")
+    for name in ("args", "data"):
+        if not isinstance(config, dict) or not isinstance(config.get(name), dict):
+            raise ValueError(
+                f"{out / 'config.json'}: field {name!r} is missing or not an object; is this a run folder?"
+            )
     now = run_identity(args, ds)
     then = {
-        "args": {k: v for k, v in config["args"].items() if k != "resume"},
-        "data": config["data"]["meta_sha256"],
+        "args": {k: v for k, v in config["args"].items() if k not in PATH_ARGS},
+        "data": config["data"].get("digest"),
         "init": config.get("init_sha256"),
     }
+    if then["data"] is None:
+        raise ValueError(
+            f"--resume: {out} was started by an older icl-select that identified its data differently; "
+            "start a new run (--init can start from its checkpoint)"
+        )
     if diff := sorted(k for k in now["args"] if now["args"][k] != then["args"].get(k)):
         details = "; ".join(
             f"--{k.replace('_', '-')}: run has {then['args'].get(k)!r}, now {now['args'][k]!r}" for k in diff
@@ -390,13 +419,33 @@ def file_sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
+# Flags that name places, not settings: a resumed run compares what they hold (the data's digest, the --init
+# weights' hash), so a moved run, dataset or init folder still resumes.
+PATH_ARGS = ("resume", "out", "data", "init")
+DATA_FILES = ("items.json", "embeddings.safetensors", "rl_data.jsonl", "eval_pools.json")
+
+
+def data_digest(folder: Path) -> str:
+    """Hash of what training reads from a dataset folder: its data files and its settings (meta.json without the
+    time it was written), so regenerating identical data keeps the digest and any edited reward changes it."""
+    h = hashlib.sha256()
+    meta = {k: v for k, v in json.loads((folder / "meta.json").read_text()).items() if k != "created_at"}
+    h.update(json.dumps(meta, sort_keys=True).encode())
+    for name in DATA_FILES:
+        with open(folder / name, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
 def run_identity(args, ds: Dataset) -> dict:
-    """What a resumed run must share with the run it continues: flags, data, and the --init weights."""
+    """What a resumed run must share with the run it continues: flags, data content, and the --init weights."""
     init = getattr(args, "init", None)
     init_file = None if init is None else (Path(init) / "model.safetensors" if Path(init).is_dir() else Path(init))
+    flags = json.loads(json.dumps(asdict(args), default=str))
     return {
-        "args": {k: v for k, v in json.loads(json.dumps(asdict(args), default=str)).items() if k != "resume"},
-        "data": file_sha(ds.folder / "meta.json"),
+        "args": {k: v for k, v in flags.items() if k not in PATH_ARGS},
+        "data": data_digest(ds.folder),
         "init": file_sha(init_file) if init_file is not None and init_file.is_file() else None,
     }
 

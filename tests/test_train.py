@@ -13,7 +13,7 @@ import grpo
 import rce
 import training
 from backends import ScoreCache
-from data import load_dataset
+from data import load_dataset, run_cli
 from model import PointerSelector, SelectorConfig
 from training import load_selector
 
@@ -330,3 +330,78 @@ def test_lr_schedule_starts_at_the_base_rate_and_never_rises(schedule, total, da
     if schedule != "constant":  # decays to 0 at the end of the run: the step after the last one has rate 0
         assert training.lr_factor(schedule, total, total) == pytest.approx(0.0, abs=1e-12)
         assert step == 0 or f[1] < 1.0
+
+
+def test_resume_identifies_the_data_by_content_and_survives_moved_folders(small_data, rce_run, tmp_path, monkeypatch):
+    data, first = tmp_path / "data", tmp_path / "first"
+    shutil.copytree(small_data, data)
+    args = dict(epochs=3, **FAST)
+    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
+        killed_after_epoch(m, 1)
+        rce.main(rce.Args(data=data, out=first, **args))
+    # regenerated data that differs only in when it was written, in a moved data folder, for a moved run folder
+    meta = json.loads((data / "meta.json").read_text())
+    (data / "meta.json").write_text(json.dumps(meta | {"created_at": "2031-01-01T00:00:00+00:00"}))
+    moved_data, moved_run = tmp_path / "data-moved", tmp_path / "run-moved"
+    data.rename(moved_data)
+    shutil.copytree(first, moved_run)
+    rce.main(rce.Args(data=moved_data, out=moved_run, resume=True, **args))
+    assert (moved_run / "model.safetensors").read_bytes() == (rce_run / "model.safetensors").read_bytes()
+    # rewards edited mid-run: what training reads changed, so the run is refused
+    lines = (moved_data / "rl_data.jsonl").read_text().splitlines()
+    record = json.loads(lines[0])
+    record["seqs"][0]["correct"] = 1 - record["seqs"][0]["correct"]
+    (moved_data / "rl_data.jsonl").write_text("\n".join([json.dumps(record), *lines[1:]]) + "\n")
+    with pytest.raises(ValueError, match="--resume: the dataset changed"):
+        rce.main(rce.Args(data=moved_data, out=first, resume=True, **args))
+
+
+@pytest.mark.parametrize(
+    "edit, pattern",
+    [
+        (lambda cfg: cfg | {"hidden": "256"}, r"model\.json: field 'hidden' must be an int, got '256'"),
+        (lambda cfg: cfg | {"temperature": None}, r"model\.json: field 'temperature' must be a number, got None"),
+        (lambda cfg: cfg | {"num_heads": 3}, r"model\.json: SelectorConfig: hidden=.* not divisible by num_heads=3"),
+        (lambda cfg: "{not json", r"model\.json: not valid JSON \(Expecting"),
+    ],
+)
+def test_bad_model_json_is_one_line_naming_file_and_field(rce_run, tmp_path, edit, pattern):
+    run = tmp_path / "run"
+    shutil.copytree(rce_run, run)
+    cfg = json.loads((run / "model.json").read_text())
+    new = edit(cfg)
+    (run / "model.json").write_text(new if isinstance(new, str) else json.dumps(new))
+    with pytest.raises(ValueError, match=pattern):
+        load_selector(run)
+
+
+def test_bad_run_files_and_unwritable_folders_are_one_line(small_data, rce_run, tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(rce_run, run)
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "args"}))
+    with pytest.raises(ValueError, match=r"config\.json: field 'args' is missing"):
+        rce.main(rce.Args(data=small_data, out=run, epochs=3, resume=True, **FAST))
+    (run / "config.json").write_text("{")
+    with pytest.raises(ValueError, match=r"config\.json: not valid JSON"):
+        rce.main(rce.Args(data=small_data, out=run, epochs=3, resume=True, **FAST))
+    # an output folder that cannot be written (here: its parent is a file) is one line on the command line
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setattr("sys.argv", ["rce.py", "--data", str(small_data), "--out", str(blocker / "run")])
+    with pytest.raises(SystemExit) as stop:
+        run_cli(rce.main, rce.Args)
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and err.startswith("error: ") and str(blocker) in err and "\n" not in err
+
+
+def test_a_run_that_fails_before_its_first_checkpoint_leaves_nothing(small_data, tmp_path, monkeypatch):
+    out = tmp_path / "rce"
+
+    def broken(*a):
+        raise ValueError("rl_data.jsonl: line 3: field 'seqs' is broken")
+
+    monkeypatch.setattr(rce, "make_batch", broken)
+    with pytest.raises(ValueError, match="is broken"):
+        rce.main(rce.Args(data=small_data, out=out, epochs=2, **FAST))
+    assert not out.exists()
