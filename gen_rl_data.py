@@ -11,7 +11,7 @@ pool.
 
 The default LVLM is the built-in simulator (`--lvlm sim`), labelled as simulation in every output.
 
-Departures from the user's earlier generator: each query's line is appended and flushed as soon as it is scored
+Departures from Lever-Plus's generator: each query's line is appended and flushed as soon as it is scored
 (a crash loses at most the queries in flight) and a re-run resumes; the folder records every setting and refuses
 to mix with different ones; sequences are distinct within a group; no top-k filtering of the sequences.
 

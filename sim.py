@@ -1,4 +1,4 @@
-"""A seeded, deterministic simulated "LVLM + VQA dataset" with a planted, known optimum (DESIGN.md section 6).
+"""A seeded, deterministic simulated "LVLM + VQA dataset" with a planted, known optimum.
 
 Real LVLMs and COCO images are not available everywhere, and the selection algorithms need a testbed where the
 right answer is known. `Simulator` stands in for both: it holds a train split (the ICD source and the RL anchor
