@@ -208,7 +208,10 @@ def parse_groups(path: Path, records: list[tuple[int, dict]], num_train: int, se
                 raise DataError(f"{at}: field '{key}' is missing")
         [q] = _ids([rec["query"]], f"{at}: field 'query'", num_train)
         if q in seen:
-            raise DataError(f"{at}: field 'query': query {q} already appears on line {seen[q]}")
+            raise DataError(
+                f"{at}: field 'query': query {q} already appears on line {seen[q]} (two writers?); re-run the "
+                "gen_rl_data.py command that built the folder: it keeps one line per query"
+            )
         seen[q] = line
         pool = _ids(rec["pool"], f"{at}: field 'pool'", num_train)
         if q in pool:

@@ -43,6 +43,7 @@ import sharding
 from backends import open_backend
 from compare import accuracy_table
 from data import Dataset, load_dataset, run_cli
+from locks import exclusive
 from model import PointerSelector, atomic_write_text
 from training import load_selector
 from vqa_data import check_images
@@ -215,6 +216,12 @@ def own_partial(target: Path, seed: int, rank: int, header: dict) -> Path:
 
 
 def evaluate_one(args: Args, ds: Dataset, backend, target: Path, selector: Path | None, desc: str) -> dict | None:
+    """Evaluate one run, checkpoint or baseline into `target`, holding its lock (one writer per file)."""
+    with exclusive(target, sharding.init()[0]):
+        return evaluate_locked(args, ds, backend, target, selector, desc)
+
+
+def evaluate_locked(args: Args, ds: Dataset, backend, target: Path, selector: Path | None, desc: str) -> dict | None:
     """Evaluate one run or baseline; under torchrun every rank scores its share and rank 0 writes the file."""
     rank, world = sharding.init()
     n = max(args.num_samples)

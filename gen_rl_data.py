@@ -52,6 +52,7 @@ from data import (
     read_meta,
     run_cli,
 )
+from locks import exclusive
 from model import PointerSelector, atomic_write_text, reward_spread, save_tensors
 from sim import SimConfig, Simulator, calibrate
 
@@ -342,6 +343,12 @@ def seq_record(icds: list[int], source: str, res: dict, i: int) -> dict:
 def generate(args: Args) -> None:
     check_args(args)
     rank, world = sharding.init()
+    with exclusive(out_folder(args), rank):  # one writer per dataset folder (torchrun: one job)
+        build_folder(args, rank, world)
+
+
+def build_folder(args: Args, rank: int, world: int) -> None:
+    """Create, resume or complete the dataset folder: settings check, pools, embeddings, then the scored groups."""
     out = out_folder(args)
     src = open_source(args)
     n_train, n_val = len(src.items["train"]), len(src.items["val"])
@@ -418,8 +425,9 @@ def generate(args: Args) -> None:
 
     sharding.barrier(world)
     if rank == 0:
-        if shard_files(out):
-            merge_shards(out, anchors)
+        lines = (out / "rl_data.jsonl").read_text().count("\n") if (out / "rl_data.jsonl").exists() else 0
+        if shard_files(out) or lines != len(scored_lines(out)):  # shards to merge, or a query written twice
+            merge_shards(out, anchors)  # one line per query, in anchor order
         if missing := len(anchors) - len(scored_lines(out)):
             raise ValueError(f"{out}: {missing} anchor queries are still unscored; re-run the same command to finish")
         if not meta["complete"]:

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from backends import ScoreCache, open_backend
 from data import Dataset, Quality, RewardArgs, compute_reward, filter_queries, read_json
+from locks import exclusive
 from model import (
     PointerSelector,
     SelectorConfig,
@@ -222,17 +223,18 @@ def git_sha() -> str | None:
 
 @contextlib.contextmanager
 def run_folder(out: Path):
-    """Creates the run folder `out`; if the run then stops with an error before its first checkpoint, a folder this
-    process created is removed again, so a failed check never leaves a config.json behind. Ctrl-C keeps it (the
-    same command then starts the run again)."""
-    created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        yield out
-    except (ValueError, OSError):
-        if created and last_checkpoint(out) is None:
-            shutil.rmtree(out, ignore_errors=True)
-        raise
+    """Locks and creates the run folder `out` (one writer at a time: see locks.py); if the run then stops with an
+    error before its first checkpoint, a folder this process created is removed again, so a failed check never
+    leaves a config.json behind. Ctrl-C keeps it (the same command then starts the run again)."""
+    with exclusive(out):
+        created = not out.exists()
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            yield out
+        except (ValueError, OSError):
+            if created and last_checkpoint(out) is None:
+                shutil.rmtree(out, ignore_errors=True)
+            raise
 
 
 def write_config(out: Path, args, ds: Dataset, split: Split, extra: dict | None = None) -> None:

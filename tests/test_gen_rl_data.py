@@ -53,6 +53,14 @@ def test_same_seed_byte_identical_and_resume_after_kill(small_data, tmp_path):
     (killed / "meta.json").write_text(json.dumps(meta))
     generate(Args(out=killed, **SMALL))
     assert (killed / "rl_data.jsonl").read_bytes() == (small_data / "rl_data.jsonl").read_bytes()
+    # two writers appended some queries twice: the loader says how to repair, and re-running the command does
+    twice = tmp_path / "twice"
+    shutil.copytree(small_data, twice)
+    (twice / "rl_data.jsonl").write_text("".join(lines + lines[3:7]))
+    with pytest.raises(ValueError, match=r"already appears on line 4 \(two writers\?\); re-run the gen_rl_data.py"):
+        load_dataset(twice)
+    generate(Args(out=twice, **SMALL))
+    assert (twice / "rl_data.jsonl").read_bytes() == (small_data / "rl_data.jsonl").read_bytes()
 
 
 def test_different_seed_differs_and_mixing_settings_is_refused(small_data, tmp_path):
