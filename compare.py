@@ -2,8 +2,10 @@
 
 For runs with eval/<split>.json: a samples x shots accuracy table per run; signed deltas against a baseline run
 per (n, shot) with improved/worse/flat counts; at the largest n, per shot, a paired bootstrap 95% CI of the delta
-and an exact sign-test p-value over the same questions (a delta whose CI contains 0 is marked n.s.: at n=800 an
-accuracy's standard error is ~1.8 points, so +0.07 is noise); the identical-selection rate of every pair of runs.
+and an exact sign-test p-value over the same questions. One verdict rule everywhere: significant only when the CI
+excludes 0 and the sign test passes Holm's correction over all cells of the pair (at n=800 an accuracy's standard
+error is ~1.8 points, so +0.07 is noise). Runs are paired only on the same dataset content (digest) and questions.
+The identical-selection rate of every pair of runs.
 For runs with metrics.jsonl: a per-epoch training table and, across runs, a curve summary per metric (initial,
 final, mean, change %, min and its epoch). Per-epoch accuracy tables when eval/<split>-epochNNN.json exist.
 
@@ -134,6 +136,23 @@ def sign_test(d: np.ndarray) -> float:
     return min(1.0, 2 * tail)
 
 
+def holm(pvalues: list[float], alpha: float = 0.05) -> list[bool]:
+    """Holm's step-down test: which hypotheses are rejected at family-wise error `alpha` (input order)."""
+    reject = [False] * len(pvalues)
+    for rank, i in enumerate(sorted(range(len(pvalues)), key=pvalues.__getitem__)):
+        if pvalues[i] > alpha / (len(pvalues) - rank):
+            break
+        reject[i] = True
+    return reject
+
+
+def verdict_rule(cells: int) -> str:
+    return (
+        "A delta is significant (\\*) only when both tests agree: its paired bootstrap 95% CI excludes 0, and its "
+        f"exact sign-test p-value passes Holm's correction at 5% over the {cells} cells compared for this pair."
+    )
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Tables
 
@@ -161,6 +180,9 @@ def not_comparable(a: dict, b: dict) -> str | None:
     for key in ("split", "backend", "simulation"):
         if a.get(key) != b.get(key):
             return f"different {key}: {a.get(key)!r} vs {b.get(key)!r}"
+    # Same question ids are not enough: folders with other pools (another sampler or seed) pose other problems.
+    if a.get("data_digest") and b.get("data_digest") and a["data_digest"] != b["data_digest"]:
+        return f"different dataset content (digest {a['data_digest']} vs {b['data_digest']})"
     qa, qb = ([r["question_id"] for r in d["results"] if r["shot"] == d["shots"][0]] for d in (a, b))
     n = min(len(qa), len(qb))
     if qa[:n] != qb[:n]:
@@ -175,51 +197,50 @@ def delta_section(base: Run, run: Run, args: Args, rng: np.random.Generator) -> 
         return f"{title}\n\nNot compared: {why}."
     shots = [s for s in a["shots"] if s in b["shots"]]
     ns = [n for n in a["summary"] if n in b["summary"]]
-    rows, counts = [], {"better": 0, "worse": 0, "within noise": 0}
+    # Every (n, shot) cell: per-question differences, bootstrap CI and sign test; one Holm family per pair of runs.
+    cells = {}
     for n in ns:
-        cells, deltas = [], []
         for s in shots:
-            delta = b["summary"][n][str(s)] - a["summary"][n][str(s)]
-            lo, hi = bootstrap_ci(100 * paired(scores(a, s, int(n)), scores(b, s, int(n))), args.bootstrap, rng)
-            verdict = "better" if lo > 0 else "worse" if hi < 0 else "within noise"
-            counts[verdict] += 1
-            cells.append(signed(delta) + ("*" if verdict != "within noise" else ""))
-            deltas.append(delta)
-        rows.append([n, *cells, signed(sum(deltas) / len(deltas))])
+            d = paired(scores(a, s, int(n)), scores(b, s, int(n)))
+            cells[n, s] = (d, *bootstrap_ci(100 * d, args.bootstrap, rng), sign_test(d))
+    keys = list(cells)
+    holm_ok = dict(zip(keys, holm([cells[k][3] for k in keys])))
+    verdict = {}
+    for k, (_, lo, hi, _) in cells.items():
+        sure = holm_ok[k] and (lo > 0 or hi < 0)
+        verdict[k] = "within noise" if not sure else ("better" if lo > 0 else "worse")
+    rows = []
+    for n in ns:
+        deltas = [b["summary"][n][str(s)] - a["summary"][n][str(s)] for s in shots]
+        marks = ["*" if verdict[n, s] != "within noise" else "" for s in shots]
+        rows.append([n, *[signed(x) + m for x, m in zip(deltas, marks)], signed(sum(deltas) / len(deltas))])
+    counts = {v: sum(x == v for x in verdict.values()) for v in ("better", "worse", "within noise")}
     out = [
         title,
         "",
         md_table(["n"] + [f"shot {s}" for s in shots] + ["avg"], rows),
         "",
-        f"\\* paired bootstrap 95% CI of the delta excludes 0. Cells better / worse / within noise: "
+        f"{verdict_rule(len(cells))} Cells better / worse / within noise: "
         f"{counts['better']} / {counts['worse']} / {counts['within noise']}",
         "",
     ]
     n = max(ns, key=int)
-    sig_rows, common = [], 0
+    sig_rows = []
     for s in shots:
-        d = paired(scores(a, s, int(n)), scores(b, s, int(n)))
-        common = max(common, len(d))
-        if len(d) == 0:
-            continue
-        lo, hi = bootstrap_ci(100 * d, args.bootstrap, rng)
-        verdict = "significant" if lo > 0 or hi < 0 else "n.s."
-        sig_rows.append(
-            [
-                str(s),
-                signed(100 * d.mean()),
-                f"[{lo:+.2f}, {hi:+.2f}]",
-                f"{sign_test(d):.3g}",
-                f"{int((d > 0).sum())} / {int((d < 0).sum())}",
-                verdict,
-            ]
-        )
+        d, lo, hi, p = cells[n, s]
+        if len(d):
+            sig = "significant" if verdict[n, s] != "within noise" else "n.s."
+            counts_qs = f"{int((d > 0).sum())} / {int((d < 0).sum())}"
+            sig_rows.append([str(s), signed(100 * d.mean()), f"[{lo:+.2f}, {hi:+.2f}]", f"{p:.3g}", counts_qs, sig])
+    common = max(len(cells[n, s][0]) for s in shots)
     out += [
         f"Paired significance at n = {n} ({common} common questions):",
         "",
         md_table(
             ["shot", "delta", "95% CI (bootstrap)", "sign-test p", "better / worse questions", "verdict"], sig_rows
         ),
+        "",
+        verdict_rule(len(cells)),
     ]
     return "\n".join(out)
 

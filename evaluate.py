@@ -45,7 +45,7 @@ from compare import accuracy_table
 from data import Dataset, load_dataset, run_cli
 from locks import exclusive
 from model import PointerSelector, atomic_write_text
-from training import load_selector
+from training import data_digest, load_selector
 from vqa_data import check_images
 
 Baseline = Literal["zero-shot", "random", "image-sim", "text-sim", "oracle", "observable"]
@@ -279,6 +279,7 @@ def evaluate_locked(args: Args, ds: Dataset, backend, target: Path, selector: Pa
             results.append(r | (picks[0] if len(picks) == 1 else multi))
     doc = {
         "data": str(ds.folder),
+        "data_digest": data_digest(ds.folder),  # compare.py pairs runs only on the same dataset content
         "backend": backend.describe()["lvlm"],
         "simulation": ds.is_sim,
         "backend_info": backend.describe(),

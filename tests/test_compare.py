@@ -9,10 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import ablate
-from compare import Args, bootstrap_ci, gap_share, report, sign_test
+from compare import Args, bootstrap_ci, gap_share, holm, report, sign_test
 
 
-def write_run(folder, scores_by_shot, icds_by_shot=None, metrics=None, epoch_evals=None):
+def write_run(folder, scores_by_shot, icds_by_shot=None, metrics=None, epoch_evals=None, ns=(2, 4)):
     """A run folder with eval/val.json built from per-question scores {shot: [score per question]}."""
     shots = sorted(scores_by_shot)
     n_q = len(scores_by_shot[shots[0]])
@@ -30,7 +30,7 @@ def write_run(folder, scores_by_shot, icds_by_shot=None, metrics=None, epoch_eva
                     "score": scores_by_shot[s][i],
                 }
             )
-    ns = [n for n in (2, 4) if n <= n_q]
+    ns = [n for n in ns if n <= n_q]
     summary = {str(n): {str(s): 100 * sum(scores_by_shot[s][:n]) / n for s in shots} for n in ns}
     doc = {"data": "d", "backend": "sim", "simulation": True, "shots": shots, "results": results, "summary": summary}
     (folder / "eval").mkdir(parents=True)
@@ -81,18 +81,28 @@ def test_accuracy_and_delta_tables_by_hand(tmp_path):
 
 
 def test_significant_cells_are_starred_and_other_questions_refused(tmp_path):
-    base = write_run(tmp_path / "base", {1: [0] * 40, 2: [0.3] * 40})
-    new = write_run(tmp_path / "new", {1: [1] * 20 + [0] * 20, 2: [0.3] * 40})
+    base = write_run(tmp_path / "base", {1: [0] * 40, 2: [0.3] * 40}, ns=(20, 40))
+    new = write_run(tmp_path / "new", {1: [1] * 20 + [0] * 20, 2: [0.3] * 40}, ns=(20, 40))
     text = report(Args(runs=[base, new], bootstrap=2000))
     deltas = cells(text.split("### new vs base")[1], "| n |")
-    assert deltas == [["2", "+100.00*", "+0.00", "+50.00"], ["4", "+100.00*", "+0.00", "+50.00"]]
-    assert "Cells better / worse / within noise: 2 / 0 / 2" in text
+    assert deltas == [["20", "+100.00*", "+0.00", "+50.00"], ["40", "+50.00*", "+0.00", "+25.00"]]
+    assert "over the 4 cells compared for this pair. Cells better / worse / within noise: 2 / 0 / 2" in text
+    # 2 questions, both better: the bootstrap CI excludes 0, but no test on 2 questions can be sure (p = 0.5)
+    tiny = [write_run(tmp_path / f"t{i}", {1: [i, i]}, ns=(2,)) for i in (0, 1)]
+    assert cells(report(Args(runs=tiny, bootstrap=500)).split("### t1 vs t0")[1], "| n |") == [
+        ["2", "+100.00", "+100.00"]
+    ]
     other = write_run(tmp_path / "other", {1: [1] * 40, 2: [1] * 40})
     doc = json.loads((other / "eval" / "val.json").read_text())
     for r in doc["results"]:
         r["question_id"] += 1
     (other / "eval" / "val.json").write_text(json.dumps(doc))
     assert "Not compared: different questions" in report(Args(runs=[base, other]))
+    # the same question ids from dataset folders with other content (other pools): not paired either
+    for run, digest in ((base, "aaaa"), (new, "bbbb")):
+        doc = json.loads((run / "eval" / "val.json").read_text())
+        (run / "eval" / "val.json").write_text(json.dumps(doc | {"data_digest": digest}))
+    assert "Not compared: different dataset content (digest aaaa vs bbbb)" in report(Args(runs=[base, new]))
 
 
 def test_identical_runs_zero_delta_not_significant(tmp_path):
@@ -222,3 +232,26 @@ def test_ablate_orders_references_first_and_tables_pool_seeds_by_hand(tmp_path):
     targets = cells(text, "| seed |")
     assert [r[0] for r in targets] == ["0", "1"]
     assert all(r[1].startswith("+25.00 [") and r[2].startswith("50% [") and r[3].startswith("100% [") for r in targets)
+
+
+def test_a_ci_that_excludes_zero_is_not_enough_when_the_sign_test_disagrees(tmp_path):
+    """The failure Lever-Plus's reports hit: a few large gains and more small losses give a bootstrap CI above 0,
+    while more questions got worse than better (sign test p ~ 0.1): the verdict must be n.s."""
+    base = [0.0] * 30 + [0.6] * 45 + [0.0] * 725
+    new = [1.0] * 30 + [0.3] * 45 + [0.0] * 725
+    a, b = (write_run(tmp_path / name, {1: sc}, ns=(800,)) for name, sc in (("a", base), ("b", new)))
+    text = report(Args(runs=[a, b], bootstrap=4000))
+    [row] = cells(text.split("Paired significance at n = 800")[1], "| shot |")
+    lo = float(row[2].strip("[]").split(",")[0])
+    assert lo > 0 and float(row[3]) > 0.05 and row[4] == "30 / 45" and row[5] == "n.s."
+    assert "Holm's correction at 5% over the 1 cells" in text
+
+
+@given(st.lists(st.floats(0, 1), min_size=1, max_size=30))
+def test_holm_rejects_a_prefix_of_the_sorted_p_values_and_never_more_than_bonferroni_allows(ps):
+    rejected = holm(ps)
+    order = sorted(range(len(ps)), key=ps.__getitem__)
+    k = sum(rejected)
+    assert all(rejected[i] for i in order[:k]) and not any(rejected[i] for i in order[k:])
+    assert all(rejected[i] for i, p in enumerate(ps) if p <= 0.05 / len(ps))  # Holm is never weaker than Bonferroni
+    assert all(ps[i] <= 0.05 / (len(ps) - r) for r, i in enumerate(order[:k]))
