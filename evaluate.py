@@ -106,9 +106,13 @@ def check_args(args: Args) -> None:
     for run in args.runs:
         if not (run / "model.safetensors").is_file():
             raise ValueError(f"{run}: no model.safetensors; is this a finished rce/grpo run?")
+        have = sorted(int(p.stem.removeprefix("epoch_")) for p in (run / "ckpt").glob("epoch_*.safetensors"))
         for e in args.epochs:
-            if not (run / "ckpt" / f"epoch_{e:03d}.safetensors").is_file():
-                raise ValueError(f"{run}: no checkpoint for epoch {e} (ckpt/epoch_{e:03d}.safetensors)")
+            if e not in have:
+                raise ValueError(
+                    f"{run}: no checkpoint for epoch {e} (ckpt/epoch_{e:03d}.safetensors); it has epochs {have} "
+                    "(training keeps every --keep-every-th epoch, the best and the last)"
+                )
 
 
 def questions(ds: Dataset, split: str, n: int) -> tuple[Tensor, Tensor, list[dict]]:

@@ -54,6 +54,9 @@ class TrainArgs(RewardArgs):
     """AdamW weight decay."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 = off)."""
+    keep_every: int = 1
+    """Checkpoints kept: every N-th epoch's, plus the best and the last (0 = only those two; 1 = all, 8 MB each at
+    the defaults)."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     """Learning rate over the run: constant, or decayed to 0 at the last step (linear as TRL's default, cosine)."""
     seed: int = 0
@@ -81,6 +84,8 @@ def check_train_args(args: TrainArgs) -> None:
     for name in ("epochs", "batch_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.keep_every < 0:
+        raise ValueError(f"--keep-every must be >= 0, got {args.keep_every}")
     if not 0 < args.val_frac < 1:
         raise ValueError(f"--val-frac must be in (0, 1), got {args.val_frac}")
     if args.val_max_queries < 1:
@@ -337,6 +342,15 @@ def checkpoint_meta(path: Path) -> dict:
     return json.loads(meta["checkpoint"])
 
 
+def prune_checkpoints(out: Path, keep_every: int, best_epoch: int | None) -> None:
+    """Delete epoch checkpoints other than the last (resume needs it), the best and every keep_every-th."""
+    ckpts = sorted((out / "ckpt").glob("epoch_*.safetensors"))
+    for path in ckpts[:-1]:
+        epoch = int(path.stem.removeprefix("epoch_"))
+        if epoch != best_epoch and (keep_every == 0 or epoch % keep_every):
+            path.unlink()
+
+
 def last_checkpoint(out: Path) -> Path | None:
     ckpts = sorted((out / "ckpt").glob("epoch_*.safetensors"))
     return ckpts[-1] if ckpts else None
@@ -403,7 +417,12 @@ def prepare_out(out: Path, args, ds: Dataset) -> Path | None:
             f"--resume: {out} was started by an older icl-select that identified its data differently; "
             "start a new run (--init can start from its checkpoint)"
         )
-    if diff := sorted(k for k in now["args"] if now["args"][k] != then["args"].get(k)):
+    # --keep-every only prunes files: a resumed run may change it freely.
+    diff = sorted(k for k in now["args"] if k != "keep_every" and now["args"][k] != then["args"].get(k))
+    if diff == ["epochs"]:
+        continue_with_more_or_fewer_epochs(out, ckpt, args, config)
+        diff = []
+    if diff:
         details = "; ".join(
             f"--{k.replace('_', '-')}: run has {then['args'].get(k)!r}, now {now['args'][k]!r}" for k in diff
         )
@@ -415,6 +434,29 @@ def prepare_out(out: Path, args, ds: Dataset) -> Path | None:
         what = "dataset" if now["data"] != then["data"] else "--init selector"
         raise ValueError(f"--resume: the {what} changed since {out} was started; start a new run instead")
     return ckpt
+
+
+def continue_with_more_or_fewer_epochs(out: Path, ckpt: Path, args, config: dict) -> None:
+    """--resume with another --epochs, where the schedule can be continued honestly; the run's config.json then
+    records the new total and when it changed. Refused where a schedule is spread over all steps of the run: RCE's
+    tau anneal and a decaying learning rate would have taken other values at every step already trained."""
+    done, before = checkpoint_meta(ckpt)["epoch"], config["args"]["epochs"]
+    why = None
+    if hasattr(args, "temp_start"):
+        why = "RCE anneals tau over all steps of the run"
+    elif args.lr_schedule != "constant":
+        why = f"--lr-schedule {args.lr_schedule} decays over all steps of the run"
+    elif args.epochs < done:
+        why = f"it has already trained {done} epochs"
+    if why:
+        raise ValueError(
+            f"--resume: {out} was started with --epochs {before}, and {why}, so it cannot continue to --epochs "
+            f"{args.epochs}; start a new run with --init {out}"
+        )
+    config["args"]["epochs"] = args.epochs
+    config.setdefault("epochs_changed", []).append({"from": before, "to": args.epochs, "after_epoch": done})
+    atomic_write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
+    print(f"note: {out}: --epochs {before} -> {args.epochs}, continuing after epoch {done}", file=sys.stderr)
 
 
 def file_sha(path: Path) -> str:
@@ -592,6 +634,7 @@ def fit(
         loop["epoch"] = epoch
         log.write(record)  # before the checkpoint: a resume from epoch-1 drops this line again if we die in between
         save_checkpoint(out, epoch, run.model, run.opt, rngs, loop)
+        prune_checkpoints(out, args.keep_every, loop["best_epoch"])
         summary = log_line(record, (*postfix, "val/reward", "val/acc"))
         print(f"{run.phase} epoch {epoch}: {summary}" + "".join(f"\n  warning: {w}" for w in warnings), flush=True)
     loop["metric"] = metric

@@ -405,3 +405,37 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_nothing(small_data,
     with pytest.raises(ValueError, match="is broken"):
         rce.main(rce.Args(data=small_data, out=out, epochs=2, **FAST))
     assert not out.exists()
+
+
+def test_keep_every_prunes_checkpoints_and_evaluate_names_the_epochs_kept(small_data, rce_run, tmp_path):
+    import evaluate
+
+    out = tmp_path / "g"
+    grpo.main(grpo.Args(data=small_data, init=rce_run, out=out, epochs=5, keep_every=2, **FAST))
+    best = records(out)[-1]["best_epoch"]
+    kept = sorted(int(p.stem[6:]) for p in (out / "ckpt").glob("epoch_*.safetensors"))
+    assert kept == sorted({2, 4, 5, best})
+    missing = next(e for e in (1, 3) if e not in kept)
+    with pytest.raises(
+        ValueError, match=rf"no checkpoint for epoch {missing} .* it has epochs \[{', '.join(map(str, kept))}\]"
+    ):
+        evaluate.main(evaluate.Args(runs=[out], data=small_data, epochs=[missing], num_samples=[8]))
+
+
+def test_resume_may_change_epochs_only_where_the_schedule_continues(small_data, rce_run, tmp_path, monkeypatch):
+    common = dict(data=small_data, init=rce_run, **FAST)
+    full, part = tmp_path / "full", tmp_path / "part"
+    grpo.main(grpo.Args(out=full, epochs=3, **common))
+    grpo.main(grpo.Args(out=part, epochs=2, **common))
+    grpo.main(grpo.Args(out=part, epochs=3, resume=True, keep_every=0, **common))  # constant lr: continues exactly
+    assert (part / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
+    config = json.loads((part / "config.json").read_text())
+    assert config["args"]["epochs"] == 3 and config["epochs_changed"] == [{"from": 2, "to": 3, "after_epoch": 2}]
+    with pytest.raises(ValueError, match="it has already trained 3 epochs"):
+        grpo.main(grpo.Args(out=part, epochs=2, resume=True, **common))
+    cosine = tmp_path / "cos"
+    grpo.main(grpo.Args(out=cosine, epochs=1, lr_schedule="cosine", **common))
+    with pytest.raises(ValueError, match="--lr-schedule cosine decays over all steps"):
+        grpo.main(grpo.Args(out=cosine, epochs=2, lr_schedule="cosine", resume=True, **common))
+    with pytest.raises(ValueError, match="RCE anneals tau over all steps of the run"):
+        rce.main(rce.Args(data=small_data, out=rce_run, epochs=4, resume=True, **FAST))
