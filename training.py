@@ -69,7 +69,8 @@ class TrainArgs(RewardArgs):
     require_positive: bool = False
     """Train only on queries with at least one correct sequence."""
     resume: bool = False
-    """Continue from the last epoch checkpoint in the output folder."""
+    """Continue from the last epoch checkpoint in the output folder (a finished run is left as it is; a folder
+    without a checkpoint starts the run)."""
     allow_truncated: bool = False
     """Ignore a truncated last line of rl_data.jsonl (an interrupted gen_rl_data run) instead of failing."""
     val_lvlm: bool = False
