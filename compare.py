@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass, field
 from itertools import combinations
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import tyro
@@ -36,8 +37,9 @@ class Args:
     runs: tyro.conf.Positional[list[Path]] = field(default_factory=list)
     """Run folders (folders that are not runs are skipped with a warning)."""
     baseline: str | None = None
-    """Run to compare against (its path or folder name); default the first run with an evaluation."""
-    split: str = "val"
+    """Run to compare against (its path, in any spelling, or folder name); default the RCE run if one is given,
+    else the random baseline, else the first run with an evaluation."""
+    split: Literal["val", "train"] = "val"
     """Which evaluation file to read (eval/<split>.json)."""
     out: Path | None = None
     """Also write the Markdown to this file."""
@@ -84,6 +86,8 @@ def read_run(path: Path, split: str) -> Run | None:
     """A run folder's evaluations and metrics; None (with a warning) if it holds neither."""
     ev = path / "eval" / f"{split}.json"
     metrics = path / "metrics.jsonl"
+    if path.is_file():  # `runs/*` also matches files such as the runs/report.md that run.sh writes: not runs
+        return None
     if not path.is_dir() or not (ev.is_file() or metrics.is_file()):
         print(f"warning: {path} is not a run folder (no eval/{split}.json, no metrics.jsonl); skipped", file=sys.stderr)
         return None
@@ -393,6 +397,14 @@ def plot_curves(runs: list[Run], folder: Path) -> list[Path]:
     return written
 
 
+def default_baseline(evaluated: list[Run]) -> Run:
+    """What deltas are taken against when --baseline is not given: the RCE warm-up (what GRPO must beat), else the
+    random baseline, else the first evaluated run; never whatever a glob happens to list first."""
+    rce = [r for r in evaluated if phase(r) == "rce"]
+    random = [r for r in evaluated if r.eval.get("baseline") == "random"]
+    return (rce or random or evaluated)[0]
+
+
 def report(args: Args) -> str:
     runs = [r for r in (read_run(p, args.split) for p in args.runs) if r is not None]
     if not runs:
@@ -404,9 +416,10 @@ def report(args: Args) -> str:
         parts += ["## Accuracy (VQA %, first n questions of the fixed order)", ""]
         for r in evaluated:
             parts += [f"### {r.name}", "", accuracy_table(r.eval), ""]
-        base = evaluated[0]
+        base = default_baseline(evaluated)
         if args.baseline is not None:
-            match = [r for r in evaluated if r.name == args.baseline or str(r.path) == args.baseline.rstrip("/")]
+            want = Path(args.baseline).resolve()
+            match = [r for r in evaluated if r.name == args.baseline or r.path.resolve() == want]
             if not match:
                 raise ValueError(
                     f"--baseline {args.baseline}: not among the evaluated runs {[r.name for r in evaluated]}"

@@ -255,3 +255,32 @@ def test_holm_rejects_a_prefix_of_the_sorted_p_values_and_never_more_than_bonfer
     assert all(rejected[i] for i in order[:k]) and not any(rejected[i] for i in order[k:])
     assert all(rejected[i] for i, p in enumerate(ps) if p <= 0.05 / len(ps))  # Holm is never weaker than Bonferroni
     assert all(ps[i] <= 0.05 / (len(ps) - r) for r, i in enumerate(order[:k]))
+
+
+def test_runs_glob_picks_the_rce_run_as_baseline_ignores_files_and_accepts_any_path_spelling(
+    tmp_path, capsys, monkeypatch
+):
+    sc = {1: [1, 0, 0, 0], 2: [1, 1, 0, 0]}
+    write_run(tmp_path / "baseline-image-sim", sc)  # first in glob order: must not become the baseline
+    write_run(tmp_path / "rce", sc, metrics=[{"phase": "rce", "epoch": 0}])
+    write_run(tmp_path / "grpo", sc, metrics=[{"phase": "grpo", "epoch": 0}])
+    (tmp_path / "report.md").write_text("# an earlier report\n")
+    runs = sorted(tmp_path.iterdir())
+    text = report(Args(runs=runs, bootstrap=100))
+    assert "## Deltas against rce (points)" in text and "### grpo vs rce" in text
+    assert "report.md" not in capsys.readouterr().err  # a file in runs/ is not a run folder to warn about
+    monkeypatch.chdir(tmp_path)
+    for spelling in ("./baseline-image-sim/", str(tmp_path / "grpo" / ".." / "baseline-image-sim")):
+        assert "## Deltas against baseline-image-sim" in report(Args(runs=runs, baseline=spelling, bootstrap=100))
+
+
+def test_unknown_split_is_rejected_on_the_command_line(monkeypatch, capsys):
+    import sys
+
+    import compare
+    from data import run_cli
+
+    monkeypatch.setattr(sys, "argv", ["compare.py", "--split", "test", "runs/rce"])
+    with pytest.raises(SystemExit) as stop:
+        run_cli(compare.main, compare.Args)
+    assert stop.value.code == 2 and "test" in capsys.readouterr().err
