@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,21 +47,34 @@ class DataError(ValueError):
 
 
 def run_cli(main: Callable, args_type: type) -> None:
-    """Parse flags with tyro and run `main`; bad input ends in one line on stderr and exit code 2, no traceback.
-
-    Set ICL_SELECT_DEBUG=1 to get the traceback instead.
-    """
+    """Parse flags with tyro and run `main`; bad input ends in one line on stderr and exit code 2, Ctrl-C in one
+    line saying how to continue and exit code 130, no traceback. Set ICL_SELECT_DEBUG=1 to get the traceback."""
     args = tyro.cli(args_type)
     try:
         main(args)
     except (ValueError, OSError) as e:  # OSError: a missing file, a read-only or full disk, a path through a file
         if os.environ.get("ICL_SELECT_DEBUG"):
             raise
-        # A loop that failed leaves its progress bar open, mid-line: close it so the error gets a line of its own.
-        for bar in list(getattr(tqdm, "_instances", ())):
-            bar.close()
+        close_progress_bars()
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        if os.environ.get("ICL_SELECT_DEBUG"):
+            raise
+        close_progress_bars()
+        command = " ".join(shlex.quote(a) for a in ["python", *sys.argv])
+        if getattr(args, "resume", True) is False:  # rce.py / grpo.py continue from their checkpoints on --resume
+            command += " --resume"
+        print(
+            f"interrupted: what finished (epochs, scored queries) is saved; continue with: {command}", file=sys.stderr
+        )
+        sys.exit(130)
+
+
+def close_progress_bars() -> None:
+    """A loop that stopped leaves its progress bar open, mid-line: close it so the message gets a line of its own."""
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
 
 
 @dataclass

@@ -176,3 +176,26 @@ def test_cli_error_gets_a_line_of_its_own_after_a_progress_bar(monkeypatch, caps
     assert "scoring" in err  # the bar was drawn ...
     last = err.rstrip("\n").split("\n")[-1].split("\r")[-1]  # ... and the terminal shows the error alone on its line
     assert last == "error: data/x/rl_data.jsonl: line 5: field 'seqs' is missing"
+
+
+@dataclass
+class _Resumable:
+    out: str = "runs/x"
+    resume: bool = False
+
+
+def test_ctrl_c_is_one_line_with_the_command_that_continues(monkeypatch, capsys):
+    def main(_):
+        bar = tqdm(total=10, desc="rce epoch 1/10", mininterval=0)
+        bar.update(3)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sys, "argv", ["rce.py", "--out", "runs/my run"])
+    with pytest.raises(SystemExit) as stop:
+        run_cli(main, _Resumable)
+    assert stop.value.code == 130
+    last = capsys.readouterr().err.rstrip("\n").split("\n")[-1].split("\r")[-1]
+    assert last == (
+        "interrupted: what finished (epochs, scored queries) is saved; continue with: "
+        "python rce.py --out 'runs/my run' --resume"
+    )
