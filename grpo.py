@@ -43,7 +43,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 from torch import Tensor
@@ -56,6 +56,7 @@ from training import (
     Batch,
     Loop,
     TrainArgs,
+    alias,
     check_train_args,
     clipped_step,
     fit,
@@ -75,18 +76,18 @@ from training import (
 class Args(TrainArgs):
     init: Path = Path("runs/rce")
     """Starting selector (run folder or epoch checkpoint); also the frozen KL reference."""
-    out: Path | None = None
+    out: Annotated[Path | None, alias("--output-dir")] = None
     """Run folder; default runs/grpo-<key flags>, e.g. runs/grpo-kl0.1 or runs/grpo-kl0.3-online."""
-    epochs: int | None = None
+    epochs: Annotated[int | None, alias("--num-train-epochs")] = None
     """Passes over the training queries (an online epoch takes as many steps); default 10 offline, 30 online."""
-    lr: float | None = None
+    lr: Annotated[float | None, alias("--learning-rate")] = None
     """AdamW learning rate; default 1e-4 offline, 1e-3 online."""
     reward_mode: RewardMode | None = None
     """As in data.py (hard_plus_soft, hard_plus_gtprob, ...); default hard_plus_soft offline, hard_plus_gtprob
     online."""
-    kl_beta: float | None = None
+    kl_beta: Annotated[float | None, alias("--beta")] = None
     """Weight of the exact KL to the reference policy, used as given for the whole run; default 0.1 offline, 0.3
-    online."""
+    online (TRL's GRPOConfig defaults to 0.0: here the KL is what keeps the selector near its warm-up)."""
     kl_target: float | None = None
     """Adaptive beta: after each step, x1.5 when its KL is above 1.5x this target, /1.5 below target/1.5."""
     num_iterations: int = 1
@@ -103,8 +104,8 @@ class Args(TrainArgs):
     """Train only the query/candidate projections and the gate."""
     online: bool = False
     """Sample fresh groups from the current policy each step and score them with the backend."""
-    group_size: int = 16
-    """Online: distinct sequences sampled per query."""
+    group_size: Annotated[int, alias("--num-generations")] = 16
+    """Online: distinct sequences sampled per query (TRL's num_generations defaults to 8; 8 cost 2 points here)."""
     temperature: float = 1.0
     """Online: sampling temperature."""
     queries: Literal["train", "anchors"] = "train"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import torch
 from torch import Tensor
@@ -33,6 +34,7 @@ from model import PickOrder, PointerSelector, SelectorConfig, rce_weights
 from training import (
     Loop,
     TrainArgs,
+    alias,
     check_train_args,
     clipped_step,
     fit,
@@ -49,7 +51,7 @@ from training import (
 
 @dataclass
 class Args(TrainArgs):
-    out: Path = Path("runs/rce")
+    out: Annotated[Path, alias("--output-dir")] = Path("runs/rce")
     """Run folder."""
     temp_start: float = 2.0
     """RCE temperature at the first step."""

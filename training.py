@@ -19,9 +19,10 @@ import sys
 from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
+import tyro
 from torch import Tensor
 
 from backends import ScoreCache, open_backend
@@ -44,15 +45,15 @@ class TrainArgs(RewardArgs):
 
     data: Path = Path("data/sim")
     """Dataset folder written by gen_rl_data.py."""
-    epochs: int = 10
+    epochs: Annotated[int, alias("--num-train-epochs")] = 10
     """Passes over the training queries."""
-    batch_size: int = 32
+    batch_size: Annotated[int, alias("--per-device-train-batch-size")] = 32
     """Queries per optimisation step (each brings its whole group of sequences)."""
-    lr: float = 1e-4
+    lr: Annotated[float, alias("--learning-rate")] = 1e-4
     """AdamW learning rate."""
     weight_decay: float = 0.01
     """AdamW weight decay."""
-    grad_clip: float = 1.0
+    grad_clip: Annotated[float, alias("--max-grad-norm")] = 1.0
     """Clip the global gradient norm to this (0 = off)."""
     keep_every: int = 1
     """Checkpoints kept: every N-th epoch's, plus the best and the last (0 = only those two; 1 = all, 8 MB each at
@@ -79,6 +80,11 @@ class TrainArgs(RewardArgs):
     epoch by that accuracy. The simulator always does this (it answers instantly)."""
     val_max_queries: int = 200
     """--val-lvlm: validation anchors answered per epoch (the first N of the held-out split)."""
+
+
+def alias(*names: str):
+    """Also accept TRL's name for a flag (--learning-rate for --lr, ...) where the meaning is the same."""
+    return tyro.conf.arg(aliases=names)
 
 
 def check_train_args(args: TrainArgs) -> None:

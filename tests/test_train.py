@@ -3,6 +3,7 @@
 import json
 import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -439,3 +440,14 @@ def test_resume_may_change_epochs_only_where_the_schedule_continues(small_data, 
         grpo.main(grpo.Args(out=cosine, epochs=2, lr_schedule="cosine", resume=True, **common))
     with pytest.raises(ValueError, match="RCE anneals tau over all steps of the run"):
         rce.main(rce.Args(data=small_data, out=rce_run, epochs=4, resume=True, **FAST))
+
+
+def test_trl_flag_names_are_aliases_with_the_same_meaning():
+    import tyro
+
+    trl = ["--beta", "0.2", "--num-generations", "8", "--learning-rate", "0.01", "--max-grad-norm", "0.5"]
+    trl += ["--num-train-epochs", "3", "--output-dir", "runs/x", "--per-device-train-batch-size", "16"]
+    ours = ["--kl-beta", "0.2", "--group-size", "8", "--lr", "0.01", "--grad-clip", "0.5"]
+    ours += ["--epochs", "3", "--out", "runs/x", "--batch-size", "16"]
+    assert tyro.cli(grpo.Args, args=trl) == tyro.cli(grpo.Args, args=ours)
+    assert tyro.cli(rce.Args, args=["--output-dir", "r", "--learning-rate", "0.1"]) == rce.Args(out=Path("r"), lr=0.1)
