@@ -42,7 +42,7 @@ import pools
 import sharding
 from backends import open_backend
 from compare import accuracy_table
-from data import Dataset, load_dataset, run_cli
+from data import Dataset, load_dataset, read_json, read_jsonl, run_cli
 from locks import exclusive
 from model import PointerSelector, atomic_write_text
 from training import data_digest, load_selector
@@ -225,6 +225,35 @@ def evaluate_one(args: Args, ds: Dataset, backend, target: Path, selector: Path 
         return evaluate_locked(args, ds, backend, target, selector, desc)
 
 
+def keep_other_settings(target: Path, header: dict, num_samples: list[int], digest: str) -> None:
+    """Never overwrite results made with other settings (compare.py pairs runs by their files): refuse instead."""
+    if not target.is_file():
+        return
+    try:
+        old = json.loads(target.read_text())
+    except json.JSONDecodeError:
+        return  # not a finished evaluation: nothing to keep
+    now = {**header, "num_samples": sorted(num_samples), "backend": header["lvlm"], "data_digest": digest}
+    keys = ("split", "order", "shots", "seeds", "num_samples", "backend", "data_digest")
+    if diff := [f"{k}: {old.get(k)!r} there, {now[k]!r} now" for k in keys if old.get(k, now[k]) != now[k]]:
+        raise ValueError(
+            f"{target} holds results made with other settings ({'; '.join(diff)}); it is kept: evaluate with its "
+            "settings, or move it away first"
+        )
+
+
+def run_status(run: Path) -> str:
+    """Which epoch a run's model.safetensors is and whether its training finished, from its own files."""
+    if not (run / "metrics.jsonl").is_file():
+        return "evaluating model.safetensors (no metrics.jsonl: its training history is unknown)"
+    records = [r for _, r in read_jsonl(run / "metrics.jsonl", allow_truncated=True) if r.get("kind") != "step"]
+    planned = read_json(run / "config.json")["args"]["epochs"] if (run / "config.json").is_file() else None
+    last = records[-1]["epoch"] if records else None
+    best = records[-1].get("best_epoch") if records else None
+    done = "finished" if last is not None and last == planned else f"NOT finished: {last} of {planned} epochs trained"
+    return f"evaluating model.safetensors = epoch {best} (the best on validation); training {done}"
+
+
 def evaluate_locked(args: Args, ds: Dataset, backend, target: Path, selector: Path | None, desc: str) -> dict | None:
     """Evaluate one run or baseline; under torchrun every rank scores its share and rank 0 writes the file."""
     rank, world = sharding.init()
@@ -251,6 +280,9 @@ def evaluate_locked(args: Args, ds: Dataset, backend, target: Path, selector: Pa
         "data": str(ds.folder),
         "lvlm": backend.describe()["lvlm"],
     }
+    keep_other_settings(target, header, args.num_samples, data_digest(ds.folder))
+    if rank == 0 and selector is not None and selector.is_dir():
+        print(f"{selector}: {run_status(selector)}", flush=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     for seed in seeds:
         if model is not None:

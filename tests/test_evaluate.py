@@ -151,3 +151,28 @@ def test_bad_input(small_data, kw, pattern):
     kw = {**kw, "runs": [Path(r) for r in kw.get("runs", [])]}
     with pytest.raises(ValueError, match=pattern):
         evaluate.main(evaluate.Args(data=small_data, **kw))
+
+
+def test_says_which_epoch_it_evaluates_and_never_overwrites_other_settings(small_data, tmp_path, capsys):
+    run = tmp_path / "rce"
+    rce.main(rce.Args(data=small_data, out=run, epochs=2, batch_size=8, val_frac=0.25))
+    capsys.readouterr()
+    run_eval(data=small_data, runs=[run])
+    best = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["best_epoch"]
+    assert f"{run}: evaluating model.safetensors = epoch {best} (the best on validation); training finished" in (
+        capsys.readouterr().out
+    )
+    before = (run / "eval" / "val.json").read_bytes()
+    with pytest.raises(
+        ValueError, match=r"val\.json holds results made with other settings \(shots: \[1, 2, 3, 4\] there"
+    ):
+        run_eval(data=small_data, runs=[run], shots=[1, 2])
+    assert (run / "eval" / "val.json").read_bytes() == before
+    run_eval(data=small_data, runs=[run])  # the same settings again: allowed, same file
+    assert (run / "eval" / "val.json").read_bytes() == before
+    # an interrupted run (its metrics end before the planned epochs) is evaluated, and said to be unfinished
+    lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (run / "metrics.jsonl").write_text("".join(lines[:2]))
+    (run / "eval" / "val.json").unlink()
+    run_eval(data=small_data, runs=[run])
+    assert "training NOT finished: 1 of 2 epochs trained" in capsys.readouterr().out
