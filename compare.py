@@ -1,6 +1,8 @@
 """Stage 5: Markdown tables over run folders: accuracy, deltas with paired significance, training curves.
 
-For runs with eval/<split>.json: a samples x shots accuracy table per run; signed deltas against a baseline run
+First, at a glance: one runs x shots table at the largest common n, each cell with its delta to the baseline run
+(significance-marked), and the training flags that differ between runs. Then, for runs with eval/<split>.json: a
+samples x shots accuracy table per run; signed deltas against a baseline run
 per (n, shot) with improved/worse/flat counts; at the largest n, per shot, a paired bootstrap 95% CI of the delta
 and an exact sign-test p-value over the same questions. One verdict rule everywhere: significant only when the CI
 excludes 0 and the sign test passes Holm's correction over all cells of the pair (at n=800 an accuracy's standard
@@ -194,14 +196,12 @@ def not_comparable(a: dict, b: dict) -> str | None:
     return None
 
 
-def delta_section(base: Run, run: Run, args: Args, rng: np.random.Generator) -> str:
+def pair_stats(base: Run, run: Run, args: Args, rng: np.random.Generator) -> tuple[dict, dict]:
+    """Every (n, shot) cell of run vs base: (per-question differences, CI low, CI high, sign-test p), and its verdict
+    (better / worse / within noise) under the one rule: the CI excludes 0 and Holm over the pair's cells passes."""
     a, b = base.eval, run.eval
-    title = f"### {run.name} vs {base.name}"
-    if why := not_comparable(a, b):
-        return f"{title}\n\nNot compared: {why}."
     shots = [s for s in a["shots"] if s in b["shots"]]
     ns = [n for n in a["summary"] if n in b["summary"]]
-    # Every (n, shot) cell: per-question differences, bootstrap CI and sign test; one Holm family per pair of runs.
     cells = {}
     for n in ns:
         for s in shots:
@@ -213,6 +213,17 @@ def delta_section(base: Run, run: Run, args: Args, rng: np.random.Generator) -> 
     for k, (_, lo, hi, _) in cells.items():
         sure = holm_ok[k] and (lo > 0 or hi < 0)
         verdict[k] = "within noise" if not sure else ("better" if lo > 0 else "worse")
+    return cells, verdict
+
+
+def delta_section(base: Run, run: Run, stats: tuple[dict, dict]) -> str:
+    a, b = base.eval, run.eval
+    title = f"### {run.name} vs {base.name}"
+    if why := not_comparable(a, b):
+        return f"{title}\n\nNot compared: {why}."
+    cells, verdict = stats
+    shots = [s for s in a["shots"] if s in b["shots"]]
+    ns = [n for n in a["summary"] if n in b["summary"]]
     rows = []
     for n in ns:
         deltas = [b["summary"][n][str(s)] - a["summary"][n][str(s)] for s in shots]
@@ -397,6 +408,49 @@ def plot_curves(runs: list[Run], folder: Path) -> list[Path]:
     return written
 
 
+def summary_section(evaluated: list[Run], base: Run, stats: dict) -> str:
+    """Runs x shots at the largest n every run has, each cell with its delta to the baseline (* = significant)."""
+    n = str(min(max(map(int, r.eval["summary"])) for r in evaluated))
+    shots = sorted({s for r in evaluated for s in r.eval["shots"]})
+    rows = []
+    for r in evaluated:
+        cells = []
+        for s in shots:
+            value = r.eval["summary"].get(n, {}).get(str(s))
+            cell = "-" if value is None else f"{value:.2f}"
+            pair = stats.get(str(r.path))
+            if pair and value is not None and str(s) in base.eval["summary"].get(n, {}):
+                mark = "*" if pair[1].get((n, s), "within noise") != "within noise" else ""
+                cell += f" ({signed(value - base.eval['summary'][n][str(s)])}{mark})"
+            cells.append(cell)
+        known = [r.eval["summary"].get(n, {}).get(str(s)) for s in shots]
+        avg = f"{np.mean(known):.2f}" if None not in known else "-"
+        rows.append([r.name + (" (baseline)" if r is base else ""), *cells, avg])
+    table = md_table(["run"] + [f"shot {s}" for s in shots] + ["avg"], rows)
+    return (
+        f"## At a glance: VQA accuracy (%) at n = {n}, (delta to {base.name})\n\n{table}\n\n"
+        "\\* significant under the rule stated with the deltas below."
+    )
+
+
+def flags_section(runs: list[Run]) -> list[str]:
+    """The training flags that differ between runs (a 2-epoch run must not sit silently beside a 10-epoch one)."""
+    flags = {}
+    for r in runs:
+        if (r.path / "config.json").is_file():
+            args = json.loads((r.path / "config.json").read_text()).get("args", {})
+            flags[r.name] = {"stage": phase(r) or "?", **{k: v for k, v in args.items() if k not in ("out", "resume")}}
+    if len(flags) < 2:
+        return []
+    keys = sorted({k for f in flags.values() for k in f}, key=lambda k: (k != "stage", k))
+    # A flag only one stage has (RCE's tau, GRPO's epsilon) is not a difference; one that two runs set apart is.
+    differ = [k for k in keys if len({json.dumps(f[k]) for f in flags.values() if k in f}) > 1]
+    if not differ:
+        return []
+    rows = [[name, *[str(f.get(k, "-")) for k in differ]] for name, f in flags.items()]
+    return ["## Flags that differ between the trained runs", "", md_table(["run", *differ], rows), ""]
+
+
 def default_baseline(evaluated: list[Run]) -> Run:
     """What deltas are taken against when --baseline is not given: the RCE warm-up (what GRPO must beat), else the
     random baseline, else the first evaluated run; never whatever a glob happens to list first."""
@@ -426,11 +480,13 @@ def report(args: Args) -> str:
                 )
             base = match[0]
         others = [r for r in evaluated if r is not base]
+        rng = np.random.default_rng(args.seed)
+        stats = {str(r.path): pair_stats(base, r, args, rng) for r in others if not not_comparable(base.eval, r.eval)}
+        parts[2:2] = [summary_section(evaluated, base, stats), "", *flags_section(runs)]  # the tables at a glance
         if others:
-            rng = np.random.default_rng(args.seed)
             parts += [f"## Deltas against {base.name} (points)", ""]
             for r in others:
-                parts += [delta_section(base, r, args, rng), ""]
+                parts += [delta_section(base, r, stats.get(str(r.path))), ""]
             parts += ["## Identical ICD selections (share of questions)", "", selection_table(evaluated), ""]
         if gaps := gap_section(evaluated, args, np.random.default_rng(args.seed)):
             parts += ["## Room taken (simulator ceilings)", "", gaps, ""]

@@ -284,3 +284,23 @@ def test_unknown_split_is_rejected_on_the_command_line(monkeypatch, capsys):
     with pytest.raises(SystemExit) as stop:
         run_cli(compare.main, compare.Args)
     assert stop.value.code == 2 and "test" in capsys.readouterr().err
+
+
+def test_the_glance_table_comes_first_and_flags_that_differ_are_shown(tmp_path):
+    base = write_run(tmp_path / "rce", {1: [0] * 40, 2: [0.3] * 40}, metrics=[{"phase": "rce", "epoch": 0}], ns=(40,))
+    new = write_run(
+        tmp_path / "grpo", {1: [1] * 20 + [0] * 20, 2: [0.3] * 40}, metrics=[{"phase": "grpo", "epoch": 0}], ns=(40,)
+    )
+    for run, args in (
+        (base, {"epochs": 10, "lr": 1e-4, "temp_end": 0.5}),
+        (new, {"epochs": 2, "lr": 1e-4, "epsilon": 0.2}),
+    ):
+        (run / "config.json").write_text(json.dumps({"args": {**args, "out": str(run)}}))
+    text = report(Args(runs=[base, new], bootstrap=500))
+    assert text.index("## At a glance") < text.index("## Flags") < text.index("## Accuracy")
+    glance = {r[0]: r[1:] for r in cells(text, "| run | shot 1")}
+    assert glance["rce (baseline)"] == ["0.00", "30.00", "15.00"]
+    assert glance["grpo"] == ["50.00 (+50.00*)", "30.00 (+0.00)", "40.00"]
+    # epochs differ (2 vs 10); lr is the same; each stage's own flags (temp_end, epsilon) are not differences
+    assert cells(text, "| run | stage") == [["rce", "rce", "10"], ["grpo", "grpo", "2"]]
+    assert "| run | stage | epochs |" in text
