@@ -15,7 +15,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -32,8 +32,10 @@ class Args:
     """Which benchmark to run (all = the CPU ones; lvlm needs --lvlm and --vqa-root)."""
     repeats: int = 5
     """Timed repeats per measurement (the median is reported)."""
-    threads: int = 0
-    """torch threads (0 = torch's default)."""
+    threads: int = 1
+    """torch threads for the log-prob benchmark (0 = torch's default)."""
+    thread_counts: list[int] = field(default_factory=lambda: [1])
+    """Epoch benchmark: the thread counts to compare, interleaved (e.g. 1 2)."""
     data: Path | None = None
     """Dataset folder for the epoch benchmarks (default: generate the default simulated data in a temp folder)."""
     lvlm: str | None = None
@@ -95,12 +97,14 @@ def bench_log_probs(repeats: int, B=32, G=40, S=4, K=64, d=512, queries=800) -> 
     print(f"  pass over {queries} queries:        {fast * queries / B:8.2f} s (vectorised)")
 
 
-def bench_epochs(data: Path | None, repeats: int) -> None:
+def bench_epochs(data: Path | None, repeats: int, thread_counts: list[int]) -> None:
     """One RCE, one offline and one online GRPO epoch (steps + validation + start-up) over the default simulated
-    data: 800 x 16 x 4, K=64. The three are interleaved in every repeat, so machine load hits them alike."""
+    data (800 x 16 x 4, K=64), and evaluating 800 questions x 4 shots, at each thread count. Stages and thread
+    counts are interleaved in every repeat, so machine load hits them alike."""
     import contextlib
     import io
 
+    import evaluate
     import grpo
     import rce
     from gen_rl_data import Args as GenArgs
@@ -118,22 +122,27 @@ def bench_epochs(data: Path | None, repeats: int) -> None:
             "grpo --online": lambda r: grpo.main(
                 grpo.Args(data=data, init=r / "rce", out=r / "o", epochs=1, online=True)
             ),
+            "evaluate 800": lambda r: evaluate.main(evaluate.Args(data=data, runs=[r / "rce"], num_samples=[800])),
         }
-        times = {name: [] for name in stages}
+        times = {(name, t): [] for name in stages for t in thread_counts}
         for rep in range(repeats):
-            for name, fn in stages.items():
-                t0 = time.perf_counter()
-                with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-                    fn(tmp / f"rep{rep}")
-                times[name].append(time.perf_counter() - t0)
+            for t in thread_counts:
+                torch.set_num_threads(t)
+                for name, fn in stages.items():
+                    t0 = time.perf_counter()
+                    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+                        fn(tmp / f"rep{rep}-t{t}")
+                    times[name, t].append(time.perf_counter() - t0)
     where = data if data.name != "data" else "the default sim data"
     print(f"one epoch over {where} (800 queries x 16 x 4, K=64), validation and start-up included, {repeats} repeats")
-    base = statistics.median(times["rce"])
-    for name, t in times.items():
-        print(
-            f"  {name:14s} min {min(t):6.2f} s  median {statistics.median(t):6.2f} s  max {max(t):6.2f} s"
-            f"   (median {statistics.median(t) / base:.2f}x rce)"
-        )
+    for name in stages:
+        base = statistics.median(times[name, thread_counts[0]])
+        for t in thread_counts:
+            x = times[name, t]
+            print(
+                f"  {name:14s} {t} thread(s): min {min(x):6.2f} s  median {statistics.median(x):6.2f} s  "
+                f"max {max(x):6.2f} s   (median {statistics.median(x) / base:.2f}x {thread_counts[0]} thread(s))"
+            )
 
 
 @torch.inference_mode()
@@ -246,7 +255,7 @@ def main(args: Args) -> None:
     if args.only in ("all", "log-probs"):
         bench_log_probs(args.repeats)
     if args.only in ("all", "epochs"):
-        bench_epochs(args.data, args.repeats)
+        bench_epochs(args.data, args.repeats, args.thread_counts)
     if args.only == "lvlm":
         bench_lvlm(args)
 

@@ -42,7 +42,7 @@ import pools
 import sharding
 from backends import open_backend
 from compare import accuracy_table
-from data import Dataset, load_dataset, read_json, read_jsonl, run_cli
+from data import CpuArgs, Dataset, load_dataset, read_json, read_jsonl, run_cli
 from locks import exclusive
 from model import PointerSelector, atomic_write_text
 from training import data_digest, load_selector
@@ -52,7 +52,7 @@ Baseline = Literal["zero-shot", "random", "image-sim", "text-sim", "oracle", "ob
 
 
 @dataclass
-class Args:
+class Args(CpuArgs):
     runs: tyro.conf.Positional[list[Path]] = field(default_factory=list)
     """Run folders whose selector (model.safetensors) to evaluate."""
     baseline: Baseline | None = None

@@ -44,6 +44,7 @@ from backends import LVLMOptions, SimBackend, lvlm_backend
 from data import (
     FORMAT_VERSION,
     REWARD_MODES,
+    CpuArgs,
     RewardArgs,
     compute_reward,
     load_dataset,
@@ -58,7 +59,7 @@ from sim import SimConfig, Simulator, calibrate
 
 
 @dataclass
-class Args(RewardArgs, LVLMOptions):
+class Args(RewardArgs, LVLMOptions, CpuArgs):
     """Build a dataset folder: candidate pools and LVLM-scored demonstration sequences for RCE and GRPO. Each sequence
     stores acc (official VQA accuracy of the answer), correct (acc > 0), gt_prob (the LVLM's probability of replying
     with an answer the metric credits, times that credit, summed over every normalised annotator answer and each raw

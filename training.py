@@ -26,7 +26,7 @@ import tyro
 from torch import Tensor
 
 from backends import ScoreCache, open_backend
-from data import Dataset, Quality, RewardArgs, compute_reward, filter_queries, read_json
+from data import CpuArgs, Dataset, Quality, RewardArgs, compute_reward, filter_queries, read_json
 from locks import exclusive
 from model import (
     PointerSelector,
@@ -40,7 +40,7 @@ from model import (
 
 
 @dataclass
-class TrainArgs(RewardArgs):
+class TrainArgs(RewardArgs, CpuArgs):
     """Flags common to rce.py and grpo.py."""
 
     data: Path = Path("data/sim")

@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from data import (
     REWARD_MODES,
+    CpuArgs,
     DataError,
     RewardArgs,
     compute_reward,
@@ -199,3 +200,20 @@ def test_ctrl_c_is_one_line_with_the_command_that_continues(monkeypatch, capsys)
         "interrupted: what finished (epochs, scored queries) is saved; continue with: "
         "python rce.py --out 'runs/my run' --resume"
     )
+
+
+def test_threads_flag_sets_torch_threads_and_rejects_zero(monkeypatch, capsys):
+    seen = []
+    before = torch.get_num_threads()
+    try:
+        for argv, code in ((["x"], None), (["x", "--threads", "2"], None), (["x", "--threads", "0"], 2)):
+            monkeypatch.setattr(sys, "argv", argv)
+            if code is None:
+                run_cli(lambda a: seen.append(torch.get_num_threads()), CpuArgs)
+            else:
+                with pytest.raises(SystemExit) as stop:
+                    run_cli(lambda a: seen.append("ran"), CpuArgs)
+                assert stop.value.code == code and "--threads must be >= 1" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1, 2]  # the default is one thread; a bad count stops before main runs
