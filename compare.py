@@ -46,7 +46,8 @@ class Args:
     out: Path | None = None
     """Also write the Markdown to this file."""
     plot: Path | None = None
-    """Write PNG training curves (one per metric, all runs) into this folder."""
+    """Write the figures into this folder: accuracy vs shots with CIs, validation accuracy per epoch, KL and
+    selection change per epoch (one colour per run in every file)."""
     bootstrap: int = 10000
     """Bootstrap resamples for the confidence intervals."""
     seed: int = 0
@@ -381,30 +382,73 @@ def epoch_accuracy_table(run: Run) -> str:
     return f"n = {n}\n\n" + md_table(["epoch"] + [f"shot {s}" for s in shots] + ["avg"], rows)
 
 
-def plot_curves(runs: list[Run], folder: Path) -> list[Path]:
+def write_plots(runs: list[Run], folder: Path, bootstrap: int, seed: int) -> list[Path]:
+    """The three figures a researcher opens, one colour per run in every file, constant series left out:
+    accuracy vs shots with 95% CIs (largest common n), validation accuracy per epoch, and the KL to the reference
+    and the share of changed selections per epoch (GRPO runs)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     folder.mkdir(parents=True, exist_ok=True)
-    written = []
-    for c in TRAIN_COLUMNS:
-        series = [(r.name, [(e["epoch"], e[c]) for e in r.epochs if c in e]) for r in runs]
-        series = [(name, pts) for name, pts in series if pts]
-        if not series:
-            continue
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for name, pts in series:
-            ax.plot(*zip(*pts), marker="o", label=name)
-        ax.set_xlabel("epoch")
-        ax.set_ylabel(c)
-        ax.legend(fontsize=7)
-        path = folder / (c.replace("/", "_") + ".png")
+    colour = {str(r.path): plt.get_cmap("tab10")(i % 10) for i, r in enumerate(runs)}
+    rng, written = np.random.default_rng(seed), []
+
+    def save(fig, name: str) -> None:
         fig.tight_layout()
-        fig.savefig(path, dpi=100)
+        fig.savefig(folder / name, dpi=110)
         plt.close(fig)
-        written.append(path)
+        written.append(folder / name)
+
+    evaluated = [r for r in runs if r.eval is not None]
+    if evaluated:
+        n = min(max(map(int, r.eval["summary"])) for r in evaluated)
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for r in evaluated:
+            shots = r.eval["shots"]
+            means, errs = [], [[], []]
+            for s in shots:
+                x = 100 * np.array(list(scores(r.eval, s, n).values()))
+                lo, hi = bootstrap_ci(x, bootstrap, rng)
+                means.append(x.mean())
+                errs[0].append(x.mean() - lo)
+                errs[1].append(hi - x.mean())
+            ax.errorbar(shots, means, yerr=errs, marker="o", capsize=3, label=r.name, color=colour[str(r.path)])
+        ax.set(
+            title=f"VQA accuracy vs shots (first {n} questions, 95% CI)", xlabel="shots (ICDs)", ylabel="VQA acc. (%)"
+        )
+        ax.set_xticks(sorted({s for r in evaluated for s in r.eval["shots"]}))
+        ax.legend(fontsize=7, loc="best")
+        save(fig, "accuracy_vs_shots.png")
+
+    def curves(metric: str) -> list[tuple[Run, list]]:
+        out = []
+        for r in runs:
+            pts = [(e["epoch"], e[metric]) for e in r.epochs if e.get(metric) is not None]
+            if len({round(v, 12) for _, v in pts}) > 1:  # a constant series says nothing: left out
+                out.append((r, pts))
+        return out
+
+    panels = [(m, label) for m, label in (("val/acc", "greedy accuracy on validation anchors (%)"),) if curves(m)]
+    panels += [
+        (m, label)
+        for m, label in (
+            ("grpo/kl_ref", "KL to the reference (nats)"),
+            ("grpo/selection_change", "selections changed vs reference"),
+        )
+        if curves(m)
+    ]
+    for group, name in ((panels[:1], "val_acc_per_epoch.png"), (panels[1:], "kl_and_selection_per_epoch.png")):
+        if not group:
+            continue
+        fig, axes = plt.subplots(1, len(group), figsize=(6 * len(group), 4.2), squeeze=False)
+        for ax, (metric, label) in zip(axes[0], group):
+            for r, pts in curves(metric):
+                ax.plot(*zip(*pts), marker="o", markersize=3, label=r.name, color=colour[str(r.path)])
+            ax.set(title=label, xlabel="epoch", ylabel=metric)
+            ax.legend(fontsize=7, loc="best")
+        save(fig, name)
     return written
 
 
@@ -512,8 +556,8 @@ def main(args: Args) -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(args.out, text + "\n")
     if args.plot is not None:
-        runs = [r for r in (read_run(p, args.split) for p in args.runs) if r is not None and r.epochs]
-        for path in plot_curves(runs, args.plot):
+        runs = [r for r in (read_run(p, args.split) for p in args.runs) if r is not None]
+        for path in write_plots(runs, args.plot, args.bootstrap, args.seed):
             print(f"wrote {path}", file=sys.stderr)
 
 

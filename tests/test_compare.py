@@ -147,13 +147,17 @@ def test_training_tables_curves_epochs_and_skips(tmp_path, capsys):
     assert "training tables only): t" in text
 
 
-def test_plot_writes_pngs(tmp_path):
-    metrics = [{"epoch": e, "train/loss": 1.0 / (e + 1)} for e in range(3)]
-    run = write_run(tmp_path / "r", {1: [1, 0]}, metrics=metrics)
+def test_plots_are_the_three_figures_and_leave_out_constant_series(tmp_path):
     from compare import main
 
-    main(Args(runs=[run], plot=tmp_path / "plots", out=tmp_path / "report.md"))
-    assert (tmp_path / "plots" / "train_loss.png").stat().st_size > 1000
+    metrics = [{"phase": "grpo", "epoch": e, "val/acc": 50.0 + e, "grpo/kl_ref": 0.0} for e in range(3)]
+    run = write_run(tmp_path / "r", {1: [1, 0], 2: [1, 1]}, metrics=metrics)
+    other = write_run(tmp_path / "s", {1: [0, 0], 2: [1, 0]})
+    main(Args(runs=[run, other], plot=tmp_path / "plots", out=tmp_path / "report.md", bootstrap=100))
+    written = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    # the KL is 0 at every epoch (constant): no KL/selection figure; accuracy vs shots for both runs
+    assert written == ["accuracy_vs_shots.png", "val_acc_per_epoch.png"]
+    assert all((tmp_path / "plots" / name).stat().st_size > 5000 for name in written)
     assert (tmp_path / "report.md").read_text().startswith("# Comparison")
 
 
