@@ -227,6 +227,13 @@ def credited_replies(answers: list[str]) -> list[tuple[str, float]]:
     return replies
 
 
+def credit_sum(credited: list[list[tuple[str, float]]], probs: list[Tensor]) -> Tensor:
+    """gt_prob (N,) from each example's credited replies and their probabilities P(reply) (R_i,)."""
+    total = torch.stack([(p * torch.tensor([w for _, w in c])).sum() for p, c in zip(probs, credited)])  # (N,)
+    # Exclusive replies make the sum at most 1; the clamp only removes float rounding above it.
+    return total.clamp_(max=1.0)  # (N,)
+
+
 def resolve_device(device: str = "auto", dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
     """Device and dtype; "auto" = this process's CUDA device (LOCAL_RANK under torchrun) in bf16, else CPU float32."""
     if device == "auto":
@@ -459,16 +466,15 @@ class LVLMBackend:
             offset = torch.zeros_like(last[:, :1], dtype=torch.long) if rope is None else rope.clone()  # (B, 1)
             mask = inputs["attention_mask"]  # (B, T)
             if answer:
-                new, mask = self._greedy(last, cache, mask, offset)
+                new = self._greedy(last, cache, mask, offset)
                 texts += self.tokenizer.batch_decode(new, skip_special_tokens=True)
                 if new.shape[1] > 1:  # the last token was never fed: the cache holds new.shape[1] - 1 of them
                     cache.crop(-(new.shape[1] - 1))
-                mask = inputs["attention_mask"]
             if replies is not None:
                 probs += self._replies(replies[start : start + self.batch_size], last, cache, mask, offset)
         return texts, probs
 
-    def _greedy(self, last: Tensor, cache, mask: Tensor, offset: Tensor) -> tuple[Tensor, Tensor]:
+    def _greedy(self, last: Tensor, cache, mask: Tensor, offset: Tensor) -> Tensor:
         """Greedy tokens (B, new) from a prompt's last logits and cache, padded after each row's stop token."""
         stop = torch.tensor(self.stop_ids, device=last.device)
         done = torch.zeros(last.shape[0], dtype=torch.bool, device=last.device)  # (B,)
@@ -483,7 +489,7 @@ class LVLMBackend:
             pos = (mask.cumsum(-1) - 1)[:, -1:] + offset  # (B, 1) text position of the new token
             out = self.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache)
             nxt = out.logits[:, -1].argmax(-1)
-        return torch.stack(tokens, dim=1), mask  # (B, new)
+        return torch.stack(tokens, dim=1)  # (B, new)
 
     def _replies(self, replies: list[list[str]], last: Tensor, cache, mask: Tensor, offset: Tensor) -> list[Tensor]:
         """P(reply) for every reply of each prompt, teacher-forced from the prompt's cache (which this consumes)."""
@@ -516,20 +522,15 @@ class LVLMBackend:
         """Raw greedy generations (new tokens only, special tokens dropped)."""
         return self.run(examples)[0]
 
-    def gt_prob(self, examples: list[Example], probs: list[Tensor] | None = None) -> Tensor:
+    def gt_prob(self, examples: list[Example]) -> Tensor:
         """Probability mass the model puts on replies the VQA metric credits, weighted by that credit: (N,), in [0, 1].
 
         sum over credited_replies(answers) of credit * P(reply): distinct reply strings end with the turn's closing
         token, so they are exclusive events and the sum is the expected VQA accuracy of the model's answers over these
         spellings (a lower bound of the full expectation: spellings no annotator used, like "Yes.", are not scored).
-        `probs`: the replies' probabilities when run() already computed them.
         """
         credited = [credited_replies(query["answers"]) for query, _ in examples]
-        if probs is None:
-            probs = self.run(examples, [[r for r, _ in c] for c in credited], answer=False)[1]
-        total = torch.stack([(p * torch.tensor([w for _, w in c])).sum() for p, c in zip(probs, credited)])  # (N,)
-        # Exclusive replies make the sum at most 1; the clamp only removes float rounding above it.
-        return total.clamp_(max=1.0)  # (N,)
+        return credit_sum(credited, self.run(examples, [[r for r, _ in c] for c in credited], answer=False)[1])
 
     def score_examples(self, examples: list[Example], gt_prob: bool = True) -> dict:
         """score() for explicit (query item, ICD items) prompts; the ICD lists may differ in length.
@@ -537,8 +538,8 @@ class LVLMBackend:
         One prompt pass per example serves both the answer and gt_prob (run()); gt_prob=False skips the replies
         (NaN instead): evaluation needs only the answers.
         """
-        replies = [[r for r, _ in credited_replies(query["answers"])] for query, _ in examples] if gt_prob else None
-        texts, probs = self.run(examples, replies)
+        credited = [credited_replies(query["answers"]) for query, _ in examples] if gt_prob else None
+        texts, probs = self.run(examples, [[r for r, _ in c] for c in credited] if gt_prob else None)
         predictions = [postprocess(text) for text in texts]
         gts = [query["answers"] for query, _ in examples]
         acc = torch.tensor([vqa_score(p, a) for p, a in zip(predictions, gts)], dtype=torch.float32)  # (N,)
@@ -547,7 +548,7 @@ class LVLMBackend:
             "prediction": predictions,
             "acc": acc,
             "correct": acc > 0,
-            "gt_prob": self.gt_prob(examples, probs) if gt_prob else torch.full((len(examples),), float("nan")),
+            "gt_prob": credit_sum(credited, probs) if gt_prob else torch.full((len(examples),), float("nan")),
             "rel": rel,
         }
 
