@@ -17,7 +17,7 @@ import contextlib
 import io
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +29,7 @@ import grpo
 import rce
 from compare import bootstrap_ci, gap_share, md_table, paired, per_question
 from data import run_cli
+from training import flag_values
 
 # name -> (stage, flags, reference). GRPO variants start from the default RCE run of their seed unless they name
 # another init; their reference is the default online run.
@@ -107,7 +108,7 @@ def build(args: Args, seed: int, names: list[str]) -> None:
             run_args = grpo.resolve(grpo.Args(**common, **{**flags, "init": root / slug(flags.get("init", "rce"))}))
         if (run / "config.json").is_file():  # a cached run must have been made with exactly these flags
             then = json.loads((run / "config.json").read_text())["args"]
-            now = json.loads(json.dumps(asdict(run_args), default=str))
+            now = flag_values(run_args)
             if diff := sorted(k for k in now if k not in ("resume", "out") and now[k] != then.get(k)):
                 raise ValueError(f"{run} was made with other flags ({', '.join(diff)}): delete it to rebuild it")
         if (run / "eval" / "val.json").is_file():

@@ -45,7 +45,7 @@ from compare import accuracy_table
 from data import CpuArgs, Dataset, load_dataset, read_json, read_jsonl, run_cli
 from locks import exclusive
 from model import PointerSelector, atomic_write_text
-from training import data_digest, load_selector
+from training import checkpoints, data_digest, load_selector
 from vqa_data import check_images
 
 Baseline = Literal["zero-shot", "random", "image-sim", "text-sim", "oracle", "observable"]
@@ -106,7 +106,7 @@ def check_args(args: Args) -> None:
     for run in args.runs:
         if not (run / "model.safetensors").is_file():
             raise ValueError(f"{run}: no model.safetensors; is this a finished rce/grpo run?")
-        have = sorted(int(p.stem.removeprefix("epoch_")) for p in (run / "ckpt").glob("epoch_*.safetensors"))
+        have = list(checkpoints(run))
         for e in args.epochs:
             if e not in have:
                 raise ValueError(

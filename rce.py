@@ -77,6 +77,9 @@ class Args(TrainArgs):
     """Fresh selectors: nearest_first = the first pick sits next to the query (prompt = picks reversed), so every
     k-shot prefix of a greedy decode keeps the best pick next to the query; prompt = picks in prompt order."""
 
+    def fixed_length_reason(self) -> str | None:
+        return "RCE anneals tau over all steps of the run"
+
 
 def top1_weights(reward: Tensor, mask: Tensor) -> Tensor:
     """One-hot on each group's best valid sequence (the first one on ties): (B, G) -> (B, G)."""

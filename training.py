@@ -81,6 +81,12 @@ class TrainArgs(RewardArgs, CpuArgs):
     val_max_queries: int = 200
     """--val-lvlm: validation anchors answered per epoch (the first N of the held-out split)."""
 
+    def fixed_length_reason(self) -> str | None:
+        """Why a schedule of this run depends on its total length (then --epochs cannot change on resume), or None."""
+        if self.lr_schedule != "constant":
+            return f"--lr-schedule {self.lr_schedule} decays over all steps of the run"
+        return None
+
 
 def alias(*names: str):
     """Also accept TRL's name for a flag (--learning-rate for --lr, ...) where the meaning is the same."""
@@ -252,9 +258,8 @@ def run_folder(out: Path):
 def write_config(out: Path, args, ds: Dataset, split: Split, extra: dict | None = None) -> None:
     """config.json of a new run (a resumed run keeps the one it started with)."""
     ident = run_identity(args, ds)
-    flags = json.loads(json.dumps(asdict(args), default=str))
     config = {
-        "args": flags,
+        "args": flag_values(args),
         "argv": sys.argv,
         "git_sha": git_sha(),
         "versions": {
@@ -349,18 +354,20 @@ def checkpoint_meta(path: Path) -> dict:
     return json.loads(meta["checkpoint"])
 
 
+def checkpoints(out: Path) -> dict[int, Path]:
+    """A run folder's epoch checkpoints, epoch -> file, in epoch order."""
+    return {int(p.stem.removeprefix("epoch_")): p for p in sorted((out / "ckpt").glob("epoch_*.safetensors"))}
+
+
 def prune_checkpoints(out: Path, keep_every: int, best_epoch: int | None) -> None:
     """Delete epoch checkpoints other than the last (resume needs it), the best and every keep_every-th."""
-    ckpts = sorted((out / "ckpt").glob("epoch_*.safetensors"))
-    for path in ckpts[:-1]:
-        epoch = int(path.stem.removeprefix("epoch_"))
+    for epoch, path in list(checkpoints(out).items())[:-1]:
         if epoch != best_epoch and (keep_every == 0 or epoch % keep_every):
             path.unlink()
 
 
 def last_checkpoint(out: Path) -> Path | None:
-    ckpts = sorted((out / "ckpt").glob("epoch_*.safetensors"))
-    return ckpts[-1] if ckpts else None
+    return next(reversed(checkpoints(out).values()), None)
 
 
 def load_model_part(model: PointerSelector, tensors: dict[str, Tensor], path: Path) -> None:
@@ -448,13 +455,7 @@ def continue_with_more_or_fewer_epochs(out: Path, ckpt: Path, args, config: dict
     records the new total and when it changed. Refused where a schedule is spread over all steps of the run: RCE's
     tau anneal and a decaying learning rate would have taken other values at every step already trained."""
     done, before = checkpoint_meta(ckpt)["epoch"], config["args"]["epochs"]
-    why = None
-    if hasattr(args, "temp_start"):
-        why = "RCE anneals tau over all steps of the run"
-    elif args.lr_schedule != "constant":
-        why = f"--lr-schedule {args.lr_schedule} decays over all steps of the run"
-    elif args.epochs < done:
-        why = f"it has already trained {done} epochs"
+    why = args.fixed_length_reason() or (f"it has already trained {done} epochs" if args.epochs < done else None)
     if why:
         raise ValueError(
             f"--resume: {out} was started with --epochs {before}, and {why}, so it cannot continue to --epochs "
@@ -489,13 +490,17 @@ def data_digest(folder: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def flag_values(args) -> dict:
+    """A stage's flags as JSON values (paths as strings), as config.json records them."""
+    return json.loads(json.dumps(asdict(args), default=str))
+
+
 def run_identity(args, ds: Dataset) -> dict:
     """What a resumed run must share with the run it continues: flags, data content, and the --init weights."""
     init = getattr(args, "init", None)
     init_file = None if init is None else (Path(init) / "model.safetensors" if Path(init).is_dir() else Path(init))
-    flags = json.loads(json.dumps(asdict(args), default=str))
     return {
-        "args": {k: v for k, v in flags.items() if k not in PATH_ARGS},
+        "args": {k: v for k, v in flag_values(args).items() if k not in PATH_ARGS},
         "data": data_digest(ds.folder),
         "init": file_sha(init_file) if init_file is not None and init_file.is_file() else None,
     }
