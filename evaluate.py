@@ -219,10 +219,13 @@ def own_partial(target: Path, seed: int, rank: int, header: dict) -> Path:
     return path
 
 
-def evaluate_one(args: Args, ds: Dataset, backend, target: Path, selector: Path | None, desc: str) -> dict | None:
-    """Evaluate one run, checkpoint or baseline into `target`, holding its lock (one writer per file)."""
+def evaluate_one(
+    args: Args, ds: Dataset, digest: str, backend, target: Path, selector: Path | None, desc: str
+) -> dict | None:
+    """Evaluate one run, checkpoint or baseline into `target`, holding its lock (one writer per file); `digest` is
+    the dataset's content digest (data_digest), hashed once per process."""
     with exclusive(target, sharding.init()[0]):
-        return evaluate_locked(args, ds, backend, target, selector, desc)
+        return evaluate_locked(args, ds, digest, backend, target, selector, desc)
 
 
 def keep_other_settings(target: Path, header: dict, num_samples: list[int], digest: str) -> None:
@@ -254,7 +257,9 @@ def run_status(run: Path) -> str:
     return f"evaluating model.safetensors = epoch {best} (the best on validation); training {done}"
 
 
-def evaluate_locked(args: Args, ds: Dataset, backend, target: Path, selector: Path | None, desc: str) -> dict | None:
+def evaluate_locked(
+    args: Args, ds: Dataset, digest: str, backend, target: Path, selector: Path | None, desc: str
+) -> dict | None:
     """Evaluate one run or baseline; under torchrun every rank scores its share and rank 0 writes the file."""
     rank, world = sharding.init()
     n = max(args.num_samples)
@@ -280,7 +285,7 @@ def evaluate_locked(args: Args, ds: Dataset, backend, target: Path, selector: Pa
         "data": str(ds.folder),
         "lvlm": backend.describe()["lvlm"],
     }
-    keep_other_settings(target, header, args.num_samples, data_digest(ds.folder))
+    keep_other_settings(target, header, args.num_samples, digest)
     if rank == 0 and selector is not None and selector.is_dir():
         print(f"{selector}: {run_status(selector)}", flush=True)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -315,7 +320,7 @@ def evaluate_locked(args: Args, ds: Dataset, backend, target: Path, selector: Pa
             results.append(r | (picks[0] if len(picks) == 1 else multi))
     doc = {
         "data": str(ds.folder),
-        "data_digest": data_digest(ds.folder),  # compare.py pairs runs only on the same dataset content
+        "data_digest": digest,  # compare.py pairs runs only on the same dataset content
         "backend": backend.describe()["lvlm"],
         "simulation": ds.is_sim,
         "backend_info": backend.describe(),
@@ -385,8 +390,9 @@ def main(args: Args) -> None:
                     f"{run} epoch {e}",
                 )
             )
+    digest = data_digest(ds.folder)
     for target, selector, desc in jobs:
-        doc = evaluate_one(args, ds, backend, target, selector, desc)
+        doc = evaluate_one(args, ds, digest, backend, target, selector, desc)
         if doc is not None:  # rank 0 (or a single process)
             label = " (simulated LVLM)" if ds.is_sim else f" ({doc['backend']})"
             print(f"\n{desc}: {args.split} VQA accuracy (%){label} -> {target}\n{accuracy_table(doc)}")
