@@ -126,7 +126,8 @@ def test_grpo_invariants_with_step_logs(small_data, rce_run, tmp_path):
     first = steps[0]
     # the old policy and the reference are the init itself, with dropout off: ratio exactly 1, KL exactly 0
     assert first["grpo/ratio_mean"] == 1.0 and first["grpo/kl_ref"] == 0.0
-    assert first["grpo/approx_kl_old"] > 0  # measured after the update: the step moved the policy
+    assert "grpo/approx_kl_old" not in first  # measured at each epoch's last step only (a forward more)
+    assert all(s["grpo/approx_kl_old"] > 0 for s in steps if "grpo/approx_kl_old" in s)  # the update moved it
     assert first["grpo/clip_frac_low"] == first["grpo/clip_frac_high"] == 0.0 and first["grpo/beta"] == 0.1
     assert all(s["grpo/ratio_mean"] == 1.0 for s in steps)  # num_iterations=1: always on-policy
     assert len({s["grpo/beta"] for s in steps}) > 1  # adaptive beta moves and is logged per step
@@ -148,6 +149,21 @@ def test_grpo_invariants_with_step_logs(small_data, rce_run, tmp_path):
         "grpo/reward_std",
     ):
         assert key in epochs[1], key
+
+
+def test_kl_grad_share_is_measured_where_the_kl_pulls_and_never_changes_training(
+    small_data, rce_run, tmp_path, monkeypatch
+):
+    """At an epoch's first step of epoch 1 the policy is the reference, so the KL gradient is 0 whatever beta is:
+    the share is measured at the last step instead, and measuring it leaves the trained bytes as they were."""
+    kw = dict(data=small_data, init=rce_run, epochs=2, kl_beta=0.5, lr=3e-3, **FAST)
+    grpo.main(grpo.Args(out=tmp_path / "measured", **kw))
+    shares = [r["grpo/kl_grad_share"] for r in records(tmp_path / "measured")[1:]]
+    assert all(0 < s < 1 for s in shares), shares
+    monkeypatch.setattr(grpo, "kl_grad_share", lambda *a: 0.0)
+    grpo.main(grpo.Args(out=tmp_path / "unmeasured", **kw))
+    for name in ("model.safetensors", "ckpt/epoch_002.safetensors"):
+        assert (tmp_path / "measured" / name).read_bytes() == (tmp_path / "unmeasured" / name).read_bytes()
 
 
 def test_grpo_iterations_clip_and_frozen_backbone(small_data, rce_run, tmp_path):
