@@ -100,8 +100,7 @@ def build(args: Args, seed: int, names: list[str]) -> None:
     for name in names:
         stage, flags, _ = VARIANTS[name]
         run = root / slug(name)
-        resume = (run / "ckpt").is_dir() and any((run / "ckpt").iterdir())
-        common = {"data": data, "out": run, "seed": seed, "resume": resume}
+        common = {"data": data, "out": run, "seed": seed}
         if stage == "rce":
             run_args = rce.Args(**common, **flags)
         else:
@@ -109,7 +108,7 @@ def build(args: Args, seed: int, names: list[str]) -> None:
         if (run / "config.json").is_file():  # a cached run must have been made with exactly these flags
             then = json.loads((run / "config.json").read_text())["args"]
             now = flag_values(run_args)
-            if diff := sorted(k for k in now if k not in ("resume", "out") and now[k] != then.get(k)):
+            if diff := sorted(k for k in now if k not in ("out", "keep_every") and now[k] != then.get(k)):
                 raise ValueError(f"{run} was made with other flags ({', '.join(diff)}): delete it to rebuild it")
         if (run / "eval" / "val.json").is_file():
             continue

@@ -76,9 +76,7 @@ def run_cli(main: Callable, args_type: type) -> None:
         if os.environ.get("ICL_SELECT_DEBUG"):
             raise
         close_progress_bars()
-        command = " ".join(shlex.quote(a) for a in ["python", *sys.argv])
-        if getattr(args, "resume", True) is False:  # rce.py / grpo.py continue from their checkpoints on --resume
-            command += " --resume"
+        command = " ".join(shlex.quote(a) for a in ["python", *sys.argv])  # every stage resumes when re-run as is
         print(
             f"interrupted: what finished (epochs, scored queries) is saved; continue with: {command}", file=sys.stderr
         )

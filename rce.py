@@ -2,7 +2,7 @@
 
 Loss per query: sum_i w_i * (-log pi(seq_i)) over its group of scored sequences, w = softmax(reward / tau) over
 the group's valid sequences, tau annealed linearly from --temp-start to --temp-end over all steps. `--top1` is
-plain cross-entropy on each group's best sequence (the supervised baseline the user calls v2).
+plain cross-entropy on each group's best sequence (a supervised baseline).
 
 Departures from Lever-Plus's trainer, each measured on the simulator (README, "What moves the learning"):
 - only groups whose rewards differ are trained on (--quality varied). In a group where every sequence scored the
@@ -17,7 +17,7 @@ Departures from Lever-Plus's trainer, each measured on the simulator (README, "W
 Usage:
     python rce.py                                  # data/sim -> runs/rce
     python rce.py --top1 --out runs/sup            # supervised top-1 baseline
-    python rce.py --resume                         # continue an interrupted run (same flags)
+    python rce.py                                  # again: continues an interrupted run, leaves a finished one
 """
 
 from __future__ import annotations

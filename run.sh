@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # The whole pipeline on the built-in simulated LVLM: data -> RCE -> GRPO (offline, online) -> evaluation with
-# baselines -> comparison tables (also written to runs/report.md). Re-running never deletes anything: an
-# interrupted stage resumes, a finished run is reused as it is (--resume), and a run made with other flags or data
-# is refused with a message; delete data/sim and runs/ yourself to start over.
+# baselines -> comparison tables (also written to runs/report.md). Re-running never deletes anything: every stage
+# resumes when its command is re-run (an interrupted one continues, a finished run is reused as it is), and a run
+# made with other flags or data is refused with a message; delete data/sim and runs/ yourself to start over.
 set -euo pipefail
 cd "$(dirname "$0")"
 export TQDM_MININTERVAL=${TQDM_MININTERVAL:-5}   # fewer progress-bar redraws in logs
 
 python gen_rl_data.py                                   # data/sim (resumes if interrupted)
 python gen_rl_data.py --report data/sim
-python rce.py --resume                                  # runs/rce
-python grpo.py --kl-beta 0.1 --no-rank-advantage --resume   # runs/grpo-kl0.1 (offline, the scored groups)
-python grpo.py --online --resume                        # runs/grpo-kl0.3-online (simulator in the loop)
+python rce.py                                           # runs/rce
+python grpo.py --kl-beta 0.1 --no-rank-advantage        # runs/grpo-kl0.1 (offline, the scored groups)
+python grpo.py --online                                 # runs/grpo-kl0.3-online (simulator in the loop)
 
 for b in zero-shot random image-sim text-sim oracle observable; do
   python evaluate.py --baseline "$b" --seeds 3

@@ -1,8 +1,8 @@
 """What rce.py and grpo.py share: arguments, run folders, batches, validation, checkpoints with exact resume.
 
 Run folder: config.json, metrics.jsonl (one flushed JSON object per logged epoch), ckpt/epoch_NNN.safetensors
-(model + optimizer + RNG state + loop state, so `--resume` ends bit-identical to an uninterrupted run), and
-model.safetensors + model.json = the best trained epoch by the true accuracy of its greedy picks on held-out anchor
+(model + optimizer + RNG state + loop state, so re-running an interrupted command ends bit-identical to an
+uninterrupted run), and model.safetensors + model.json = the best trained epoch by the true accuracy of its greedy picks on held-out anchor
 queries when the backend can answer them (else by validation reward).
 Every file is written to a temporary name and renamed, so a killed run never leaves a half-written file.
 """
@@ -69,9 +69,6 @@ class TrainArgs(RewardArgs, CpuArgs):
     equal), all; see the data report."""
     require_positive: bool = False
     """Train only on queries with at least one correct sequence."""
-    resume: bool = False
-    """Continue from the last epoch checkpoint in the output folder (a finished run is left as it is; a folder
-    without a checkpoint starts the run)."""
     allow_truncated: bool = False
     """Ignore a truncated last line of rl_data.jsonl (an interrupted gen_rl_data run) instead of failing."""
     val_lvlm: bool = False
@@ -404,16 +401,16 @@ def load_selector(source: Path) -> PointerSelector:
 def prepare_out(out: Path, args, ds: Dataset) -> Path | None:
     """Check the output folder before any work; returns the checkpoint to resume from, if any.
 
-    --resume continues the very same run: any other flag, other data content or other --init weights are refused
-    (paths may differ: folders can move). A run that died before its first checkpoint simply starts again.
+    As in every stage of the kit, re-running the same command continues what it finished: a folder holding a run
+    resumes from its last epoch checkpoint (a finished run is left as it is). Only the very same run continues: any
+    other flag, other data content or other --init weights are refused (paths may differ: folders can move). A run
+    that died before its first checkpoint simply starts again.
     """
     ckpt = last_checkpoint(out)
     if ckpt is None:
-        if args.resume and (out / "metrics.jsonl").exists():
+        if (out / "metrics.jsonl").exists():
             print(f"note: {out} has no checkpoint yet (killed during epoch 1); starting it again", file=sys.stderr)
         return None
-    if not args.resume:
-        raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
     config = read_json(out / "config.json")
     for name in ("args", "data"):
         if not isinstance(config, dict) or not isinstance(config.get(name), dict):
@@ -428,7 +425,7 @@ def prepare_out(out: Path, args, ds: Dataset) -> Path | None:
     }
     if then["data"] is None:
         raise ValueError(
-            f"--resume: {out} was started by an older icl-select that identified its data differently; "
+            f"{out} was started by an older icl-select that identified its data differently; "
             "start a new run (--init can start from its checkpoint)"
         )
     # --keep-every only prunes files: a resumed run may change it freely.
@@ -441,24 +438,27 @@ def prepare_out(out: Path, args, ds: Dataset) -> Path | None:
             f"--{k.replace('_', '-')}: run has {then['args'].get(k)!r}, now {now['args'][k]!r}" for k in diff
         )
         raise ValueError(
-            f"--resume: {out} was started with other flags ({details}); resume with the same flags, or "
-            f"start a new run with --init {out}"
+            f"{out} holds a run started with other flags ({details}); continue it with the same flags, or "
+            f"start a new run in another --out (--init {out} starts from it)"
         )
     if now["data"] != then["data"] or now["init"] != then["init"]:
         what = "dataset" if now["data"] != then["data"] else "--init selector"
-        raise ValueError(f"--resume: the {what} changed since {out} was started; start a new run instead")
+        raise ValueError(f"{out}: the {what} changed since this run was started; start a new run in another --out")
+    done = checkpoint_meta(ckpt)["epoch"]
+    news = "has finished all its epochs; nothing to train" if done >= args.epochs else f"resumes after epoch {done}"
+    print(f"note: {out} holds this run (same flags and data): it {news} (another --out starts anew)", file=sys.stderr)
     return ckpt
 
 
 def continue_with_more_or_fewer_epochs(out: Path, ckpt: Path, args, config: dict) -> None:
-    """--resume with another --epochs, where the schedule can be continued honestly; the run's config.json then
+    """A resumed run with another --epochs, where the schedule can be continued honestly; the run's config.json then
     records the new total and when it changed. Refused where a schedule is spread over all steps of the run: RCE's
     tau anneal and a decaying learning rate would have taken other values at every step already trained."""
     done, before = checkpoint_meta(ckpt)["epoch"], config["args"]["epochs"]
     why = args.fixed_length_reason() or (f"it has already trained {done} epochs" if args.epochs < done else None)
     if why:
         raise ValueError(
-            f"--resume: {out} was started with --epochs {before}, and {why}, so it cannot continue to --epochs "
+            f"{out} was started with --epochs {before}, and {why}, so it cannot continue to --epochs "
             f"{args.epochs}; start a new run with --init {out}"
         )
     config["args"]["epochs"] = args.epochs
@@ -473,7 +473,7 @@ def file_sha(path: Path) -> str:
 
 # Flags that name places, not settings: a resumed run compares what they hold (the data's digest, the --init
 # weights' hash), so a moved run, dataset or init folder still resumes.
-PATH_ARGS = ("resume", "out", "data", "init")
+PATH_ARGS = ("out", "data", "init")
 DATA_FILES = ("items.json", "embeddings.safetensors", "rl_data.jsonl", "eval_pools.json")
 
 

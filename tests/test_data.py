@@ -182,7 +182,6 @@ def test_cli_error_gets_a_line_of_its_own_after_a_progress_bar(monkeypatch, caps
 @dataclass
 class _Resumable:
     out: str = "runs/x"
-    resume: bool = False
 
 
 def test_ctrl_c_is_one_line_with_the_command_that_continues(monkeypatch, capsys):
@@ -198,7 +197,7 @@ def test_ctrl_c_is_one_line_with_the_command_that_continues(monkeypatch, capsys)
     last = capsys.readouterr().err.rstrip("\n").split("\n")[-1].split("\r")[-1]
     assert last == (
         "interrupted: what finished (epochs, scored queries) is saved; continue with: "
-        "python rce.py --out 'runs/my run' --resume"
+        "python rce.py --out 'runs/my run'"
     )
 
 

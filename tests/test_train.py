@@ -68,7 +68,7 @@ def test_rce_resume_is_bit_identical(small_data, rce_run, tmp_path, monkeypatch)
         killed_after_epoch(m, 2)
         rce.main(rce.Args(data=small_data, out=out, epochs=3, **FAST))
     assert not (out / "ckpt/epoch_003.safetensors").exists()
-    rce.main(rce.Args(data=small_data, out=out, epochs=3, resume=True, **FAST))
+    rce.main(rce.Args(data=small_data, out=out, epochs=3, **FAST))
     assert (out / "model.safetensors").read_bytes() == (rce_run / "model.safetensors").read_bytes()
     assert (out / "ckpt/epoch_003.safetensors").read_bytes() == (rce_run / "ckpt/epoch_003.safetensors").read_bytes()
     assert (out / "metrics.jsonl").read_text() == (rce_run / "metrics.jsonl").read_text()
@@ -92,11 +92,11 @@ def test_rce_killed_mid_epoch_resumes_bit_identical(small_data, rce_run, tmp_pat
         m.setattr(rce, "make_batch", dies_in_epoch_3)
         rce.main(rce.Args(data=small_data, out=out, epochs=3, **FAST))
     assert (out / "ckpt/epoch_002.safetensors").exists() and not (out / "ckpt/epoch_003.safetensors").exists()
-    rce.main(rce.Args(data=small_data, out=out, epochs=3, resume=True, **FAST))
+    rce.main(rce.Args(data=small_data, out=out, epochs=3, **FAST))
     assert (out / "model.safetensors").read_bytes() == (rce_run / "model.safetensors").read_bytes()
     assert (out / "metrics.jsonl").read_text() == (rce_run / "metrics.jsonl").read_text()
-    with pytest.raises(ValueError, match=r"--resume: .* other flags \(--lr: run has 0.0001, now 0.001\)"):
-        rce.main(rce.Args(data=small_data, out=out, epochs=3, resume=True, lr=1e-3, **FAST))
+    with pytest.raises(ValueError, match=r"holds a run started with other flags \(--lr: run has 0.0001, now 0.001\)"):
+        rce.main(rce.Args(data=small_data, out=out, epochs=3, lr=1e-3, **FAST))
 
 
 def test_validation_split_is_by_image(small_data):
@@ -110,9 +110,12 @@ def test_validation_split_is_by_image(small_data):
     assert abs(len(split.val) - 12) <= 2
 
 
-def test_rce_top1_and_existing_run_refused(small_data, rce_run, tmp_path):
-    with pytest.raises(ValueError, match="already holds a run"):
-        rce.main(rce.Args(data=small_data, out=rce_run, epochs=1, **FAST))
+def test_rerunning_a_finished_run_changes_nothing_and_top1(small_data, rce_run, tmp_path, capsys):
+    """Every stage resumes when its command is re-run: a finished run is left as it is, and says so."""
+    before = {p: p.read_bytes() for p in rce_run.rglob("*") if p.is_file()}
+    rce.main(rce.Args(data=small_data, out=rce_run, epochs=3, **FAST))
+    assert {p: p.read_bytes() for p in rce_run.rglob("*") if p.is_file()} == before
+    assert "has finished all its epochs; nothing to train" in capsys.readouterr().err
     rce.main(rce.Args(data=small_data, out=tmp_path / "sup", epochs=1, top1=True, **FAST))
     reward = torch.tensor([[0.0, 2.0, 2.0, 1.0], [1.0, 0.0, 5.0, 0.0]])
     mask = torch.tensor([[True, True, True, True], [True, True, False, True]])
@@ -229,7 +232,7 @@ def test_grpo_online_and_resume_bit_identical(small_data, rce_run, tmp_path, mon
     with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
         killed_after_epoch(m, 1)
         grpo.main(grpo.Args(out=part, **common))
-    grpo.main(grpo.Args(out=part, resume=True, **common))
+    grpo.main(grpo.Args(out=part, **common))
     assert (part / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
     assert (part / "metrics.jsonl").read_text() == (full / "metrics.jsonl").read_text()
     rec = records(full)[-1]
@@ -362,15 +365,15 @@ def test_resume_identifies_the_data_by_content_and_survives_moved_folders(small_
     moved_data, moved_run = tmp_path / "data-moved", tmp_path / "run-moved"
     data.rename(moved_data)
     shutil.copytree(first, moved_run)
-    rce.main(rce.Args(data=moved_data, out=moved_run, resume=True, **args))
+    rce.main(rce.Args(data=moved_data, out=moved_run, **args))
     assert (moved_run / "model.safetensors").read_bytes() == (rce_run / "model.safetensors").read_bytes()
     # rewards edited mid-run: what training reads changed, so the run is refused
     lines = (moved_data / "rl_data.jsonl").read_text().splitlines()
     record = json.loads(lines[0])
     record["seqs"][0]["correct"] = 1 - record["seqs"][0]["correct"]
     (moved_data / "rl_data.jsonl").write_text("\n".join([json.dumps(record), *lines[1:]]) + "\n")
-    with pytest.raises(ValueError, match="--resume: the dataset changed"):
-        rce.main(rce.Args(data=moved_data, out=first, resume=True, **args))
+    with pytest.raises(ValueError, match="the dataset changed since this run was started"):
+        rce.main(rce.Args(data=moved_data, out=first, **args))
 
 
 @pytest.mark.parametrize(
@@ -398,10 +401,10 @@ def test_bad_run_files_and_unwritable_folders_are_one_line(small_data, rce_run, 
     config = json.loads((run / "config.json").read_text())
     (run / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "args"}))
     with pytest.raises(ValueError, match=r"config\.json: field 'args' is missing"):
-        rce.main(rce.Args(data=small_data, out=run, epochs=3, resume=True, **FAST))
+        rce.main(rce.Args(data=small_data, out=run, epochs=3, **FAST))
     (run / "config.json").write_text("{")
     with pytest.raises(ValueError, match=r"config\.json: not valid JSON"):
-        rce.main(rce.Args(data=small_data, out=run, epochs=3, resume=True, **FAST))
+        rce.main(rce.Args(data=small_data, out=run, epochs=3, **FAST))
     # an output folder that cannot be written (here: its parent is a file) is one line on the command line
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -444,18 +447,18 @@ def test_resume_may_change_epochs_only_where_the_schedule_continues(small_data, 
     full, part = tmp_path / "full", tmp_path / "part"
     grpo.main(grpo.Args(out=full, epochs=3, **common))
     grpo.main(grpo.Args(out=part, epochs=2, **common))
-    grpo.main(grpo.Args(out=part, epochs=3, resume=True, keep_every=0, **common))  # constant lr: continues exactly
+    grpo.main(grpo.Args(out=part, epochs=3, keep_every=0, **common))  # constant lr: continues exactly
     assert (part / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
     config = json.loads((part / "config.json").read_text())
     assert config["args"]["epochs"] == 3 and config["epochs_changed"] == [{"from": 2, "to": 3, "after_epoch": 2}]
     with pytest.raises(ValueError, match="it has already trained 3 epochs"):
-        grpo.main(grpo.Args(out=part, epochs=2, resume=True, **common))
+        grpo.main(grpo.Args(out=part, epochs=2, **common))
     cosine = tmp_path / "cos"
     grpo.main(grpo.Args(out=cosine, epochs=1, lr_schedule="cosine", **common))
     with pytest.raises(ValueError, match="--lr-schedule cosine decays over all steps"):
-        grpo.main(grpo.Args(out=cosine, epochs=2, lr_schedule="cosine", resume=True, **common))
+        grpo.main(grpo.Args(out=cosine, epochs=2, lr_schedule="cosine", **common))
     with pytest.raises(ValueError, match="RCE anneals tau over all steps of the run"):
-        rce.main(rce.Args(data=small_data, out=rce_run, epochs=4, resume=True, **FAST))
+        rce.main(rce.Args(data=small_data, out=rce_run, epochs=4, **FAST))
 
 
 def test_trl_flag_names_are_aliases_with_the_same_meaning():
