@@ -1,9 +1,9 @@
 """What rce.py and grpo.py share: arguments, run folders, batches, validation, checkpoints with exact resume.
 
-Run folder: config.json, metrics.jsonl (one flushed JSON object per logged epoch), ckpt/epoch_NNN.safetensors
-(model + optimizer + RNG state + loop state, so re-running an interrupted command ends bit-identical to an
-uninterrupted run), and model.safetensors + model.json = the best trained epoch by the true accuracy of its greedy picks on held-out anchor
-queries when the backend can answer them (else by validation reward).
+Run folder: config.json, metrics.jsonl (one flushed JSON object per logged epoch), ckpt/epoch_NNN.safetensors (model
++ optimizer + RNG state + loop state, so re-running an interrupted command ends bit-identical to an uninterrupted
+run), and model.safetensors + model.json = the best trained epoch by the true accuracy of its greedy picks on
+held-out anchor queries when the backend can answer them (else by validation reward).
 Every file is written to a temporary name and renamed, so a killed run never leaves a half-written file.
 """
 

@@ -196,8 +196,7 @@ def test_ctrl_c_is_one_line_with_the_command_that_continues(monkeypatch, capsys)
     assert stop.value.code == 130
     last = capsys.readouterr().err.rstrip("\n").split("\n")[-1].split("\r")[-1]
     assert last == (
-        "interrupted: what finished (epochs, scored queries) is saved; continue with: "
-        "python rce.py --out 'runs/my run'"
+        "interrupted: what finished (epochs, scored queries) is saved; continue with: python rce.py --out 'runs/my run'"
     )
 
 
