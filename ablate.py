@@ -27,8 +27,8 @@ import evaluate
 import gen_rl_data
 import grpo
 import rce
+from cli import run_cli
 from compare import bootstrap_ci, gap_share, md_table, paired, per_question
-from data import run_cli
 from training import flag_values
 
 # name -> (stage, flags, reference). GRPO variants start from the default RCE run of their seed unless they name
@@ -74,7 +74,7 @@ class Args:
     out: Path = Path("runs/ablate")
     """Folder of the cached datasets and runs."""
     only: list[str] = field(default_factory=list)
-    """Train only these variants (their references too); default all. The tables show whatever is finished."""
+    """Train only these variants (their references too; none given: all). The tables show whatever is finished."""
     bootstrap: int = 10000
     """Bootstrap resamples for the CIs."""
 

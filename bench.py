@@ -17,12 +17,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 import tyro
 from torch import Tensor
 
+from cli import default_is
 from model import PointerSelector, SelectorConfig
 
 
@@ -36,8 +37,8 @@ class Args:
     """torch threads for the log-prob benchmark (0 = torch's default)."""
     thread_counts: list[int] = field(default_factory=lambda: [1])
     """Epoch benchmark: the thread counts to compare, interleaved (e.g. 1 2)."""
-    data: Path | None = None
-    """Dataset folder for the epoch benchmarks (default: generate the default simulated data in a temp folder)."""
+    data: Annotated[Path | None, default_is("a fresh simulated dataset")] = None
+    """Dataset folder for the epoch benchmarks."""
     lvlm: str | None = None
     """LVLM benchmark: the model (hub id in the local cache, or a folder)."""
     vqa_root: Path | None = None

@@ -25,12 +25,12 @@ import sys
 from dataclasses import dataclass, field
 from itertools import combinations
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import tyro
 
-from data import run_cli
+from cli import default_is, run_cli
 from model import atomic_write_text
 
 
@@ -38,9 +38,10 @@ from model import atomic_write_text
 class Args:
     runs: tyro.conf.Positional[list[Path]] = field(default_factory=list)
     """Run folders (folders that are not runs are skipped with a warning)."""
-    baseline: str | None = None
-    """Run to compare against (its path, in any spelling, or folder name); default the RCE run if one is given,
-    else the random baseline, else the first run with an evaluation."""
+    baseline: Annotated[
+        str | None, default_is("the RCE run if one is given, else the random baseline, else the first run")
+    ] = None
+    """Run to compare against (its path, in any spelling, or folder name)."""
     split: Literal["val", "train"] = "val"
     """Which evaluation file to read (eval/<split>.json)."""
     out: Path | None = None

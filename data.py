@@ -18,18 +18,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shlex
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
 
 import torch
-import tyro
 from torch import Tensor
-from tqdm import tqdm
 
 from model import read_tensors, reward_spread
 
@@ -44,49 +39,6 @@ SEQ_FIELDS = ("acc", "correct", "gt_prob", "rel")
 
 class DataError(ValueError):
     """Malformed input data; the message names the file, the line and the field."""
-
-
-@dataclass
-class CpuArgs:
-    """The CPU thread count of a stage (every stage that computes with torch has it)."""
-
-    threads: int = 1
-    """torch CPU threads. 1 (default) gives the same bytes on every machine and never collapses: on the 2-core
-    development CPU an epoch at 2 threads took 0.68-0.78x the time when the machine was idle but 1.7-1.8x with one
-    core busy elsewhere (README, Speed). Results may differ in the last bits between thread counts."""
-
-
-def run_cli(main: Callable, args_type: type) -> None:
-    """Parse flags with tyro and run `main`; bad input ends in one line on stderr and exit code 2, Ctrl-C in one
-    line saying how to continue and exit code 130, no traceback. Set ICL_SELECT_DEBUG=1 to get the traceback."""
-    args = tyro.cli(args_type)
-    try:
-        if isinstance(args, CpuArgs):
-            if args.threads < 1:
-                raise ValueError(f"--threads must be >= 1, got {args.threads}")
-            torch.set_num_threads(args.threads)
-        main(args)
-    except (ValueError, OSError) as e:  # OSError: a missing file, a read-only or full disk, a path through a file
-        if os.environ.get("ICL_SELECT_DEBUG"):
-            raise
-        close_progress_bars()
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        if os.environ.get("ICL_SELECT_DEBUG"):
-            raise
-        close_progress_bars()
-        command = " ".join(shlex.quote(a) for a in ["python", *sys.argv])  # every stage resumes when re-run as is
-        print(
-            f"interrupted: what finished (epochs, scored queries) is saved; continue with: {command}", file=sys.stderr
-        )
-        sys.exit(130)
-
-
-def close_progress_bars() -> None:
-    """A loop that stopped leaves its progress bar open, mid-line: close it so the message gets a line of its own."""
-    for bar in list(getattr(tqdm, "_instances", ())):
-        bar.close()
 
 
 @dataclass

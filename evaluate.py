@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 import tyro
@@ -41,8 +41,9 @@ from tqdm import tqdm
 import pools
 import sharding
 from backends import open_backend
+from cli import CpuArgs, default_is, help_first, run_cli
 from compare import accuracy_table
-from data import CpuArgs, Dataset, load_dataset, read_json, read_jsonl, run_cli
+from data import Dataset, load_dataset, read_json, read_jsonl
 from locks import exclusive
 from model import PointerSelector, atomic_write_text
 from training import checkpoints, data_digest, load_selector
@@ -51,6 +52,7 @@ from vqa_data import check_images
 Baseline = Literal["zero-shot", "random", "image-sim", "text-sim", "oracle", "observable"]
 
 
+@help_first("runs", "baseline", "data", "out", "lvlm")
 @dataclass
 class Args(CpuArgs):
     runs: tyro.conf.Positional[list[Path]] = field(default_factory=list)
@@ -60,8 +62,8 @@ class Args(CpuArgs):
     planted answer model) or observable (the same search with the latents that probes read off the embeddings: an
     estimate of how far embeddings alone can take a selector; a learned one can still beat it, e.g. by remembering
     which train items helped)."""
-    out: Path | None = None
-    """Run folder for a baseline (default runs/baseline-<name>)."""
+    out: Annotated[Path | None, default_is("runs/baseline-<name>")] = None
+    """Run folder for a baseline."""
     data: Path = Path("data/sim")
     """Dataset folder (its backend answers the questions)."""
     split: Literal["val", "train"] = "val"
@@ -82,7 +84,7 @@ class Args(CpuArgs):
     """Random baseline: first seed."""
     batch_size: int = 256
     """Questions per backend call (each one's line is flushed when its call returns)."""
-    lvlm: str | None = None
+    lvlm: Annotated[str | None, default_is("the dataset's own")] = None
     """Answer with this LVLM (HF id or path) instead of the one that scored the dataset (real datasets only)."""
     lvlm_batch_size: int = 8
     """Real LVLM: prompts per forward pass."""
@@ -301,7 +303,8 @@ def evaluate_locked(
         done = read_partials(target, seed, h)
         path = own_partial(target, seed, rank, h)
         todo = [i for i in sharding.share(n, rank, world) if i not in done]
-        score_all(backend, split, rows, icds, args.batch_size, desc, todo, path)
+        bar = f"{desc} seed {seed}" if len(seeds) > 1 else desc
+        score_all(backend, split, rows, icds, args.batch_size, bar, todo, path)
     sharding.barrier(world)
     if rank != 0:
         return None

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 from torch import Tensor
@@ -41,23 +41,23 @@ from tqdm import tqdm
 import pools
 import sharding
 from backends import LVLMOptions, SimBackend, lvlm_backend
+from cli import CpuArgs, default_is, help_first, run_cli
 from data import (
     FORMAT_VERSION,
     REWARD_MODES,
-    CpuArgs,
     RewardArgs,
     compute_reward,
     load_dataset,
     quality_labels,
     read_embeddings,
     read_meta,
-    run_cli,
 )
 from locks import exclusive
 from model import PointerSelector, atomic_write_text, reward_spread, save_tensors
 from sim import SimConfig, Simulator, calibrate
 
 
+@help_first("out", "lvlm", "dataset", "data_root")
 @dataclass
 class Args(RewardArgs, LVLMOptions, CpuArgs):
     """Build a dataset folder: candidate pools and LVLM-scored demonstration sequences for RCE and GRPO. Each sequence
@@ -65,9 +65,8 @@ class Args(RewardArgs, LVLMOptions, CpuArgs):
     with an answer the metric credits, times that credit, summed over every normalised annotator answer and each raw
     spelling annotators used: 0.3/0.6/0.9/1.0 for 1/2/3/4+ of 10 matching annotators) and rel (answer closeness)."""
 
-    out: Path | None = None
-    """Dataset folder to write (default data/sim, or data/<dataset>-<model name> for a real LVLM); re-running
-    the same command resumes it."""
+    out: Annotated[Path | None, default_is("data/sim, or data/<dataset>-<model name> for a real LVLM")] = None
+    """Dataset folder to write; re-running the same command resumes it."""
     num_queries: int = 800
     """Anchor queries (train items) to score."""
     num_train: int = 5000
@@ -98,18 +97,18 @@ class Args(RewardArgs, LVLMOptions, CpuArgs):
     """Real data: which official question/annotation files to read."""
     data_root: Path | None = None
     """Real data: folder with the question/annotation JSON files and the COCO train2014/ and val2014/ images."""
-    train_questions: str | None = None
-    """Real data: train questions file under --data-root (default: the official name)."""
-    train_annotations: str | None = None
-    """Real data: train annotations file under --data-root (default: the official name)."""
-    val_questions: str | None = None
-    """Real data: val questions file under --data-root (default: the official name)."""
-    val_annotations: str | None = None
-    """Real data: val annotations file under --data-root (default: the official name)."""
-    train_images: str | None = None
-    """Real data: train image folder under --data-root (default train2014)."""
-    val_images: str | None = None
-    """Real data: val image folder under --data-root (default val2014)."""
+    train_questions: Annotated[str | None, default_is("the official name")] = None
+    """Real data: train questions file under --data-root."""
+    train_annotations: Annotated[str | None, default_is("the official name")] = None
+    """Real data: train annotations file under --data-root."""
+    val_questions: Annotated[str | None, default_is("the official name")] = None
+    """Real data: val questions file under --data-root."""
+    val_annotations: Annotated[str | None, default_is("the official name")] = None
+    """Real data: val annotations file under --data-root."""
+    train_images: Annotated[str | None, default_is("train2014")] = None
+    """Real data: train image folder under --data-root."""
+    val_images: Annotated[str | None, default_is("val2014")] = None
+    """Real data: val image folder under --data-root."""
     max_train: int | None = None
     """Real data: keep only the first N train items (quick runs)."""
     max_val: int | None = None

@@ -49,14 +49,14 @@ import torch
 from torch import Tensor
 
 from backends import ScoreCache, open_backend
-from data import RewardMode, compute_reward, load_dataset, run_cli
+from cli import alias, default_is, help_first, run_cli
+from data import RewardMode, compute_reward, load_dataset
 from model import exact_kl, group_advantages, k3_kl, ppo_clip_loss, reward_spread
 from pools import first_distinct, query_pools
 from training import (
     Batch,
     Loop,
     TrainArgs,
-    alias,
     check_train_args,
     clipped_step,
     fit,
@@ -72,22 +72,22 @@ from training import (
 )
 
 
+@help_first("init", "data", "out", "online", "kl_beta")
 @dataclass
 class Args(TrainArgs):
     init: Path = Path("runs/rce")
     """Starting selector (run folder or epoch checkpoint); also the frozen KL reference."""
-    out: Annotated[Path | None, alias("--output-dir")] = None
-    """Run folder; default runs/grpo-<key flags>, e.g. runs/grpo-kl0.1 or runs/grpo-kl0.3-online."""
-    epochs: Annotated[int | None, alias("--num-train-epochs")] = None
-    """Passes over the training queries (an online epoch takes as many steps); default 10 offline, 30 online."""
-    lr: Annotated[float | None, alias("--learning-rate")] = None
-    """AdamW learning rate; default 1e-4 offline, 1e-3 online."""
-    reward_mode: RewardMode | None = None
-    """As in data.py (hard_plus_soft, hard_plus_gtprob, ...); default hard_plus_soft offline, hard_plus_gtprob
-    online."""
-    kl_beta: Annotated[float | None, alias("--beta")] = None
-    """Weight of the exact KL to the reference policy, used as given for the whole run; default 0.1 offline, 0.3
-    online (TRL's GRPOConfig defaults to 0.0: here the KL is what keeps the selector near its warm-up)."""
+    out: Annotated[Path | None, alias("--output-dir"), default_is("runs/grpo-<key flags>, e.g. runs/grpo-kl0.1")] = None
+    """Run folder."""
+    epochs: Annotated[int | None, alias("--num-train-epochs"), default_is("10 offline, 30 online")] = None
+    """Passes over the training queries (an online epoch takes as many steps)."""
+    lr: Annotated[float | None, alias("--learning-rate"), default_is("1e-4 offline, 1e-3 online")] = None
+    """AdamW learning rate."""
+    reward_mode: Annotated[RewardMode | None, default_is("hard_plus_soft offline, hard_plus_gtprob online")] = None
+    """How a scored sequence becomes a reward (hard_plus_soft, hard_plus_gtprob, ...: see the README)."""
+    kl_beta: Annotated[float | None, alias("--beta"), default_is("0.1 offline, 0.3 online")] = None
+    """Weight of the exact KL to the reference policy, used as given for the whole run (TRL's GRPOConfig defaults
+    to 0.0: here the KL is what keeps the selector near its warm-up)."""
     kl_target: float | None = None
     """Adaptive beta: after each step, x1.5 when its KL is above 1.5x this target, /1.5 below target/1.5."""
     num_iterations: int = 1
@@ -324,7 +324,8 @@ def main(args: Args) -> None:
             selection_change,
             lambda record: warnings_for(record, S),
             {"beta": args.kl_beta},
-            ("train/loss", "grpo/kl_ref", "grpo/reward_mean"),
+            # The loss value is ~beta * KL (centred advantages give a PPO term near 0 at ratio 1): show what moves.
+            ("grpo/reward_mean", "grpo/kl_ref", "grpo/entropy"),
             {"sampler": sampler, "queries": draws},
             log_steps=args.kl_target is not None,
         )

@@ -29,12 +29,12 @@ from typing import Annotated
 import torch
 from torch import Tensor
 
-from data import Quality, load_dataset, run_cli
+from cli import alias, help_first, run_cli
+from data import Quality, load_dataset
 from model import PickOrder, PointerSelector, SelectorConfig, rce_weights
 from training import (
     Loop,
     TrainArgs,
-    alias,
     check_train_args,
     clipped_step,
     fit,
@@ -49,6 +49,7 @@ from training import (
 )
 
 
+@help_first("data", "out")
 @dataclass
 class Args(TrainArgs):
     out: Annotated[Path, alias("--output-dir")] = Path("runs/rce")

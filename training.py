@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import torch
-import tyro
 from torch import Tensor
 
 from backends import ScoreCache, open_backend
-from data import CpuArgs, Dataset, Quality, RewardArgs, compute_reward, filter_queries, read_json
+from cli import CpuArgs, alias
+from data import Dataset, Quality, RewardArgs, compute_reward, filter_queries, read_json
 from locks import exclusive
 from model import (
     PointerSelector,
@@ -83,11 +83,6 @@ class TrainArgs(RewardArgs, CpuArgs):
         if self.lr_schedule != "constant":
             return f"--lr-schedule {self.lr_schedule} decays over all steps of the run"
         return None
-
-
-def alias(*names: str):
-    """Also accept TRL's name for a flag (--learning-rate for --lr, ...) where the meaning is the same."""
-    return tyro.conf.arg(aliases=names)
 
 
 def check_train_args(args: TrainArgs) -> None:
@@ -601,7 +596,7 @@ def fit(
         counts: dict[str, int] = {}
         maxes: dict[str, float] = {}
         bar = tqdm(
-            range(steps), desc=f"{run.phase} epoch {epoch}/{args.epochs}", unit="step", dynamic_ncols=True, leave=False
+            range(steps), desc=f"{out.name} epoch {epoch}/{args.epochs}", unit="step", dynamic_ncols=True, leave=False
         )
         for i in bar:
             for group in run.opt.param_groups:  # a function of the step alone, so a resumed run follows it exactly
@@ -625,7 +620,7 @@ def fit(
                     maxes[k] = max(maxes.get(k, -math.inf), v)
                 else:
                     sums[k], counts[k] = sums.get(k, 0.0) + v, counts.get(k, 0) + 1
-            bar.set_postfix_str(log_line(m, postfix))
+            bar.set_postfix_str(log_line(m, postfix), refresh=False)  # shown at the bar's next timed redraw
         bar.close()
         record = {
             "phase": run.phase,
@@ -648,6 +643,6 @@ def fit(
         save_checkpoint(out, epoch, run.model, run.opt, rngs, loop)
         prune_checkpoints(out, args.keep_every, loop["best_epoch"])
         summary = log_line(record, (*postfix, "val/reward", "val/acc"))
-        print(f"{run.phase} epoch {epoch}: {summary}" + "".join(f"\n  warning: {w}" for w in warnings), flush=True)
+        print(f"{out.name} epoch {epoch}: {summary}" + "".join(f"\n  warning: {w}" for w in warnings), flush=True)
     loop["metric"] = metric
     return loop

@@ -282,7 +282,7 @@ def test_unknown_split_is_rejected_on_the_command_line(monkeypatch, capsys):
     import sys
 
     import compare
-    from data import run_cli
+    from cli import run_cli
 
     monkeypatch.setattr(sys, "argv", ["compare.py", "--split", "test", "runs/rce"])
     with pytest.raises(SystemExit) as stop:

@@ -2,8 +2,6 @@
 
 import json
 import shutil
-import sys
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -11,18 +9,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from strategies import rng, seeds
-from tqdm import tqdm
 
 from data import (
     REWARD_MODES,
-    CpuArgs,
     DataError,
     RewardArgs,
     compute_reward,
     filter_queries,
     load_dataset,
     quality_labels,
-    run_cli,
 )
 
 
@@ -156,62 +151,3 @@ def test_quality_and_filters(small_data):
     assert set(high) <= set(medium) and len(filter_queries(g, reward, "all", False)) == len(g)
     positive = filter_queries(g, reward, "all", True)
     assert (g.fields["correct"][positive].sum(-1) > 0).all()
-
-
-@dataclass
-class _NoFlags:
-    pass
-
-
-def test_cli_error_gets_a_line_of_its_own_after_a_progress_bar(monkeypatch, capsys):
-    def main(_):
-        bar = tqdm(total=10, desc="scoring", mininterval=0)  # a bar held by a variable, as in clip_embed
-        bar.update(5)
-        raise ValueError("data/x/rl_data.jsonl: line 5: field 'seqs' is missing")
-
-    monkeypatch.setattr(sys, "argv", ["prog"])
-    with pytest.raises(SystemExit) as stop:
-        run_cli(main, _NoFlags)
-    assert stop.value.code == 2
-    err = capsys.readouterr().err
-    assert "scoring" in err  # the bar was drawn ...
-    last = err.rstrip("\n").split("\n")[-1].split("\r")[-1]  # ... and the terminal shows the error alone on its line
-    assert last == "error: data/x/rl_data.jsonl: line 5: field 'seqs' is missing"
-
-
-@dataclass
-class _Resumable:
-    out: str = "runs/x"
-
-
-def test_ctrl_c_is_one_line_with_the_command_that_continues(monkeypatch, capsys):
-    def main(_):
-        bar = tqdm(total=10, desc="rce epoch 1/10", mininterval=0)
-        bar.update(3)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(sys, "argv", ["rce.py", "--out", "runs/my run"])
-    with pytest.raises(SystemExit) as stop:
-        run_cli(main, _Resumable)
-    assert stop.value.code == 130
-    last = capsys.readouterr().err.rstrip("\n").split("\n")[-1].split("\r")[-1]
-    assert last == (
-        "interrupted: what finished (epochs, scored queries) is saved; continue with: python rce.py --out 'runs/my run'"
-    )
-
-
-def test_threads_flag_sets_torch_threads_and_rejects_zero(monkeypatch, capsys):
-    seen = []
-    before = torch.get_num_threads()
-    try:
-        for argv, code in ((["x"], None), (["x", "--threads", "2"], None), (["x", "--threads", "0"], 2)):
-            monkeypatch.setattr(sys, "argv", argv)
-            if code is None:
-                run_cli(lambda a: seen.append(torch.get_num_threads()), CpuArgs)
-            else:
-                with pytest.raises(SystemExit) as stop:
-                    run_cli(lambda a: seen.append("ran"), CpuArgs)
-                assert stop.value.code == code and "--threads must be >= 1" in capsys.readouterr().err
-    finally:
-        torch.set_num_threads(before)
-    assert seen == [1, 2]  # the default is one thread; a bad count stops before main runs

@@ -14,7 +14,8 @@ import grpo
 import rce
 import training
 from backends import ScoreCache
-from data import load_dataset, run_cli
+from cli import run_cli
+from data import load_dataset
 from model import PointerSelector, SelectorConfig
 from training import load_selector
 
@@ -470,3 +471,14 @@ def test_trl_flag_names_are_aliases_with_the_same_meaning():
     ours += ["--epochs", "3", "--out", "runs/x", "--batch-size", "16"]
     assert tyro.cli(grpo.Args, args=trl) == tyro.cli(grpo.Args, args=ours)
     assert tyro.cli(rce.Args, args=["--output-dir", "r", "--learning-rate", "0.1"]) == rce.Args(out=Path("r"), lr=0.1)
+
+
+def test_progress_bar_names_the_run_and_redraws_on_time_not_per_step(small_data, rce_run, tmp_path, capsys):
+    """A bar that redrew at every step filled logs with a line per step (postfix updates forced a redraw)."""
+    out = tmp_path / "my-run"
+    grpo.main(grpo.Args(data=small_data, init=rce_run, out=out, epochs=1, **{**FAST, "batch_size": 1}))
+    steps = records(out)[-1]["step"]
+    draws = [d for d in capsys.readouterr().err.replace("\r", "\n").split("\n") if "epoch 1/1" in d]
+    assert steps >= 30 and 0 < len(draws) < steps / 3, (steps, len(draws))
+    assert all(d.startswith("my-run epoch 1/1") for d in draws)
+    assert "reward_mean=" in draws[-1] or len(draws) == 1  # what moves in GRPO, not ~beta * KL

@@ -1,0 +1,101 @@
+"""The command-line layer every stage shares: one-line errors, Ctrl-C, --threads, and a --help that reads well."""
+
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from tqdm import tqdm
+
+from cli import CpuArgs, run_cli
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class _NoFlags:
+    pass
+
+
+def test_cli_error_gets_a_line_of_its_own_after_a_progress_bar(monkeypatch, capsys):
+    def main(_):
+        bar = tqdm(total=10, desc="scoring", mininterval=0)  # a bar held by a variable, as in clip_embed
+        bar.update(5)
+        raise ValueError("data/x/rl_data.jsonl: line 5: field 'seqs' is missing")
+
+    monkeypatch.setattr(sys, "argv", ["prog"])
+    with pytest.raises(SystemExit) as stop:
+        run_cli(main, _NoFlags)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "scoring" in err  # the bar was drawn ...
+    last = err.rstrip("\n").split("\n")[-1].split("\r")[-1]  # ... and the terminal shows the error alone on its line
+    assert last == "error: data/x/rl_data.jsonl: line 5: field 'seqs' is missing"
+
+
+@dataclass
+class _Resumable:
+    out: str = "runs/x"
+
+
+def test_ctrl_c_is_one_line_with_the_command_that_continues(monkeypatch, capsys):
+    def main(_):
+        bar = tqdm(total=10, desc="rce epoch 1/10", mininterval=0)
+        bar.update(3)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sys, "argv", ["rce.py", "--out", "runs/my run"])
+    with pytest.raises(SystemExit) as stop:
+        run_cli(main, _Resumable)
+    assert stop.value.code == 130
+    last = capsys.readouterr().err.rstrip("\n").split("\n")[-1].split("\r")[-1]
+    assert last == (
+        "interrupted: what finished (epochs, scored queries) is saved; continue with: python rce.py --out 'runs/my run'"
+    )
+
+
+def test_threads_flag_sets_torch_threads_and_rejects_zero(monkeypatch, capsys):
+    seen = []
+    before = torch.get_num_threads()
+    try:
+        for argv, code in ((["x"], None), (["x", "--threads", "2"], None), (["x", "--threads", "0"], 2)):
+            monkeypatch.setattr(sys, "argv", argv)
+            if code is None:
+                run_cli(lambda a: seen.append(torch.get_num_threads()), CpuArgs)
+            else:
+                with pytest.raises(SystemExit) as stop:
+                    run_cli(lambda a: seen.append("ran"), CpuArgs)
+                assert stop.value.code == code and "--threads must be >= 1" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1, 2]  # the default is one thread; a bad count stops before main runs
+
+
+@pytest.mark.parametrize(
+    "stage, first",
+    [
+        ("gen_rl_data", ["--out", "--lvlm", "--dataset", "--data-root"]),
+        ("rce", ["--data", "--out"]),
+        ("grpo", ["--init", "--data", "--out", "--online", "--beta"]),
+        ("evaluate", ["--baseline", "--data", "--out", "--lvlm"]),
+    ],
+)
+def test_help_opens_with_one_line_and_the_most_used_flags(stage, first):
+    """tyro would list inherited flags (--threads, the reward weights) first and print the dataclass docstring."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / f"{stage}.py"), "--help"],
+        capture_output=True,
+        text=True,
+        env={"COLUMNS": "300", "PATH": ""},
+        check=True,
+    ).stdout
+    lines = out.split("\n")
+    doc = __import__(stage).__doc__.strip().split("\n")[0]
+    assert lines[2] == doc and lines[3] == ""  # usage, blank, the stage's one-line description, blank
+    flags = [ln.split()[1].rstrip(",") for ln in lines if ln.startswith("│ --") and not ln.startswith("│ --help")]
+    aliases = {"--output-dir": "--out", "--beta": "--beta", "--num-train-epochs": "--epochs"}
+    assert [aliases.get(f, f) for f in flags[: len(first)]] == first
+    for line in out.split("│"):  # a flag whose default depends on others says what it is, once
+        assert line.count("(default:") <= 1, line
