@@ -29,7 +29,7 @@ import grpo
 import rce
 from cli import run_cli
 from compare import bootstrap_ci, gap_share, md_table, paired, per_question
-from training import flag_values
+from training import SIDE_ARGS, flag_values
 
 # name -> (stage, flags, reference). GRPO variants start from the default RCE run of their seed unless they name
 # another init; their reference is the default online run.
@@ -108,7 +108,7 @@ def build(args: Args, seed: int, names: list[str]) -> None:
         if (run / "config.json").is_file():  # a cached run must have been made with exactly these flags
             then = json.loads((run / "config.json").read_text())["args"]
             now = flag_values(run_args)
-            if diff := sorted(k for k in now if k not in ("out", "keep_every") and now[k] != then.get(k)):
+            if diff := sorted(k for k in now if k not in ("out", *SIDE_ARGS) and now[k] != then.get(k)):
                 raise ValueError(f"{run} was made with other flags ({', '.join(diff)}): delete it to rebuild it")
         if (run / "eval" / "val.json").is_file():
             continue

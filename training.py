@@ -37,6 +37,7 @@ from model import (
     reward_spread,
     save_tensors,
 )
+from tracking import ReportTo, check_installed, open_tracker
 
 
 @dataclass
@@ -77,6 +78,9 @@ class TrainArgs(RewardArgs, CpuArgs):
     epoch by that accuracy. The simulator always does this (it answers instantly)."""
     val_max_queries: int = 200
     """--val-lvlm: validation anchors answered per epoch (the first N of the held-out split)."""
+    report_to: ReportTo = "none"
+    """Also send every logged record to TensorBoard (<out>/tensorboard) or Weights & Biases (project icl-select),
+    if that package is installed; metrics.jsonl is always written."""
 
     def fixed_length_reason(self) -> str | None:
         """Why a schedule of this run depends on its total length (then --epochs cannot change on resume), or None."""
@@ -97,6 +101,7 @@ def check_train_args(args: TrainArgs) -> None:
         raise ValueError(f"--val-max-queries must be >= 1, got {args.val_max_queries}")
     if args.lr <= 0 or args.weight_decay < 0 or args.grad_clip < 0:
         raise ValueError("--lr must be > 0, --weight-decay and --grad-clip >= 0")
+    check_installed(args.report_to)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -268,10 +273,11 @@ def write_config(out: Path, args, ds: Dataset, split: Split, extra: dict | None 
 
 
 class MetricsLog:
-    """metrics.jsonl, one flushed line per record; on resume, records past the resumed epoch are dropped."""
+    """metrics.jsonl, one flushed line per record; on resume, records past the resumed epoch are dropped. Each record
+    also goes to the --report-to tracker, if any."""
 
-    def __init__(self, path: Path, keep_through_epoch: int | None = None):
-        self.path = path
+    def __init__(self, path: Path, keep_through_epoch: int | None = None, tracker=None):
+        self.path, self.tracker = path, tracker
         if keep_through_epoch is not None and path.exists():
             kept = [
                 ln
@@ -286,6 +292,12 @@ class MetricsLog:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
+        if self.tracker is not None:
+            self.tracker.log(record)
+
+    def close(self) -> None:
+        if self.tracker is not None:
+            self.tracker.close()
 
 
 def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, Tensor], dict]:
@@ -423,8 +435,7 @@ def prepare_out(out: Path, args, ds: Dataset) -> Path | None:
             f"{out} was started by an older icl-select that identified its data differently; "
             "start a new run (--init can start from its checkpoint)"
         )
-    # --keep-every only prunes files: a resumed run may change it freely.
-    diff = sorted(k for k in now["args"] if k != "keep_every" and now["args"][k] != then["args"].get(k))
+    diff = sorted(k for k in now["args"] if k not in SIDE_ARGS and now["args"][k] != then["args"].get(k))
     if diff == ["epochs"]:
         continue_with_more_or_fewer_epochs(out, ckpt, args, config)
         diff = []
@@ -469,6 +480,8 @@ def file_sha(path: Path) -> str:
 # Flags that name places, not settings: a resumed run compares what they hold (the data's digest, the --init
 # weights' hash), so a moved run, dataset or init folder still resumes.
 PATH_ARGS = ("out", "data", "init")
+# Flags that change what is kept or shown, never what is trained: a resumed run may change them freely.
+SIDE_ARGS = ("keep_every", "report_to")
 DATA_FILES = ("items.json", "embeddings.safetensors", "rl_data.jsonl", "eval_pools.json")
 
 
@@ -578,71 +591,78 @@ def fit(
     loop = {"epoch": 0, "step": 0, "best": -math.inf, "best_epoch": None, "state": state or {}}
     if resume_from is not None:
         loop = load_checkpoint(resume_from, run.model, run.opt, rngs)
-    log = MetricsLog(out / "metrics.jsonl", loop["epoch"] if resume_from is not None else None)
-    if resume_from is None:  # epoch 0 = the initial policy, the start of every curve
-        record = {
-            "phase": run.phase,
-            "epoch": 0,
-            "step": 0,
-            **validation(),
-            **(epoch_extra() if epoch_extra else {}),
-        }
-        log.write(record)
-    n = len(run.split.train)
-    steps = steps_per_epoch(run.split, args.batch_size)
-    for epoch in range(loop["epoch"] + 1, args.epochs + 1):
-        order = run.split.train[torch.randperm(n, generator=rngs["shuffle"])]
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
-        maxes: dict[str, float] = {}
-        bar = tqdm(
-            range(steps), desc=f"{out.name} epoch {epoch}/{args.epochs}", unit="step", dynamic_ncols=True, leave=False
-        )
-        for i in bar:
-            for group in run.opt.param_groups:  # a function of the step alone, so a resumed run follows it exactly
-                group["lr"] = args.lr * lr_factor(args.lr_schedule, loop["step"], args.epochs * steps)
-            run.model.train() if run.phase == "rce" else run.model.eval()
-            m = train_step(order[i * args.batch_size : (i + 1) * args.batch_size], loop["step"], loop["state"])
-            loop["step"] += 1
-            if log_steps:
-                log.write({"phase": run.phase, "kind": "step", "epoch": epoch, "step": loop["step"], **m})
-            if is_bad(m["train/loss"]) or is_bad(m.get("train/grad_norm", 0.0)):
-                last = last_checkpoint(out)
-                what = "loss" if is_bad(m["train/loss"]) else "gradient norm"
-                raise ValueError(
-                    f"{run.phase}: the {what} became {m['train/loss'] if what == 'loss' else m['train/grad_norm']} "
-                    f"at epoch {epoch}, step {loop['step']}; stopping. "
-                    f"The last good checkpoint is {last or 'none (no epoch finished)'}; try a lower --lr"
-                    + (" or a larger --kl-beta" if run.phase == "grpo" else "")
-                )
-            for k, v in m.items():
-                if k.endswith("_max"):
-                    maxes[k] = max(maxes.get(k, -math.inf), v)
-                else:
-                    sums[k], counts[k] = sums.get(k, 0.0) + v, counts.get(k, 0) + 1
-            bar.set_postfix_str(log_line(m, postfix), refresh=False)  # shown at the bar's next timed redraw
-        bar.close()
-        record = {
-            "phase": run.phase,
-            "epoch": epoch,
-            "step": loop["step"],
-            **{k: v / counts[k] for k, v in sums.items()},
-            **maxes,
-            **validation(),
-            **(epoch_extra() if epoch_extra else {}),
-        }
-        warnings = check(record) if check else []
-        if warnings:
-            record["warnings"] = warnings
-        if record[metric] > loop["best"]:
-            loop["best"], loop["best_epoch"] = record[metric], epoch
-            run.model.save(out)
-        record["best_epoch"] = loop["best_epoch"]
-        loop["epoch"] = epoch
-        log.write(record)  # before the checkpoint: a resume from epoch-1 drops this line again if we die in between
-        save_checkpoint(out, epoch, run.model, run.opt, rngs, loop)
-        prune_checkpoints(out, args.keep_every, loop["best_epoch"])
-        summary = log_line(record, (*postfix, "val/reward", "val/acc"))
-        print(f"{out.name} epoch {epoch}: {summary}" + "".join(f"\n  warning: {w}" for w in warnings), flush=True)
+    resumed = resume_from is not None
+    tracker = open_tracker(args.report_to, out, flag_values(args), loop["step"] if resumed else None)
+    log = MetricsLog(out / "metrics.jsonl", loop["epoch"] if resumed else None, tracker)
+    with contextlib.closing(log):
+        if resume_from is None:  # epoch 0 = the initial policy, the start of every curve
+            record = {
+                "phase": run.phase,
+                "epoch": 0,
+                "step": 0,
+                **validation(),
+                **(epoch_extra() if epoch_extra else {}),
+            }
+            log.write(record)
+        n = len(run.split.train)
+        steps = steps_per_epoch(run.split, args.batch_size)
+        for epoch in range(loop["epoch"] + 1, args.epochs + 1):
+            order = run.split.train[torch.randperm(n, generator=rngs["shuffle"])]
+            sums: dict[str, float] = {}
+            counts: dict[str, int] = {}
+            maxes: dict[str, float] = {}
+            bar = tqdm(
+                range(steps),
+                desc=f"{out.name} epoch {epoch}/{args.epochs}",
+                unit="step",
+                dynamic_ncols=True,
+                leave=False,
+            )
+            for i in bar:
+                for group in run.opt.param_groups:  # a function of the step alone, so a resumed run follows it exactly
+                    group["lr"] = args.lr * lr_factor(args.lr_schedule, loop["step"], args.epochs * steps)
+                run.model.train() if run.phase == "rce" else run.model.eval()
+                m = train_step(order[i * args.batch_size : (i + 1) * args.batch_size], loop["step"], loop["state"])
+                loop["step"] += 1
+                if log_steps:
+                    log.write({"phase": run.phase, "kind": "step", "epoch": epoch, "step": loop["step"], **m})
+                if is_bad(m["train/loss"]) or is_bad(m.get("train/grad_norm", 0.0)):
+                    last = last_checkpoint(out)
+                    what = "loss" if is_bad(m["train/loss"]) else "gradient norm"
+                    raise ValueError(
+                        f"{run.phase}: the {what} became {m['train/loss'] if what == 'loss' else m['train/grad_norm']} "
+                        f"at epoch {epoch}, step {loop['step']}; stopping. "
+                        f"The last good checkpoint is {last or 'none (no epoch finished)'}; try a lower --lr"
+                        + (" or a larger --kl-beta" if run.phase == "grpo" else "")
+                    )
+                for k, v in m.items():
+                    if k.endswith("_max"):
+                        maxes[k] = max(maxes.get(k, -math.inf), v)
+                    else:
+                        sums[k], counts[k] = sums.get(k, 0.0) + v, counts.get(k, 0) + 1
+                bar.set_postfix_str(log_line(m, postfix), refresh=False)  # shown at the bar's next timed redraw
+            bar.close()
+            record = {
+                "phase": run.phase,
+                "epoch": epoch,
+                "step": loop["step"],
+                **{k: v / counts[k] for k, v in sums.items()},
+                **maxes,
+                **validation(),
+                **(epoch_extra() if epoch_extra else {}),
+            }
+            warnings = check(record) if check else []
+            if warnings:
+                record["warnings"] = warnings
+            if record[metric] > loop["best"]:
+                loop["best"], loop["best_epoch"] = record[metric], epoch
+                run.model.save(out)
+            record["best_epoch"] = loop["best_epoch"]
+            loop["epoch"] = epoch
+            log.write(record)  # before the checkpoint: a resume from epoch-1 drops this line again if we die in between
+            save_checkpoint(out, epoch, run.model, run.opt, rngs, loop)
+            prune_checkpoints(out, args.keep_every, loop["best_epoch"])
+            summary = log_line(record, (*postfix, "val/reward", "val/acc"))
+            print(f"{out.name} epoch {epoch}: {summary}" + "".join(f"\n  warning: {w}" for w in warnings), flush=True)
     loop["metric"] = metric
     return loop

@@ -5,6 +5,7 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -482,3 +483,39 @@ def test_progress_bar_names_the_run_and_redraws_on_time_not_per_step(small_data,
     assert steps >= 30 and 0 < len(draws) < steps / 3, (steps, len(draws))
     assert all(d.startswith("my-run epoch 1/1") for d in draws)
     assert "reward_mean=" in draws[-1] or len(draws) == 1  # what moves in GRPO, not ~beta * KL
+
+
+def test_report_to_tensorboard_holds_the_metrics_once_even_after_a_resume(small_data, tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "tb"
+    real = training.save_checkpoint
+
+    def dies_saving_epoch_3(out, epoch, *a):
+        if epoch == 3:  # epoch 3 is logged (metrics.jsonl and TensorBoard) but never checkpointed
+            raise KeyboardInterrupt
+        real(out, epoch, *a)
+
+    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
+        m.setattr(training, "save_checkpoint", dies_saving_epoch_3)
+        rce.main(rce.Args(data=small_data, out=out, epochs=3, report_to="tensorboard", **FAST))
+    rce.main(rce.Args(data=small_data, out=out, epochs=3, report_to="tensorboard", **FAST))
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    epochs = records(out)
+    for name in ("val/acc", "train/loss", "train/tau"):
+        got = [(e.step, e.value) for e in events.Scalars(name)]
+        want = [(r["step"], r[name]) for r in epochs if name in r]
+        assert [s for s, _ in got] == [s for s, _ in want], name  # every epoch once, in order
+        assert np.allclose([v for _, v in got], [v for _, v in want], rtol=1e-6), name
+
+
+def test_report_to_a_missing_package_stops_before_any_work(small_data, tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ValueError, match="--report-to wandb needs the wandb package: pip install wandb"):
+        rce.main(rce.Args(data=small_data, out=tmp_path / "w", report_to="wandb", **FAST))
+    assert not (tmp_path / "w").exists()
