@@ -1,0 +1,58 @@
+"""Speed work must not change results where the maths did not change: the bytes of tiny trained selectors are
+pinned here. A change of these hashes is a change of results; make it only on purpose (a fix of the maths), say so
+in the commit, and re-pin with `PIN=1 pytest tests/test_pinned.py -s`.
+
+CPU kernels are chosen by instruction set and round differently, so the run is made in a child process held to
+AVX2 kernels (ATen dispatch, MKL's reproducible AVX2 path, oneDNN), which every x86 machine this kit targets has.
+"""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PINNED = {"rce": "18ae49a7cc19040e", "offline": "483fc18fd6a499bb", "online": "ab2a1b7368d4c358"}
+AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1"}
+
+
+def train_tiny(root: Path) -> dict[str, str]:
+    """A small simulated dataset, RCE (2 epochs), offline GRPO (2 epochs) and online GRPO (1 epoch) from it."""
+    import torch
+
+    import gen_rl_data
+    import grpo
+    import rce
+
+    torch.set_num_threads(1)
+    data, fast = root / "data", dict(batch_size=8, val_frac=0.25)
+    gen_rl_data.generate(
+        gen_rl_data.Args(out=data, num_train=600, num_val=150, num_queries=48, group_size=8, pool_size=24)
+    )
+    rce.main(rce.Args(data=data, out=root / "rce", epochs=2, **fast))
+    grpo.main(grpo.Args(data=data, init=root / "rce", out=root / "offline", epochs=2, **fast))
+    grpo.main(grpo.Args(data=data, init=root / "rce", out=root / "online", epochs=1, online=True, **fast))
+    return {
+        name: hashlib.sha256((root / name / "model.safetensors").read_bytes()).hexdigest()[:16]
+        for name in ("rce", "offline", "online")
+    }
+
+
+def test_trained_bytes_are_pinned(tmp_path):
+    if os.uname().machine not in ("x86_64", "AMD64"):
+        pytest.skip("pins are for x86-64 AVX2 kernels")
+    env = {**os.environ, **AVX2, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    child = subprocess.run(
+        [sys.executable, __file__, str(tmp_path)], env=env, capture_output=True, text=True, check=True
+    )
+    got = json.loads(child.stdout.strip().split("\n")[-1])
+    if os.environ.get("PIN"):
+        print(f"\nPINNED = {json.dumps(got)}")
+    assert got == PINNED
+
+
+if __name__ == "__main__":
+    print(json.dumps(train_tiny(Path(sys.argv[1]))))
