@@ -24,6 +24,7 @@ from typing import Literal, NamedTuple, get_args, get_type_hints
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
@@ -97,12 +98,12 @@ class CrossAttention(nn.Module):
         self.norm = nn.LayerNorm(hidden)
 
     def forward(self, x: Tensor, pool: Tensor, pool_mask: Tensor) -> Tensor:
-        B, K, H = pool.shape
-        q = self.q(x).view(B, self.num_heads, -1)  # (B, nh, hd)
-        k, v = self.kv(pool).view(B, K, 2, self.num_heads, -1).unbind(2)  # (B, K, nh, hd) each
+        # the kv projection's output is laid out (k|v, head, head dim): split it into K and V per head
+        q = rearrange(self.q(x), "b (nh hd) -> b nh hd", nh=self.num_heads)
+        k, v = rearrange(self.kv(pool), "b k (two nh hd) -> two b k nh hd", two=2, nh=self.num_heads)
         att = torch.einsum("bnd,bknd->bnk", q, k) / q.shape[-1] ** 0.5  # (B, nh, K)
         att = att.masked_fill(~pool_mask[:, None, :], float("-inf")).softmax(-1)
-        y = torch.einsum("bnk,bknd->bnd", att, v).reshape(B, H)  # (B, H)
+        y = rearrange(torch.einsum("bnk,bknd->bnd", att, v), "b nh hd -> b (nh hd)")  # (B, H)
         return self.norm(x + self.drop(self.out(y)))
 
 
