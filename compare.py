@@ -31,7 +31,7 @@ import numpy as np
 import tyro
 
 from cli import default_is, run_cli
-from model import atomic_write_text
+from files import atomic_write_text, read_jsonl
 
 
 @dataclass
@@ -95,15 +95,9 @@ def read_run(path: Path, split: str) -> Run | None:
     if not path.is_dir() or not (ev.is_file() or metrics.is_file()):
         print(f"warning: {path} is not a run folder (no eval/{split}.json, no metrics.jsonl); skipped", file=sys.stderr)
         return None
-    epochs = []
-    if metrics.is_file():
-        for line in metrics.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a truncated last line of a killed run
-            if rec.get("kind") != "step":
-                epochs.append(rec)
+    epochs = (
+        [r for _, r in read_jsonl(metrics, truncated="skip") if r.get("kind") != "step"] if metrics.is_file() else []
+    )
     epoch_evals = {}
     for f in sorted(path.glob(f"eval/{split}-epoch*.json")):
         if m := re.fullmatch(rf"{re.escape(split)}-epoch(\d+)\.json", f.name):

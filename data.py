@@ -16,9 +16,7 @@ Rewards are computed here, from the per-sequence fields every backend stores (ac
 
 from __future__ import annotations
 
-import json
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
@@ -26,7 +24,8 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
-from model import read_tensors, reward_spread
+from files import DataError, read_json, read_jsonl, read_tensors
+from model import reward_spread
 
 FORMAT_VERSION = 1
 RewardMode = Literal[
@@ -35,10 +34,6 @@ RewardMode = Literal[
 REWARD_MODES: tuple[str, ...] = get_args(RewardMode)
 Quality = Literal["high", "medium", "varied", "all"]
 SEQ_FIELDS = ("acc", "correct", "gt_prob", "rel")
-
-
-class DataError(ValueError):
-    """Malformed input data; the message names the file, the line and the field."""
 
 
 @dataclass
@@ -79,15 +74,6 @@ def compute_reward(fields: dict[str, Tensor], args: RewardArgs) -> Tensor:
 # Reading and validating the folder
 
 
-def read_json(path: Path) -> object:
-    if not path.is_file():
-        raise DataError(f"{path}: missing file")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path}: not valid JSON ({e})") from None
-
-
 def read_meta(folder: Path) -> dict:
     meta = read_json(folder / "meta.json")
     if not isinstance(meta, dict) or "format_version" not in meta:
@@ -100,29 +86,9 @@ def read_meta(folder: Path) -> dict:
     return meta
 
 
-def read_jsonl(path: Path, allow_truncated: bool = False) -> list[tuple[int, dict]]:
-    """(line number, object) pairs. A final line without newline that does not parse is a truncated write."""
-    if not path.is_file():
-        raise DataError(f"{path}: missing file")
-    text = path.read_text()
-    lines = text.split("\n")
-    out = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            out.append((i, json.loads(line)))
-        except json.JSONDecodeError as e:
-            if i == len(lines) and not text.endswith("\n"):
-                if allow_truncated:
-                    print(f"warning: {path} line {i}: truncated last line ignored", file=sys.stderr)
-                    continue
-                raise DataError(
-                    f"{path} line {i}: truncated last line (an interrupted write?); re-run gen_rl_data.py with the "
-                    f"same flags to finish it, or pass --allow-truncated to ignore it"
-                ) from None
-            raise DataError(f"{path} line {i}: not valid JSON ({e})") from None
-    return out
+def read_rl_data(path: Path, allow_truncated: bool) -> list[tuple[int, dict]]:
+    hint = "; re-run gen_rl_data.py with the same flags to finish it, or pass --allow-truncated to ignore it"
+    return read_jsonl(path, "warn" if allow_truncated else "error", hint)
 
 
 def _ids(value, where: str, n: int, distinct: bool = True) -> list[int]:
@@ -270,7 +236,7 @@ def load_dataset(folder: str | Path, allow_truncated: bool = False) -> Dataset:
     emb = read_embeddings(folder / "embeddings.safetensors", {k: len(v) for k, v in items.items()})
     n_train = len(items["train"])
     groups = parse_groups(
-        folder / "rl_data.jsonl", read_jsonl(folder / "rl_data.jsonl", allow_truncated), n_train, int(meta["seq_len"])
+        folder / "rl_data.jsonl", read_rl_data(folder / "rl_data.jsonl", allow_truncated), n_train, int(meta["seq_len"])
     )
     eval_pools = read_eval_pools(folder / "eval_pools.json", len(items["val"]), n_train)
     return Dataset(folder, meta, items, emb, groups, eval_pools)

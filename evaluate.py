@@ -43,9 +43,10 @@ import sharding
 from backends import open_backend
 from cli import CpuArgs, default_is, help_first, run_cli
 from compare import accuracy_table
-from data import Dataset, load_dataset, read_json, read_jsonl
+from data import Dataset, load_dataset
+from files import atomic_write_text, read_json, read_jsonl
 from locks import exclusive
-from model import PointerSelector, atomic_write_text
+from model import PointerSelector
 from training import checkpoints, data_digest, load_selector
 from vqa_data import check_images
 
@@ -163,11 +164,20 @@ def baseline_icds(
 
 
 def score_all(
-    backend, split: str, rows: Tensor, icds_per_shot: list[Tensor], batch: int, desc: str, todo: list[int], path: Path
+    backend,
+    split: str,
+    rows: Tensor,
+    icds_per_shot: list[Tensor],
+    batch: int,
+    desc: str,
+    todo: list[int],
+    path: Path,
+    header: dict,
 ) -> None:
-    """Score the questions `todo` at every shot, appending one line per question to this rank's partial file."""
+    """Score the questions `todo` at every shot, appending one line per question to this rank's partial file
+    (which starts with `header`, the settings)."""
     bar = tqdm(total=len(todo), desc=desc, unit="question", dynamic_ncols=True)
-    with path.open("a") as f:
+    with sharding.own_file(path, header) as f:
         for c in range(0, len(todo), batch):
             idx = torch.tensor(todo[c : c + batch])
             per_shot = [backend.score(split, rows[idx], icds[idx], gt_prob=False) for icds in icds_per_shot]
@@ -190,35 +200,10 @@ def partial_files(target: Path, seed: int) -> list[Path]:
     return sorted(target.parent.glob(f"{target.name}.seed{seed}.rank*.partial.jsonl"))
 
 
-def read_partial(path: Path, header: dict) -> dict[int, list[dict]]:
-    """Per-question records of one partial file; {} if it is missing or was left by other settings."""
-    if not path.exists():
-        return {}
-    lines = path.read_text().split("\n")
-    if lines[0] != json.dumps(header):
-        return {}
-    done = {}
-    for line in lines[1:]:
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # an empty or truncated last line: that question is scored again
-        done[rec["i"]] = rec["shots"]
-    return done
-
-
 def read_partials(target: Path, seed: int, header: dict) -> dict[int, list[dict]]:
-    """Questions already scored by any rank (of this run or of an interrupted one with the same settings)."""
-    return {i: s for path in partial_files(target, seed) for i, s in read_partial(path, header).items()}
-
-
-def own_partial(target: Path, seed: int, rank: int, header: dict) -> Path:
-    """This rank's partial file, rewritten cleanly (a truncated last line must not swallow the next append)."""
-    path = target.with_name(f"{target.name}.seed{seed}.rank{rank}.partial.jsonl")
-    mine = read_partial(path, header)
-    lines = [json.dumps(header)] + [json.dumps({"i": i, "shots": s}) for i, s in sorted(mine.items())]
-    atomic_write_text(path, "\n".join(lines) + "\n")
-    return path
+    """Questions already scored (question index -> its shots) by any rank, of this run or of an interrupted one with
+    the same settings."""
+    return {i: r["shots"] for i, r in sharding.done(partial_files(target, seed), "i", header).items()}
 
 
 def evaluate_one(
@@ -251,7 +236,7 @@ def run_status(run: Path) -> str:
     """Which epoch a run's model.safetensors is and whether its training finished, from its own files."""
     if not (run / "metrics.jsonl").is_file():
         return "evaluating model.safetensors (no metrics.jsonl: its training history is unknown)"
-    records = [r for _, r in read_jsonl(run / "metrics.jsonl", allow_truncated=True) if r.get("kind") != "step"]
+    records = [r for _, r in read_jsonl(run / "metrics.jsonl", truncated="skip") if r.get("kind") != "step"]
     planned = read_json(run / "config.json")["args"]["epochs"] if (run / "config.json").is_file() else None
     last = records[-1]["epoch"] if records else None
     best = records[-1].get("best_epoch") if records else None
@@ -301,10 +286,10 @@ def evaluate_locked(
             icds = [x.flip(1) for x in icds]
         h = {**header, "seed": seed}
         done = read_partials(target, seed, h)
-        path = own_partial(target, seed, rank, h)
+        path = target.with_name(f"{target.name}.seed{seed}.rank{rank}.partial.jsonl")
         todo = [i for i in sharding.share(n, rank, world) if i not in done]
         bar = f"{desc} seed {seed}" if len(seeds) > 1 else desc
-        score_all(backend, split, rows, icds, args.batch_size, bar, todo, path)
+        score_all(backend, split, rows, icds, args.batch_size, bar, todo, path, h)
     sharding.barrier(world)
     if rank != 0:
         return None

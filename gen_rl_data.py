@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -52,8 +51,9 @@ from data import (
     read_embeddings,
     read_meta,
 )
+from files import atomic_write_text, save_tensors
 from locks import exclusive
-from model import PointerSelector, atomic_write_text, reward_spread, save_tensors
+from model import PointerSelector, reward_spread
 from sim import SimConfig, Simulator, calibrate
 
 
@@ -299,31 +299,19 @@ def shard_files(out: Path) -> list[Path]:
     return sorted(out.glob("rl_data.rank*.jsonl"))
 
 
-def scored_lines(out: Path) -> dict[int, str]:
-    """query -> its line, from rl_data.jsonl and the shard files of (possibly interrupted) torchrun ranks."""
-    lines = {}
-    for path in [out / "rl_data.jsonl", *shard_files(out)]:
-        if path.exists():
-            for line in path.read_text().split("\n"):
-                try:
-                    lines[json.loads(line)["query"]] = line + "\n"
-                except json.JSONDecodeError:
-                    continue  # empty, or the truncated last line of a killed write: that query is scored again
-    return lines
+def scored_queries(out: Path) -> dict[int, dict]:
+    """query -> its record, from rl_data.jsonl and the shard files of (possibly interrupted) torchrun ranks."""
+    return sharding.done([out / "rl_data.jsonl", *shard_files(out)], "query")
 
 
-def cut_truncated_tail(path: Path) -> None:
-    """Drop a last line without newline (a killed write), so the next append starts on a fresh line."""
-    text = path.read_text() if path.exists() else ""
-    if text and not text.endswith("\n"):
-        print(f"note: {path}: dropping a truncated last line from an interrupted run", file=sys.stderr)
-        atomic_write_text(path, text[: text.rfind("\n") + 1])
+def jsonl_line(record: dict) -> str:
+    return json.dumps(record, separators=(",", ":")) + "\n"
 
 
 def merge_shards(out: Path, anchors: Tensor) -> None:
     """rl_data.jsonl in anchor order from itself and every shard file; the shards are then removed."""
-    lines = scored_lines(out)
-    atomic_write_text(out / "rl_data.jsonl", "".join(lines[q] for q in anchors.tolist() if q in lines))
+    done = scored_queries(out)
+    atomic_write_text(out / "rl_data.jsonl", "".join(jsonl_line(done[q]) for q in anchors.tolist() if q in done))
     for path in shard_files(out):
         path.unlink()
 
@@ -395,8 +383,7 @@ def build_folder(args: Args, rank: int, world: int) -> None:
 
     # This rank's share of what is left; its lines go to rl_data.jsonl, or to its own shard under torchrun.
     path = out / ("rl_data.jsonl" if world == 1 else f"rl_data.rank{rank}.jsonl")
-    cut_truncated_tail(path)
-    done = scored_lines(out)
+    done = scored_queries(out)
     todo = [i for i in sharding.share(len(anchors), rank, world) if int(anchors[i]) not in done]
     chunk = args.chunk or (64 if is_sim(args) else 1)
     G, S = groups.shape[1:]
@@ -408,7 +395,7 @@ def build_folder(args: Args, rank: int, world: int) -> None:
         dynamic_ncols=True,
     )
     start, scored = time.perf_counter(), 0
-    with path.open("a") as f:
+    with sharding.own_file(path) as f:
         for c in range(0, len(todo), chunk):
             idx = torch.tensor(todo[c : c + chunk])  # (C,)
             icds = anchor_pools[idx].gather(1, groups[idx].flatten(1)).view(-1, S)  # (C*G, S) train rows
@@ -416,7 +403,7 @@ def build_folder(args: Args, rank: int, world: int) -> None:
             for j, i in enumerate(idx.tolist()):
                 seqs = [seq_record(groups[i, g].tolist(), sources[i][g], res, j * G + g) for g in range(G)]
                 line = {"query": int(anchors[i]), "pool": anchor_pools[i].tolist(), "seqs": seqs}
-                f.write(json.dumps(line, separators=(",", ":")) + "\n")
+                f.write(jsonl_line(line))
             f.flush()
             scored += len(idx) * G
             bar.update(len(idx))
@@ -426,9 +413,9 @@ def build_folder(args: Args, rank: int, world: int) -> None:
     sharding.barrier(world)
     if rank == 0:
         lines = (out / "rl_data.jsonl").read_text().count("\n") if (out / "rl_data.jsonl").exists() else 0
-        if shard_files(out) or lines != len(scored_lines(out)):  # shards to merge, or a query written twice
+        if shard_files(out) or lines != len(scored_queries(out)):  # shards to merge, or a query written twice
             merge_shards(out, anchors)  # one line per query, in anchor order
-        if missing := len(anchors) - len(scored_lines(out)):
+        if missing := len(anchors) - len(scored_queries(out)):
             raise ValueError(f"{out}: {missing} anchor queries are still unscored; re-run the same command to finish")
         if not meta["complete"]:
             meta.update(complete=True, counts={"train": n_train, "val": n_val, "anchors": len(anchors)})

@@ -25,9 +25,9 @@ from typing import Literal, NamedTuple, get_args, get_type_hints
 import torch
 import torch.nn.functional as F
 from einops import rearrange
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor, nn
+
+from files import atomic_write_text, read_tensors, save_tensors
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The selector
@@ -365,29 +365,7 @@ def check_inputs(query: Tensor, pool: Tensor, pool_mask: Tensor, seqs: Tensor, s
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Safetensors I/O, strict and atomic (a killed run never leaves a half-written file)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def save_tensors(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str] | None = None) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
-
-
-def read_tensors(path: Path, map_location: str = "cpu") -> dict[str, Tensor]:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file")
-    try:
-        with safe_open(str(path), framework="pt", device=map_location) as f:
-            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
-    except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
-        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+# Selector files: model.json read strictly, weights loaded strictly (the file I/O itself is in files.py)
 
 
 def read_config(path: Path) -> SelectorConfig:

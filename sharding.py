@@ -1,19 +1,26 @@
-"""Scale-out with torchrun: ranks split the queries, each appends to its own shard file, rank 0 merges.
+"""Scale-out with torchrun and resumable progress: ranks split the items, each appends to its own file, rank 0 merges.
 
     torchrun --nproc-per-node 8 gen_rl_data.py --lvlm Qwen/Qwen2.5-VL-3B-Instruct ...
 
 A plain `python script.py` is world size 1 and needs no process group. Under torchrun every rank loads its own
 model on its own GPU (LOCAL_RANK), takes the queries i with i % world == rank, and flushes each finished query to
 its shard; a crash loses only the queries in flight, and re-running the same command resumes from the shards.
+gen_rl_data.py (scored queries) and evaluate.py (scored questions) share this protocol: `share` splits the work,
+`done` reads what any rank finished, `own_file` opens this rank's file to append to, rank 0 merges after `barrier`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from datetime import timedelta
+from pathlib import Path
+from typing import TextIO
 
 import torch
 import torch.distributed as dist
+
+from files import append_jsonl, atomic_write_text, read_jsonl
 
 
 def init() -> tuple[int, int]:
@@ -43,3 +50,35 @@ def finish(world: int) -> None:
     if world > 1 and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Progress files: each rank appends one JSON line per finished item to its own file and flushes it
+
+
+def done(paths: list[Path], key: str, header: dict | None = None) -> dict:
+    """Records already written, by record[key], from the progress files `paths` (every rank's, of this run or of an
+    interrupted one). With a `header`, a file whose first line is not that header was left by other settings and
+    counts for nothing. A truncated last line (a killed write) is skipped: that item is simply done again."""
+    out = {}
+    for path in paths:
+        if not path.exists() or (header is not None and not _starts_with(path, header)):
+            continue
+        records = [r for _, r in read_jsonl(path, truncated="skip")]
+        out.update({r[key]: r for r in records[header is not None :]})
+    return out
+
+
+def own_file(path: Path, header: dict | None = None) -> TextIO:
+    """This rank's progress file opened for appending: a truncated last line is cut, and a file that does not start
+    with `header` (new, or left by other settings) is started afresh with it."""
+    if header is not None and not _starts_with(path, header):
+        atomic_write_text(path, json.dumps(header) + "\n")
+    return append_jsonl(path)
+
+
+def _starts_with(path: Path, header: dict) -> bool:
+    if not path.exists():
+        return False
+    with path.open() as f:
+        return f.readline() == json.dumps(header) + "\n"

@@ -26,16 +26,14 @@ from torch import Tensor
 
 from backends import ScoreCache, open_backend
 from cli import CpuArgs, alias
-from data import Dataset, Quality, RewardArgs, compute_reward, filter_queries, read_json
+from data import Dataset, Quality, RewardArgs, compute_reward, filter_queries
+from files import atomic_write_text, read_json, read_jsonl, read_tensors, save_tensors
 from locks import exclusive
 from model import (
     PointerSelector,
     SelectorConfig,
-    atomic_write_text,
     load_state_strict,
-    read_tensors,
     reward_spread,
-    save_tensors,
 )
 from tracking import ReportTo, check_installed, open_tracker
 
@@ -279,12 +277,8 @@ class MetricsLog:
     def __init__(self, path: Path, keep_through_epoch: int | None = None, tracker=None):
         self.path, self.tracker = path, tracker
         if keep_through_epoch is not None and path.exists():
-            kept = [
-                ln
-                for ln in path.read_text().splitlines(keepends=True)
-                if ln.endswith("\n") and json.loads(ln).get("epoch", 0) <= keep_through_epoch
-            ]
-            atomic_write_text(path, "".join(kept))
+            kept = [r for _, r in read_jsonl(path, truncated="skip") if r.get("epoch", 0) <= keep_through_epoch]
+            atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
         elif keep_through_epoch is None:
             atomic_write_text(path, "")
 

@@ -4,9 +4,12 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from conftest import SMALL
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gen_rl_data import Args, generate
 
@@ -63,3 +66,24 @@ def test_share_is_a_disjoint_cover_whatever_is_done():
         for world in range(1, 5):
             parts = [set(sharding.share(n, r, world)) for r in range(world)]
             assert set().union(*parts) == set(range(n)) and sum(map(len, parts)) == n
+
+
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=12, unique=True), st.integers(0, 80), st.booleans())
+def test_progress_files_keep_every_complete_line_and_resume_after_a_cut(items, cut, same_settings):
+    """A killed write leaves a truncated last line: `done` skips it, `own_file` cuts it and appends after it; a file
+    started by other settings (another header) counts for nothing and is started afresh."""
+    import sharding
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path, header = Path(tmp) / "rank0.jsonl", {"shots": [1, 2]}
+        with sharding.own_file(path, header if same_settings else {"shots": [8]}) as f:
+            for i in items:
+                f.write(json.dumps({"i": i, "v": [i] * 3}) + "\n")
+        text = path.read_text()
+        path.write_text(text[: len(text) - cut % len(text.split("\n")[-2])])  # cut inside the last line, or not
+        survived = sharding.done([path], "i", header)
+        complete = items if cut % len(text.split("\n")[-2]) == 0 else items[:-1]
+        assert sorted(survived) == (sorted(complete) if same_settings else [])
+        with sharding.own_file(path, header) as f:
+            f.write(json.dumps({"i": 99, "v": []}) + "\n")
+        assert sorted(sharding.done([path], "i", header)) == sorted([*survived, 99])

@@ -1,0 +1,93 @@
+"""Files every stage writes and reads: atomic writes, tensors, JSON with one-line errors, and JSONL logs.
+
+Whole files (configs, tensors, evaluations) are written to a temporary name and renamed, so a killed process never
+leaves a half-written one. Append-only JSONL files (metrics.jsonl, scored queries, evaluation progress) are flushed
+line by line instead, so a killed process can leave one truncated last line: `read_jsonl` is the one reader that
+decides what to do with it, and `append_jsonl` cuts it before appending again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Literal, TextIO
+
+
+class DataError(ValueError):
+    """Malformed input data; the message names the file, the line (JSONL) and the field."""
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_tensors(path: Path, tensors: dict, metadata: dict[str, str] | None = None) -> None:
+    """Tensors to a safetensors file, atomically (contiguous CPU copies; safetensors holds tensors only, no pickle)."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+
+
+def read_tensors(path: Path, map_location: str = "cpu") -> dict:
+    """Every tensor of a safetensors file; a missing, truncated or corrupt file is one line naming it."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    try:
+        with safe_open(str(path), framework="pt", device=map_location) as f:
+            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
+    except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def read_json(path: Path) -> object:
+    if not path.is_file():
+        raise DataError(f"{path}: missing file")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: not valid JSON ({e})") from None
+
+
+Truncated = Literal["error", "warn", "skip"]
+
+
+def read_jsonl(path: Path, truncated: Truncated = "error", hint: str = "") -> list[tuple[int, dict]]:
+    """(line number, object) of every non-empty line; a line that does not parse is an error naming the file and
+    line, except a last line without newline (a write cut short by a kill), which is an error (with `hint` on how
+    to finish or ignore it), a warning, or skipped silently (progress files that are simply redone)."""
+    if not path.is_file():
+        raise DataError(f"{path}: missing file")
+    text = path.read_text()
+    lines = text.split("\n")
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append((i, json.loads(line)))
+        except json.JSONDecodeError as e:
+            if i < len(lines) or text.endswith("\n"):
+                raise DataError(f"{path} line {i}: not valid JSON ({e})") from None
+            if truncated == "error":
+                raise DataError(f"{path} line {i}: truncated last line (an interrupted write?){hint}") from None
+            if truncated == "warn":
+                print(f"warning: {path} line {i}: truncated last line ignored", file=sys.stderr)
+    return out
+
+
+def append_jsonl(path: Path) -> TextIO:
+    """`path` opened for appending lines, after cutting a truncated last line left by a killed write (else the
+    next line would be glued onto it)."""
+    text = path.read_text() if path.exists() else ""
+    if text and not text.endswith("\n"):
+        print(f"note: {path}: dropping a truncated last line from an interrupted run", file=sys.stderr)
+        atomic_write_text(path, text[: text.rfind("\n") + 1])
+    return path.open("a")
