@@ -287,3 +287,41 @@ def test_pick_order_is_validated_and_old_model_files_load_as_prompt_order(tmp_pa
     del raw["pick_order"]  # a model.json written before the field existed
     (tmp_path / "model.json").write_text(json.dumps(raw))
     assert PointerSelector.load(tmp_path).cfg.pick_order == "prompt"
+
+
+@given(seeds, st.integers(1, 40), st.sampled_from([None, float("nan"), float("inf"), float("-inf")]))
+def test_all_finite_agrees_with_isfinite(seed, n, bad):
+    import model
+
+    x = torch.randn(n, 3, generator=rng(seed)) * 1e30
+    if bad is not None:
+        x.view(-1)[torch.randint(x.numel(), (1,), generator=rng(seed + 1))] = bad
+    assert model.all_finite(x) == bool(torch.isfinite(x).all()) == (bad is None)
+
+
+@given(seeds, st.integers(1, 11), st.integers(2, 4))
+def test_decoding_in_slices_picks_what_one_call_picks(seed, B, chunk):
+    """Greedy and beam search decode in slices of DECODE_CHUNK queries; a last slice of one joins the one before."""
+    import model
+
+    g = rng(seed)
+    query, pool, mask = torch.randn(B, 6, generator=g), torch.randn(B, 5, 6, generator=g), torch.ones(B, 5).bool()
+    net = PointerSelector(SelectorConfig(dim=6, hidden=8, num_heads=2)).eval()
+    whole = net._decode(query, pool, mask, 3, 1, None, None)
+    beams = net._beam(query, pool, mask, 3, 2)
+    sizes = []
+    real = model.in_chunks
+
+    def spy(decode, q, p, m):
+        return real(lambda *b: sizes.append(len(b[0])) or decode(*b), q, p, m)
+
+    old = model.DECODE_CHUNK
+    try:
+        model.DECODE_CHUNK, model.in_chunks = chunk, spy
+        picks, logp = net.greedy(query, pool, mask, 3)
+        beam_seqs, beam_scores = net.beam_search(query, pool, mask, 3, 2)
+    finally:
+        model.DECODE_CHUNK, model.in_chunks = old, real
+    assert torch.equal(picks, whole[0][:, 0]) and torch.allclose(logp, whole[1][:, 0], atol=1e-5)
+    assert torch.equal(beam_seqs, beams[0]) and torch.allclose(beam_scores, beams[1], atol=1e-5)
+    assert sum(sizes) == 2 * B and all(s <= chunk + 1 for s in sizes) and (1 not in sizes or B == 1)
