@@ -6,6 +6,8 @@ Usage:
     python bench.py                 # all benchmarks
     python bench.py --only log-probs
     python bench.py --only epochs --data data/sim
+    python bench.py --only grpo --shapes 64,16,4 32,8,1 256,64,8   # offline GRPO epoch vs Lever-Plus's step
+    python bench.py --only decode                                  # greedy decoding vs Lever-Plus's decoder
     python bench.py --only lvlm --lvlm Qwen/Qwen2.5-VL-3B-Instruct --vqa-root /data/okvqa --device cuda
 """
 
@@ -29,8 +31,14 @@ from model import PointerSelector, SelectorConfig
 
 @dataclass
 class Args:
-    only: Literal["all", "log-probs", "epochs", "lvlm"] = "all"
+    only: Literal["all", "log-probs", "epochs", "grpo", "decode", "lvlm"] = "all"
     """Which benchmark to run (all = the CPU ones; lvlm needs --lvlm and --vqa-root)."""
+    shapes: list[str] = field(default_factory=lambda: ["64,16,4"])
+    """GRPO benchmark: pool size, group size, shots of each simulated dataset, e.g. 64,16,4 32,8,1 256,64,8."""
+    reference_queries: int = 64
+    """GRPO benchmark: training queries Lever-Plus's step is timed on (its time is linear in them)."""
+    grpo_epochs: int = 10
+    """GRPO benchmark: epochs per run (10 = grpo.py's offline default; 1 shows a run's fixed costs)."""
     repeats: int = 5
     """Timed repeats per measurement (the median is reported)."""
     threads: int = 1
@@ -146,6 +154,154 @@ def bench_epochs(data: Path | None, repeats: int, thread_counts: list[int]) -> N
             )
 
 
+def reference_grpo_steps(model: PointerSelector, ds, queries: Tensor, epochs: int, beta: float = 0.1) -> None:
+    """GRPO steps as Lever-Plus's v3 trainer takes them, written here for a like-for-like timing (same network, same
+    weights): one query per optimizer step; its query and pool copied once per sequence of its group and encoded
+    G times; teacher forcing with a Python loop over steps, taken candidates masked with -100; PPO clip (0.2) on
+    sequence ratios against old log-probs computed once before training, plus beta * mean(rho - 1 - log rho);
+    backward, global-norm clipping at 1, AdamW (its defaults, lr 1e-5), and eight .item() calls per step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01)
+    g, emb = ds.groups, ds.emb["train"]
+    reward = g.fields["acc"] + g.fields["correct"]  # (Q, G)
+
+    def seq_logp(q: int) -> Tensor:
+        keep = g.seq_mask[q]  # (G,)
+        seqs = model.cfg.from_prompt(g.seqs[q][keep][None])[0]  # (G', S)
+        n, (K, d) = len(seqs), emb[g.pools[q]].shape
+        query = emb[g.queries[q]].expand(n, d).clone()  # (G', d): one copy per sequence
+        pool = emb[g.pools[q]].expand(n, K, d).clone()  # (G', K, d)
+        avail = g.pool_mask[q].expand(n, K).clone()  # (G', K)
+        s, keys = model.encode(query, pool, avail)
+        total = torch.zeros(n)
+        for t in range(seqs.shape[1]):
+            scores = torch.einsum("nh,nkh->nk", s, keys) / model.cfg.temperature
+            log_dist = scores.masked_fill(~avail, -100.0).log_softmax(-1)  # (G', K)
+            total = total + log_dist.gather(1, seqs[:, t : t + 1])[:, 0]
+            avail = avail.scatter(1, seqs[:, t : t + 1], False)
+            s = model.advance(s[:, None], keys, seqs[:, t : t + 1])[:, 0]
+        return total
+
+    with torch.no_grad():
+        model.eval()
+        old = {q: seq_logp(q) for q in queries.tolist()}
+    model.train()
+    for q in queries.tolist() * epochs:
+        r = reward[q][g.seq_mask[q]].float()
+        adv = ((r - r.mean()) / r.std(correction=0).clamp_min(0.1)).clamp(-5, 5)
+        ratio = (seq_logp(q) - old[q]).exp()
+        surrogate = torch.min(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+        kl = (ratio - 1 - ratio.log()).mean()
+        loss = -surrogate.mean() + beta * kl
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        for x in (loss, surrogate.mean(), kl, ratio.mean(), ratio.min(), ratio.max(), adv.mean(), adv.std()):
+            x.item()
+
+
+def bench_grpo_epoch(repeats: int, shapes: list[tuple[int, int, int]], reference_queries: int, epochs: int) -> None:
+    """An offline GRPO run of `epochs` epochs (`grpo.main`, validation and checkpoints included) against as many
+    epochs of Lever-Plus's step (`reference_grpo_steps`, its one-off old-policy pass included) on the same
+    simulated data and init, interleaved; each as seconds per epoch per 800 training queries. Then the same run as
+    a fresh `python grpo.py` process, start-up included."""
+    import contextlib
+    import io
+    import subprocess
+    import sys
+
+    import grpo
+    import rce
+    from data import load_dataset
+    from gen_rl_data import Args as GenArgs
+    from gen_rl_data import generate
+    from training import load_selector, split_queries
+
+    quiet = (contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()))
+    print(
+        f"offline GRPO, {epochs}-epoch runs: seconds per epoch per 800 training queries ({repeats} repeats, "
+        "interleaved; min / median / max)"
+    )
+    for K, G, S in shapes:
+        with tempfile.TemporaryDirectory() as tmp:
+            tmp = Path(tmp)
+            with quiet[0], quiet[1]:
+                generate(GenArgs(out=tmp / "data", pool_size=K, group_size=G, seq_len=S))
+                rce.main(rce.Args(data=tmp / "data", out=tmp / "rce", epochs=1))
+            ds = load_dataset(tmp / "data")
+            train = split_queries(ds, grpo.resolve(grpo.Args(data=tmp / "data"))).train
+            sub = train[:reference_queries]
+            ours, ref, fresh = [], [], []
+            for rep in range(repeats):
+                t0 = time.perf_counter()
+                with quiet[0], quiet[1]:
+                    grpo.main(grpo.Args(data=tmp / "data", init=tmp / "rce", out=tmp / f"g{rep}", epochs=epochs))
+                ours.append((time.perf_counter() - t0) * 800 / len(train) / epochs)
+                model = load_selector(tmp / "rce")
+                t0 = time.perf_counter()
+                reference_grpo_steps(model, ds, sub, epochs)
+                ref.append((time.perf_counter() - t0) * 800 / len(sub) / epochs)
+                t0 = time.perf_counter()
+                cmd = [sys.executable, "grpo.py", "--data", str(tmp / "data"), "--init", str(tmp / "rce")]
+                cmd += ["--out", str(tmp / f"p{rep}"), "--epochs", str(epochs)]
+                subprocess.run(cmd, check=True, capture_output=True, cwd=Path(__file__).parent)
+                fresh.append((time.perf_counter() - t0) * 800 / len(train) / epochs)
+
+        def mmm(x: list[float]) -> str:
+            return f"{min(x):6.2f} / {statistics.median(x):6.2f} / {max(x):6.2f}"
+
+        ratios = sorted(r / o for r, o in zip(ref, ours))
+        print(f"  K={K:3d} G={G:2d} S={S}: Lever-Plus step {mmm(ref)}   ours {mmm(ours)}   ratio {mmm(ratios)}x")
+        print(f"  {'':17s} ours as a fresh process, start-up included: {mmm(fresh)}")
+
+
+@torch.no_grad()
+def reference_greedy(model: PointerSelector, query: Tensor, pool: Tensor, pool_mask: Tensor, steps: int) -> Tensor:
+    """Greedy decoding as Lever-Plus's decoder does it, in batches of 32 queries: no input checks, taken candidates
+    masked with -100, argmax, gated state update."""
+    picks = []
+    for a in range(0, len(query), 32):
+        s, keys = model.encode(query[a : a + 32], pool[a : a + 32], pool_mask[a : a + 32])
+        avail, out = pool_mask[a : a + 32].clone(), []
+        for _ in range(steps):
+            scores = torch.einsum("bh,bkh->bk", s, keys) / model.cfg.temperature
+            pick = scores.masked_fill(~avail, -100.0).argmax(-1)  # (B,)
+            out.append(pick)
+            avail = avail.scatter(1, pick[:, None], False)
+            s = model.advance(s[:, None], keys, pick[:, None])[:, 0]
+        picks.append(torch.stack(out, -1))
+    return torch.cat(picks)
+
+
+def bench_decode(repeats: int, B=800, S=4, K=64, d=512) -> None:
+    """Greedy picks for 800 queries: ours (one call; slices inside, inputs checked once) against Lever-Plus's
+    decoder in batches of 32, interleaved."""
+    model = PointerSelector(SelectorConfig(dim=d)).eval()
+    query, pool, pool_mask, _, _ = random_batch(B, 1, S, K, d, torch.Generator().manual_seed(0))
+    times = {"ours": [], "lever": []}
+    for _ in range(repeats + 1):  # the first round warms up
+        for name, fn in (
+            ("ours", lambda: model.greedy(query, pool, pool_mask, S)[0]),
+            ("lever", lambda: reference_greedy(model, query, pool, pool_mask, S)),
+        ):
+            t0 = time.perf_counter()
+            picks = fn()
+            times[name].append(time.perf_counter() - t0)
+        assert torch.equal(picks, model.greedy(query, pool, pool_mask, S)[0])  # the same decoder
+    ours, lever = times["ours"][1:], times["lever"][1:]
+    ratios = sorted(b / a for a, b in zip(ours, lever))
+    print(f"greedy decoding of {B} queries, S={S} K={K} d={d} ({repeats} repeats; min / median / max)")
+    print(
+        f"  ours, one call:             {min(ours) * 1e3:7.1f} / {statistics.median(ours) * 1e3:7.1f} / "
+        f"{max(ours) * 1e3:7.1f} ms"
+    )
+    print(
+        f"  Lever-Plus, batches of 32:  {min(lever) * 1e3:7.1f} / {statistics.median(lever) * 1e3:7.1f} / "
+        f"{max(lever) * 1e3:7.1f} ms"
+    )
+    print(f"  speed-up:                   {ratios[0]:.2f} / {statistics.median(ratios):.2f} / {ratios[-1]:.2f}x")
+
+
 @torch.inference_mode()
 def unshared_scores(backend, examples: list) -> tuple[list[str], Tensor]:
     """The reference the LVLM benchmark compares against: each prompt runs once for transformers' generate() and
@@ -257,6 +413,11 @@ def main(args: Args) -> None:
         bench_log_probs(args.repeats)
     if args.only in ("all", "epochs"):
         bench_epochs(args.data, args.repeats, args.thread_counts)
+    if args.only in ("all", "decode"):
+        bench_decode(args.repeats)
+    if args.only in ("all", "grpo"):
+        shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
+        bench_grpo_epoch(args.repeats, shapes, args.reference_queries, args.grpo_epochs)
     if args.only == "lvlm":
         bench_lvlm(args)
 

@@ -311,16 +311,19 @@ class PointerSelector(nn.Module):
 DECODE_CHUNK = 64
 
 
-def in_chunks(decode, query: Tensor, pool: Tensor, pool_mask: Tensor) -> tuple[Tensor, Tensor]:
-    """`decode(query, pool, pool_mask) -> (seqs, scores)` over slices of DECODE_CHUNK queries, concatenated. A
-    last slice of one query joins the one before (a single-row matrix product takes another kernel, whose rounding
-    could differ from the batched one)."""
-    B = query.shape[0]
-    starts = list(range(0, B, DECODE_CHUNK))
-    if len(starts) > 1 and B - starts[-1] == 1:
+def slices(n: int, size: int) -> list[slice]:
+    """Consecutive slices of `size` rows covering n; a last slice of one row joins the one before. A single-row
+    matrix product takes another kernel, whose rounding can differ from the batched one, so a row computed in any
+    slice of at least two rows has the same bits (checked on this kit's x86 CPUs: tests/test_pinned.py)."""
+    starts = list(range(0, n, size))
+    if len(starts) > 1 and n - starts[-1] == 1:
         starts.pop()
-    bounds = [*starts[1:], B]
-    outs = [decode(query[a:b], pool[a:b], pool_mask[a:b]) for a, b in zip(starts, bounds)]
+    return [slice(a, b) for a, b in zip(starts, [*starts[1:], n])]
+
+
+def in_chunks(decode, query: Tensor, pool: Tensor, pool_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """`decode(query, pool, pool_mask) -> (seqs, scores)` over `slices` of DECODE_CHUNK queries, concatenated."""
+    outs = [decode(query[s], pool[s], pool_mask[s]) for s in slices(query.shape[0], DECODE_CHUNK)]
     return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
 
 

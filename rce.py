@@ -35,6 +35,7 @@ from model import PickOrder, PointerSelector, SelectorConfig, rce_weights
 from training import (
     Loop,
     TrainArgs,
+    adamw,
     check_train_args,
     clipped_step,
     fit,
@@ -108,7 +109,7 @@ def main(args: Args) -> None:
             pick_order=args.pick_order,
         )
         model = PointerSelector(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    opt = adamw(model.parameters(), args.lr, args.weight_decay)
     total = args.epochs * steps_per_epoch(split, args.batch_size)
 
     def step(idx: Tensor, step: int, state: dict) -> dict[str, float]:

@@ -6,6 +6,7 @@ punctuation handling, number words, articles and the official contraction table.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import Counter
 
@@ -178,8 +179,10 @@ def _process_punctuation(text: str) -> str:
     return _PERIOD_STRIP.sub("", out)
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def normalize_answer(s: str) -> str:
-    """Normalise an answer string exactly as the official VQA evaluation script does."""
+    """Normalise an answer string exactly as the official VQA evaluation script does. Memoised: answers repeat
+    (ten annotators, a small vocabulary), and building the simulator normalised 37k of them at every start."""
     text = s.replace("\n", " ").replace("\t", " ").strip()
     text = _process_punctuation(text)
     words = [NUMBER_WORDS.get(w, w) for w in text.lower().split()]
