@@ -28,7 +28,8 @@ import gen_rl_data
 import grpo
 import rce
 from cli import run_cli
-from compare import bootstrap_ci, gap_share, md_table, paired, per_question
+from compare import bootstrap_ci, gap_share, paired, per_question
+from tables import md_table
 from training import SIDE_ARGS, flag_values
 
 # name -> (stage, flags, reference). GRPO variants start from the default RCE run of their seed unless they name

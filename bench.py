@@ -212,10 +212,11 @@ def bench_grpo_epoch(repeats: int, shapes: list[tuple[int, int, int]], reference
 
     import grpo
     import rce
+    from checkpoints import load_selector
     from data import load_dataset
     from gen_rl_data import Args as GenArgs
     from gen_rl_data import generate
-    from training import load_selector, split_queries
+    from training import split_queries
 
     quiet = (contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()))
     print(

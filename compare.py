@@ -32,6 +32,7 @@ import tyro
 
 from cli import default_is, run_cli
 from files import atomic_write_text, read_jsonl
+from tables import accuracy_table, md_table
 
 
 @dataclass
@@ -157,20 +158,6 @@ def verdict_rule(cells: int) -> str:
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Tables
-
-
-def md_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-
-
-def accuracy_table(doc: dict) -> str:
-    shots = doc["shots"]
-    rows = []
-    for n, v in doc["summary"].items():
-        vals = [v[str(s)] for s in shots]
-        rows.append([n] + [f"{x:.2f}" for x in vals] + [f"{sum(vals) / len(vals):.2f}"])
-    return md_table(["n"] + [f"shot {s}" for s in shots] + ["avg"], rows)
 
 
 def signed(x: float) -> str:

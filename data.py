@@ -16,6 +16,8 @@ Rewards are computed here, from the per-sequence fields every backend stores (ac
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -333,3 +335,19 @@ def filter_queries(groups: Groups, reward: Tensor, quality: Quality, require_pos
     if require_positive:
         keep &= group_stats(groups, reward)["positives"] > 0
     return keep.nonzero()[:, 0]
+
+
+DATA_FILES = ("items.json", "embeddings.safetensors", "rl_data.jsonl", "eval_pools.json")
+
+
+def data_digest(folder: Path) -> str:
+    """Hash of what training reads from a dataset folder: its data files and its settings (meta.json without the
+    time it was written), so regenerating identical data keeps the digest and any edited reward changes it."""
+    h = hashlib.sha256()
+    meta = {k: v for k, v in json.loads((folder / "meta.json").read_text()).items() if k != "created_at"}
+    h.update(json.dumps(meta, sort_keys=True).encode())
+    for name in DATA_FILES:
+        with open(folder / name, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()[:16]

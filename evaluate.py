@@ -41,13 +41,13 @@ from tqdm import tqdm
 import pools
 import sharding
 from backends import open_backend
+from checkpoints import checkpoints, load_selector
 from cli import CpuArgs, default_is, help_first, run_cli
-from compare import accuracy_table
-from data import Dataset, load_dataset
+from data import Dataset, data_digest, load_dataset
 from files import atomic_write_text, read_json, read_jsonl
 from locks import exclusive
 from model import PointerSelector
-from training import checkpoints, data_digest, load_selector
+from tables import accuracy_table
 from vqa_data import check_images
 
 Baseline = Literal["zero-shot", "random", "image-sim", "text-sim", "oracle", "observable"]

@@ -49,6 +49,7 @@ import torch
 from torch import Tensor
 
 from backends import ScoreCache, open_backend
+from checkpoints import load_selector
 from cli import alias, default_is, help_first, run_cli
 from data import RewardMode, compute_reward, load_dataset
 from model import exact_kl, group_advantages, k3_kl, ppo_clip_loss, reward_spread
@@ -62,7 +63,6 @@ from training import (
     clipped_step,
     fit,
     greedy_picks,
-    load_selector,
     make_batch,
     prepare_out,
     run_folder,

@@ -29,6 +29,7 @@ from typing import Annotated
 import torch
 from torch import Tensor
 
+from checkpoints import load_selector
 from cli import alias, help_first, run_cli
 from data import Quality, load_dataset
 from model import PickOrder, PointerSelector, SelectorConfig, rce_weights
@@ -39,7 +40,6 @@ from training import (
     check_train_args,
     clipped_step,
     fit,
-    load_selector,
     make_batch,
     prepare_out,
     run_folder,

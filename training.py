@@ -26,14 +26,20 @@ import torch
 from torch import Tensor
 
 from backends import ScoreCache, open_backend
+from checkpoints import (
+    checkpoint_meta,
+    last_checkpoint,
+    load_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+)
 from cli import CpuArgs, alias
-from data import Dataset, Quality, RewardArgs, compute_reward, filter_queries
-from files import atomic_write_text, read_json, read_jsonl, read_tensors, save_tensors
+from data import Dataset, Quality, RewardArgs, compute_reward, data_digest, filter_queries
+from files import atomic_write_text, read_json, read_jsonl
 from locks import exclusive
 from model import (
     PointerSelector,
     SelectorConfig,
-    load_state_strict,
     reward_spread,
 )
 from tracking import ReportTo, check_installed, open_tracker
@@ -295,111 +301,6 @@ class MetricsLog:
             self.tracker.close()
 
 
-def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, Tensor], dict]:
-    """Flatten an optimizer state_dict into tensors + JSON-able rest (safetensors holds tensors only; no pickle)."""
-    sd = opt.state_dict()
-    tensors, scalars = {}, {}
-    for pid, st in sd["state"].items():
-        for k, v in st.items():
-            if torch.is_tensor(v):
-                tensors[f"optim.{pid}.{k}"] = v
-            else:
-                scalars[f"{pid}.{k}"] = v
-    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
-
-
-def restore_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, Tensor], info: dict) -> None:
-    state: dict[int, dict] = {}
-    for name, v in tensors.items():
-        if name.startswith("optim."):
-            _, pid, k = name.split(".", 2)
-            state.setdefault(int(pid), {})[k] = v
-    for key, v in info["scalars"].items():
-        pid, k = key.split(".", 1)
-        state.setdefault(int(pid), {})[k] = v
-    opt.load_state_dict({"state": state, "param_groups": info["param_groups"]})
-
-
-def save_checkpoint(
-    out: Path,
-    epoch: int,
-    model: PointerSelector,
-    opt: torch.optim.Optimizer,
-    rngs: dict[str, torch.Generator],
-    loop: dict,
-) -> None:
-    """ckpt/epoch_NNN.safetensors: model, optimizer and RNG states, plus loop state (best so far, step, beta...).
-
-    All metadata sits in one JSON string: safetensors writes metadata keys in no fixed order, and a resumed run must
-    write byte-identical files.
-    """
-    tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
-    opt_tensors, opt_meta = optimizer_tensors(opt)
-    tensors.update(opt_tensors)
-    tensors["rng.torch"] = torch.get_rng_state()
-    tensors.update({f"rng.{name}": g.get_state() for name, g in rngs.items()})
-    (out / "ckpt").mkdir(exist_ok=True)
-    meta = {"epoch": epoch, "optimizer": opt_meta, "loop": loop, "config": asdict(model.cfg)}
-    save_tensors(out / "ckpt" / f"epoch_{epoch:03d}.safetensors", tensors, {"checkpoint": json.dumps(meta)})
-
-
-def checkpoint_meta(path: Path) -> dict:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-    if "checkpoint" not in meta:
-        raise ValueError(f"{path}: not an icl-select epoch checkpoint (no 'checkpoint' metadata)")
-    return json.loads(meta["checkpoint"])
-
-
-def checkpoints(out: Path) -> dict[int, Path]:
-    """A run folder's epoch checkpoints, epoch -> file, in epoch order."""
-    return {int(p.stem.removeprefix("epoch_")): p for p in sorted((out / "ckpt").glob("epoch_*.safetensors"))}
-
-
-def prune_checkpoints(out: Path, keep_every: int, best_epoch: int | None) -> None:
-    """Delete epoch checkpoints other than the last (resume needs it), the best and every keep_every-th."""
-    for epoch, path in list(checkpoints(out).items())[:-1]:
-        if epoch != best_epoch and (keep_every == 0 or epoch % keep_every):
-            path.unlink()
-
-
-def last_checkpoint(out: Path) -> Path | None:
-    return next(reversed(checkpoints(out).values()), None)
-
-
-def load_model_part(model: PointerSelector, tensors: dict[str, Tensor], path: Path) -> None:
-    """The checkpoint's "model." tensors into `model`, strictly."""
-    load_state_strict(model, {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}, path)
-
-
-def load_checkpoint(
-    path: Path, model: PointerSelector, opt: torch.optim.Optimizer | None, rngs: dict[str, torch.Generator]
-) -> dict:
-    """Restore everything save_checkpoint wrote; returns the loop state."""
-    tensors, meta = read_tensors(path), checkpoint_meta(path)
-    load_model_part(model, tensors, path)
-    if opt is not None:
-        restore_optimizer(opt, tensors, meta["optimizer"])
-    torch.set_rng_state(tensors["rng.torch"])
-    for name, g in rngs.items():
-        g.set_state(tensors[f"rng.{name}"])
-    return meta["loop"]
-
-
-def load_selector(source: Path) -> PointerSelector:
-    """A selector from a run folder (model.json + model.safetensors) or an epoch checkpoint file."""
-    source = Path(source)
-    if source.is_dir():
-        return PointerSelector.load(source)
-    if not source.is_file():
-        raise FileNotFoundError(f"{source}: no such run folder or checkpoint")
-    model = PointerSelector(SelectorConfig(**checkpoint_meta(source)["config"]))
-    load_model_part(model, read_tensors(source), source)
-    return model
-
-
 def prepare_out(out: Path, args, ds: Dataset) -> Path | None:
     """Check the output folder before any work; returns the checkpoint to resume from, if any.
 
@@ -477,20 +378,6 @@ def file_sha(path: Path) -> str:
 PATH_ARGS = ("out", "data", "init")
 # Flags that change what is kept or shown, never what is trained: a resumed run may change them freely.
 SIDE_ARGS = ("keep_every", "report_to")
-DATA_FILES = ("items.json", "embeddings.safetensors", "rl_data.jsonl", "eval_pools.json")
-
-
-def data_digest(folder: Path) -> str:
-    """Hash of what training reads from a dataset folder: its data files and its settings (meta.json without the
-    time it was written), so regenerating identical data keeps the digest and any edited reward changes it."""
-    h = hashlib.sha256()
-    meta = {k: v for k, v in json.loads((folder / "meta.json").read_text()).items() if k != "created_at"}
-    h.update(json.dumps(meta, sort_keys=True).encode())
-    for name in DATA_FILES:
-        with open(folder / name, "rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-    return h.hexdigest()[:16]
 
 
 def flag_values(args) -> dict:

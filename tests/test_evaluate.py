@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
+import data
 import evaluate
 import rce
-import training
 from data import load_dataset
 from gen_rl_data import Args as GenArgs
 from gen_rl_data import generate
@@ -96,7 +96,7 @@ def test_selector_run_orders_epochs_and_train_split(small_data, tmp_path):
 def test_random_seeds_average_and_resume(small_data, tmp_path, monkeypatch):
     run_eval(data=small_data, baseline="random", out=tmp_path / "r", seeds=2)
     doc = json.loads((tmp_path / "r" / "eval" / "val.json").read_text())
-    assert doc["data_digest"] == training.data_digest(small_data)  # what compare.py pairs runs on
+    assert doc["data_digest"] == data.data_digest(small_data)  # what compare.py pairs runs on
     singles = []
     for seed in (0, 1):
         run_eval(data=small_data, baseline="random", out=tmp_path / f"s{seed}", seed=seed)

@@ -15,10 +15,10 @@ import grpo
 import rce
 import training
 from backends import ScoreCache
+from checkpoints import load_selector
 from cli import run_cli
 from data import load_dataset
 from model import PointerSelector, SelectorConfig
-from training import load_selector
 
 FAST = dict(batch_size=8, val_frac=0.25)
 

@@ -1,0 +1,123 @@
+"""Epoch checkpoints and trained selectors on disk (what evaluate.py reads without the training loop).
+
+ckpt/epoch_NNN.safetensors holds the model, the optimizer state, every RNG state and the loop state (best so far,
+step, adaptive beta, ...), so a resumed run ends bit-identical to an uninterrupted one. safetensors holds tensors
+only (no pickle): the optimizer's non-tensor state and the loop state travel as one JSON string of metadata.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from files import read_tensors, save_tensors
+from model import PointerSelector, SelectorConfig, load_state_strict
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, Tensor], dict]:
+    """Flatten an optimizer state_dict into tensors + JSON-able rest (safetensors holds tensors only; no pickle)."""
+    sd = opt.state_dict()
+    tensors, scalars = {}, {}
+    for pid, st in sd["state"].items():
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                tensors[f"optim.{pid}.{k}"] = v
+            else:
+                scalars[f"{pid}.{k}"] = v
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def restore_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, Tensor], info: dict) -> None:
+    state: dict[int, dict] = {}
+    for name, v in tensors.items():
+        if name.startswith("optim."):
+            _, pid, k = name.split(".", 2)
+            state.setdefault(int(pid), {})[k] = v
+    for key, v in info["scalars"].items():
+        pid, k = key.split(".", 1)
+        state.setdefault(int(pid), {})[k] = v
+    opt.load_state_dict({"state": state, "param_groups": info["param_groups"]})
+
+
+def save_checkpoint(
+    out: Path,
+    epoch: int,
+    model: PointerSelector,
+    opt: torch.optim.Optimizer,
+    rngs: dict[str, torch.Generator],
+    loop: dict,
+) -> None:
+    """ckpt/epoch_NNN.safetensors: model, optimizer and RNG states, plus loop state (best so far, step, beta...).
+
+    All metadata sits in one JSON string: safetensors writes metadata keys in no fixed order, and a resumed run must
+    write byte-identical files.
+    """
+    tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
+    opt_tensors, opt_meta = optimizer_tensors(opt)
+    tensors.update(opt_tensors)
+    tensors["rng.torch"] = torch.get_rng_state()
+    tensors.update({f"rng.{name}": g.get_state() for name, g in rngs.items()})
+    (out / "ckpt").mkdir(exist_ok=True)
+    meta = {"epoch": epoch, "optimizer": opt_meta, "loop": loop, "config": asdict(model.cfg)}
+    save_tensors(out / "ckpt" / f"epoch_{epoch:03d}.safetensors", tensors, {"checkpoint": json.dumps(meta)})
+
+
+def checkpoint_meta(path: Path) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    if "checkpoint" not in meta:
+        raise ValueError(f"{path}: not an icl-select epoch checkpoint (no 'checkpoint' metadata)")
+    return json.loads(meta["checkpoint"])
+
+
+def checkpoints(out: Path) -> dict[int, Path]:
+    """A run folder's epoch checkpoints, epoch -> file, in epoch order."""
+    return {int(p.stem.removeprefix("epoch_")): p for p in sorted((out / "ckpt").glob("epoch_*.safetensors"))}
+
+
+def prune_checkpoints(out: Path, keep_every: int, best_epoch: int | None) -> None:
+    """Delete epoch checkpoints other than the last (resume needs it), the best and every keep_every-th."""
+    for epoch, path in list(checkpoints(out).items())[:-1]:
+        if epoch != best_epoch and (keep_every == 0 or epoch % keep_every):
+            path.unlink()
+
+
+def last_checkpoint(out: Path) -> Path | None:
+    return next(reversed(checkpoints(out).values()), None)
+
+
+def load_model_part(model: PointerSelector, tensors: dict[str, Tensor], path: Path) -> None:
+    """The checkpoint's "model." tensors into `model`, strictly."""
+    load_state_strict(model, {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}, path)
+
+
+def load_checkpoint(
+    path: Path, model: PointerSelector, opt: torch.optim.Optimizer | None, rngs: dict[str, torch.Generator]
+) -> dict:
+    """Restore everything save_checkpoint wrote; returns the loop state."""
+    tensors, meta = read_tensors(path), checkpoint_meta(path)
+    load_model_part(model, tensors, path)
+    if opt is not None:
+        restore_optimizer(opt, tensors, meta["optimizer"])
+    torch.set_rng_state(tensors["rng.torch"])
+    for name, g in rngs.items():
+        g.set_state(tensors[f"rng.{name}"])
+    return meta["loop"]
+
+
+def load_selector(source: Path) -> PointerSelector:
+    """A selector from a run folder (model.json + model.safetensors) or an epoch checkpoint file."""
+    source = Path(source)
+    if source.is_dir():
+        return PointerSelector.load(source)
+    if not source.is_file():
+        raise FileNotFoundError(f"{source}: no such run folder or checkpoint")
+    model = PointerSelector(SelectorConfig(**checkpoint_meta(source)["config"]))
+    load_model_part(model, read_tensors(source), source)
+    return model
