@@ -51,7 +51,7 @@ from torch import Tensor
 from backends import ScoreCache, open_backend
 from checkpoints import load_selector
 from cli import alias, default_is, help_first, run_cli
-from data import RewardMode, compute_reward, load_dataset
+from data import RewardMode, compute_reward
 from model import exact_kl, group_advantages, k3_kl, ppo_clip_loss, reward_spread
 from pools import first_distinct, query_pools
 from training import (
@@ -61,15 +61,11 @@ from training import (
     adamw,
     check_train_args,
     clipped_step,
-    fit,
     greedy_picks,
     make_batch,
-    prepare_out,
-    run_folder,
-    split_queries,
+    open_run,
+    run_training,
     steps_per_epoch,
-    validation_backend,
-    write_config,
 )
 
 
@@ -200,15 +196,11 @@ def kl_grad_share(params: list[torch.nn.Parameter], ppo: Tensor, kl_term: Tensor
 def main(args: Args) -> None:
     args = resolve(args)
     check_args(args)
-    out = args.out or default_out(args)
-    ds = load_dataset(args.data, args.allow_truncated)
-    split = split_queries(ds, args)
-    resume_from = prepare_out(out, args, ds)
-    backend = validation_backend(ds, args)
+    run = open_run(args, args.out or default_out(args))
+    ds, split, backend = run.ds, run.split, run.backend
     # online groups are scored by the dataset's backend (the simulator, or the LVLM that scored the data), through
     # the same score cache as validation
     scorer = (backend or ScoreCache(open_backend(ds.meta, ds.items, ds.emb))) if args.online else None
-    torch.manual_seed(args.seed)
     policy = load_selector(args.init)
     if policy.cfg.dim != ds.emb["train"].shape[1]:
         raise ValueError(
@@ -265,6 +257,7 @@ def main(args: Args) -> None:
         return Batch(query, pool_emb, pool_mask, seqs, ok, reward)
 
     def step(idx: Tensor, step: int, state: dict) -> dict[str, float]:
+        policy.eval()  # sampling and every log-prob (new, old, reference) without dropout: the ratio starts at 1
         b = online_batch(idx) if args.online else make_batch(ds, idx, split.reward, policy.cfg)
         m = b.seq_mask
         adv = group_advantages(b.reward, m, args.scale_rewards, args.rank_advantage).float()  # (B, G)
@@ -276,7 +269,7 @@ def main(args: Args) -> None:
                 ref_dist = ref(b.query, b.pool, b.pool_mask, b.seqs, m, True, temp).log_dist  # (B, G, S, K)
             if ref_cache is not None:
                 ref_cache[idx], ref_known[idx] = ref_dist, True
-        beta = state.setdefault("beta", args.kl_beta)
+        beta = state["beta"]  # --kl-beta, or where --kl-target has moved it (saved in checkpoints)
         last_of_epoch = (step + 1) % epoch_steps == 0
         old = None
         for _ in range(args.num_iterations):
@@ -328,23 +321,24 @@ def main(args: Args) -> None:
         changed = (greedy_picks(policy, ds, split.val) != ref_greedy).any(-1)
         return {"grpo/selection_change": changed.double().mean().item()}
 
-    with run_folder(out):
-        if resume_from is None:
-            write_config(out, args, ds, split, {"out": str(out)})
-        run = Loop(args, out, ds, split, policy, opt, "grpo", backend)
-        loop = fit(
-            run,
-            step,
-            resume_from,
-            selection_change,
-            lambda record: warnings_for(record, S),
-            {"beta": args.kl_beta},
-            # The loss value is ~beta * KL (centred advantages give a PPO term near 0 at ratio 1): show what moves.
-            ("grpo/reward_mean", "grpo/kl_ref", "grpo/entropy"),
-            {"sampler": sampler, "queries": draws},
-            log_steps=args.kl_target is not None,
-        )
-    print(f"best epoch {loop['best_epoch']} ({loop['metric']} {loop['best']:.4f}) -> {out}/model.safetensors")
+    loop = Loop(
+        args=args,
+        start=run,
+        model=policy,
+        opt=opt,
+        phase="grpo",
+        step=step,
+        state={"beta": args.kl_beta},
+        rngs={"sampler": sampler, "queries": draws},
+        epoch_extra=selection_change,
+        check=lambda record: warnings_for(record, S),
+        # The loss value is ~beta * KL (centred advantages give a PPO term near 0 at ratio 1): show what moves.
+        postfix=("grpo/reward_mean", "grpo/kl_ref", "grpo/entropy"),
+        log_steps=args.kl_target is not None,
+        diverged_hint="try a lower --lr or a larger --kl-beta",
+        config_extra={"out": str(run.out)},
+    )
+    run_training(loop)
 
 
 if __name__ == "__main__":

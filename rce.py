@@ -31,7 +31,7 @@ from torch import Tensor
 
 from checkpoints import load_selector
 from cli import alias, help_first, run_cli
-from data import Quality, load_dataset
+from data import Quality
 from model import PickOrder, PointerSelector, SelectorConfig, rce_weights
 from training import (
     Loop,
@@ -39,14 +39,10 @@ from training import (
     adamw,
     check_train_args,
     clipped_step,
-    fit,
     make_batch,
-    prepare_out,
-    run_folder,
-    split_queries,
+    open_run,
+    run_training,
     steps_per_epoch,
-    validation_backend,
-    write_config,
 )
 
 
@@ -93,10 +89,8 @@ def main(args: Args) -> None:
     check_train_args(args)
     if args.temp_start <= 0 or args.temp_end <= 0:
         raise ValueError("--temp-start and --temp-end must be > 0")
-    ds = load_dataset(args.data, args.allow_truncated)
-    split = split_queries(ds, args)
-    resume_from = prepare_out(args.out, args, ds)
-    torch.manual_seed(args.seed)
+    run = open_run(args, args.out)
+    ds, split = run.ds, run.split
     if args.init is not None:
         model = load_selector(args.init)
     else:
@@ -113,6 +107,7 @@ def main(args: Args) -> None:
     total = args.epochs * steps_per_epoch(split, args.batch_size)
 
     def step(idx: Tensor, step: int, state: dict) -> dict[str, float]:
+        model.train()  # dropout on: the warm-up is plain supervised learning
         tau = args.temp_start + (args.temp_end - args.temp_start) * step / max(total - 1, 1)
         b = make_batch(ds, idx, split.reward, model.cfg)
         logp = model.log_probs(b.query, b.pool, b.pool_mask, b.seqs, b.seq_mask).sum(-1)  # (B, G)
@@ -123,12 +118,9 @@ def main(args: Args) -> None:
         norm = clipped_step(opt, list(model.parameters()), args.grad_clip)
         return {"train/loss": loss.item(), "train/tau": tau, "train/grad_norm": norm}
 
-    with run_folder(args.out):
-        if resume_from is None:
-            write_config(args.out, args, ds, split)
-        run = Loop(args, args.out, ds, split, model, opt, "rce", validation_backend(ds, args))
-        loop = fit(run, step, resume_from, postfix=("train/loss", "train/tau"))
-    print(f"best epoch {loop['best_epoch']} ({loop['metric']} {loop['best']:.4f}) -> {args.out}/model.safetensors")
+    run_training(
+        Loop(args=args, start=run, model=model, opt=opt, phase="rce", step=step, postfix=("train/loss", "train/tau"))
+    )
 
 
 if __name__ == "__main__":

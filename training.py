@@ -17,7 +17,8 @@ import math
 import shutil
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from importlib.metadata import version
 from pathlib import Path
 from typing import Annotated, Literal
@@ -34,7 +35,7 @@ from checkpoints import (
     save_checkpoint,
 )
 from cli import CpuArgs, alias
-from data import Dataset, Quality, RewardArgs, compute_reward, data_digest, filter_queries
+from data import Dataset, Quality, RewardArgs, compute_reward, data_digest, filter_queries, load_dataset
 from files import atomic_write_text, read_json, read_jsonl
 from locks import exclusive
 from model import (
@@ -438,36 +439,71 @@ def log_line(record: dict, keys: tuple[str, ...]) -> str:
 
 
 @dataclass
-class Loop:
-    """Everything a run needs besides the stage's own step function."""
+class Start:
+    """What every training stage opens with, before it builds its model (see `open_run`)."""
 
-    args: TrainArgs
     out: Path
     ds: Dataset
     split: Split
+    resume_from: Path | None  # the checkpoint a re-run continues from; None for a new run
+    backend: ScoreCache | None  # what answers the validation anchors (`validation_backend`)
+
+
+def open_run(args: TrainArgs, out: Path) -> Start:
+    """The prologue of rce.py and grpo.py: read and check the data, split it, check the run folder (resume or new),
+    open the validation backend, seed torch. Nothing is written yet."""
+    ds = load_dataset(args.data, args.allow_truncated)
+    split = split_queries(ds, args)
+    resume_from = prepare_out(out, args, ds)
+    backend = validation_backend(ds, args)
+    torch.manual_seed(args.seed)
+    return Start(out, ds, split, resume_from, backend)
+
+
+@dataclass(kw_only=True)
+class Loop:
+    """A training run for `fit`: what it trains and how its steps are logged, checked and resumed."""
+
+    args: TrainArgs
+    start: Start
     model: PointerSelector
     opt: torch.optim.Optimizer
-    phase: str
-    backend: object | None = None
+    phase: str  # "rce" | "grpo": the "phase" of every metrics record
+    step: Callable[[Tensor, int, dict], dict[str, float]]
+    """step(idx (B,) query indices, global step, state) -> float metrics including "train/loss". It sets the
+    model's mode itself (RCE trains with dropout, GRPO takes every log-prob without)."""
+    state: dict = field(default_factory=dict)
+    """Mutable loop state saved in every checkpoint and handed to `step` (e.g. GRPO's adaptive beta)."""
+    rngs: dict[str, torch.Generator] = field(default_factory=dict)
+    """Generators besides the shuffle's, saved in every checkpoint."""
+    epoch_extra: Callable[[], dict] | None = None
+    """Extra metrics per epoch (e.g. the share of validation picks that changed)."""
+    check: Callable[[dict], list[str]] | None = None
+    """Plain-words warnings about an epoch's record."""
+    postfix: tuple[str, ...] = ("train/loss",)
+    """Metrics shown on the progress bar and the epoch line."""
+    log_steps: bool = False
+    """Also write every step's metrics ("kind": "step")."""
+    diverged_hint: str = "try a lower --lr"
+    """What the message of a NaN/inf loss or gradient suggests."""
+    config_extra: dict = field(default_factory=dict)
+    """More fields for config.json."""
 
 
-def fit(
-    run: Loop,
-    train_step,
-    resume_from: Path | None,
-    epoch_extra=None,
-    check=None,
-    state: dict | None = None,
-    postfix: tuple[str, ...] = ("train/loss",),
-    rngs: dict[str, torch.Generator] | None = None,
-    log_steps: bool = False,
-) -> dict:
+def run_training(run: Loop) -> dict:
+    """Write config.json (a new run), run `fit` in the locked run folder, and say where the best epoch went."""
+    out = run.start.out
+    with run_folder(out):
+        if run.start.resume_from is None:
+            write_config(out, run.args, run.start.ds, run.start.split, run.config_extra)
+        loop = fit(run)
+    print(f"best epoch {loop['best_epoch']} ({loop['metric']} {loop['best']:.4f}) -> {out}/model.safetensors")
+    return loop
+
+
+def fit(run: Loop) -> dict:
     """Epochs over the training queries, validation, best-model selection (`selection_metric`), checkpoints, resume.
-
-    train_step(idx (B,) query indices, step, state) -> dict of float metrics, including "train/loss"; `state` is a
-    mutable dict persisted in every checkpoint (e.g. an adaptive KL beta). epoch_extra() -> dict of extra epoch
-    metrics; check(record) -> list of plain-words warnings; `rngs` are extra generators saved in checkpoints;
-    log_steps also writes every step's metrics ("kind": "step"). Returns the final loop state.
+    Returns the final loop state.
 
     Epoch 0 (the starting weights) is logged but never selected: a trained start was itself chosen as the best of
     its run on these same validation anchors, so its score there is biased upwards (the winner's curse) and would
@@ -476,15 +512,19 @@ def fit(
     """
     from tqdm import tqdm
 
-    args, out = run.args, run.out
-    metric = selection_metric(run.backend)
-    cap = None if run.ds.is_sim else args.val_max_queries
+    args, out, ds, split = run.args, run.start.out, run.start.ds, run.start.split
+    metric = selection_metric(run.start.backend)
+    cap = None if ds.is_sim else args.val_max_queries
 
     def validation() -> dict:
-        return {**validate(run.model, run.ds, run.split, run.backend, cap), "select_metric": metric}
+        return {**validate(run.model, ds, split, run.start.backend, cap), "select_metric": metric}
 
-    rngs = {"shuffle": torch.Generator().manual_seed(args.seed + 1), **(rngs or {})}
-    loop = {"epoch": 0, "step": 0, "best": -math.inf, "best_epoch": None, "state": state or {}}
+    def extra() -> dict:
+        return run.epoch_extra() if run.epoch_extra else {}
+
+    rngs = {"shuffle": torch.Generator().manual_seed(args.seed + 1), **run.rngs}
+    loop = {"epoch": 0, "step": 0, "best": -math.inf, "best_epoch": None, "state": run.state}
+    resume_from = run.start.resume_from
     if resume_from is not None:
         loop = load_checkpoint(resume_from, run.model, run.opt, rngs)
     resumed = resume_from is not None
@@ -497,13 +537,13 @@ def fit(
                 "epoch": 0,
                 "step": 0,
                 **validation(),
-                **(epoch_extra() if epoch_extra else {}),
+                **extra(),
             }
             log.write(record)
-        n = len(run.split.train)
-        steps = steps_per_epoch(run.split, args.batch_size)
+        n = len(split.train)
+        steps = steps_per_epoch(split, args.batch_size)
         for epoch in range(loop["epoch"] + 1, args.epochs + 1):
-            order = run.split.train[torch.randperm(n, generator=rngs["shuffle"])]
+            order = split.train[torch.randperm(n, generator=rngs["shuffle"])]
             sums: dict[str, float] = {}
             counts: dict[str, int] = {}
             maxes: dict[str, float] = {}
@@ -517,10 +557,9 @@ def fit(
             for i in bar:
                 for group in run.opt.param_groups:  # a function of the step alone, so a resumed run follows it exactly
                     group["lr"] = args.lr * lr_factor(args.lr_schedule, loop["step"], args.epochs * steps)
-                run.model.train() if run.phase == "rce" else run.model.eval()
-                m = train_step(order[i * args.batch_size : (i + 1) * args.batch_size], loop["step"], loop["state"])
+                m = run.step(order[i * args.batch_size : (i + 1) * args.batch_size], loop["step"], loop["state"])
                 loop["step"] += 1
-                if log_steps:
+                if run.log_steps:
                     log.write({"phase": run.phase, "kind": "step", "epoch": epoch, "step": loop["step"], **m})
                 if is_bad(m["train/loss"]) or is_bad(m.get("train/grad_norm", 0.0)):
                     last = last_checkpoint(out)
@@ -528,15 +567,14 @@ def fit(
                     raise ValueError(
                         f"{run.phase}: the {what} became {m['train/loss'] if what == 'loss' else m['train/grad_norm']} "
                         f"at epoch {epoch}, step {loop['step']}; stopping. "
-                        f"The last good checkpoint is {last or 'none (no epoch finished)'}; try a lower --lr"
-                        + (" or a larger --kl-beta" if run.phase == "grpo" else "")
+                        f"The last good checkpoint is {last or 'none (no epoch finished)'}; {run.diverged_hint}"
                     )
                 for k, v in m.items():
                     if k.endswith("_max"):
                         maxes[k] = max(maxes.get(k, -math.inf), v)
                     else:
                         sums[k], counts[k] = sums.get(k, 0.0) + v, counts.get(k, 0) + 1
-                bar.set_postfix_str(log_line(m, postfix), refresh=False)  # shown at the bar's next timed redraw
+                bar.set_postfix_str(log_line(m, run.postfix), refresh=False)  # shown at the bar's next timed redraw
             bar.close()
             record = {
                 "phase": run.phase,
@@ -545,9 +583,9 @@ def fit(
                 **{k: v / counts[k] for k, v in sums.items()},
                 **maxes,
                 **validation(),
-                **(epoch_extra() if epoch_extra else {}),
+                **extra(),
             }
-            warnings = check(record) if check else []
+            warnings = run.check(record) if run.check else []
             if warnings:
                 record["warnings"] = warnings
             if record[metric] > loop["best"]:
@@ -558,7 +596,7 @@ def fit(
             log.write(record)  # before the checkpoint: a resume from epoch-1 drops this line again if we die in between
             save_checkpoint(out, epoch, run.model, run.opt, rngs, loop)
             prune_checkpoints(out, args.keep_every, loop["best_epoch"])
-            summary = log_line(record, (*postfix, "val/reward", "val/acc"))
+            summary = log_line(record, (*run.postfix, "val/reward", "val/acc"))
             print(f"{out.name} epoch {epoch}: {summary}" + "".join(f"\n  warning: {w}" for w in warnings), flush=True)
     loop["metric"] = metric
     return loop
