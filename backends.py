@@ -16,13 +16,12 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from data import SEQ_FIELDS
 from sim import SimConfig, Simulator
 
 
 class SimBackend:
     """The simulated LVLM; every output it produces is labelled as simulation."""
-
-    name = "sim"
 
     def __init__(self, sim: Simulator):
         self.sim = sim
@@ -65,8 +64,6 @@ class ScoreCache:
     each distinct prompt is scored once per process.
     """
 
-    FIELDS = ("acc", "correct", "gt_prob", "rel")
-
     def __init__(self, backend):
         self.backend, self.memo = backend, {}
 
@@ -80,11 +77,11 @@ class ScoreCache:
         new = sorted(first.values())
         if new:
             res = self.backend.score(split, queries[new], icds[new])
-            cols = [res[f].double().tolist() for f in self.FIELDS]
+            cols = [res[f].double().tolist() for f in SEQ_FIELDS]
             for j, i in enumerate(new):
                 self.memo[keys[i]] = tuple(c[j] for c in cols)
-        vals = torch.tensor([self.memo[k] for k in keys], dtype=torch.float64).view(len(keys), len(self.FIELDS))
-        return dict(zip(self.FIELDS, vals.unbind(-1)))
+        vals = torch.tensor([self.memo[k] for k in keys], dtype=torch.float64).view(len(keys), len(SEQ_FIELDS))
+        return dict(zip(SEQ_FIELDS, vals.unbind(-1)))
 
 
 def lvlm_backend(model: str, items: dict[str, list[dict]], opts: LVLMOptions):

@@ -35,7 +35,8 @@ RewardMode = Literal[
 ]
 REWARD_MODES: tuple[str, ...] = get_args(RewardMode)
 Quality = Literal["high", "medium", "varied", "all"]
-SEQ_FIELDS = ("acc", "correct", "gt_prob", "rel")
+SEQ_FIELDS = ("acc", "correct", "gt_prob", "rel")  # what a backend scores for every sequence
+DEFAULT_DATA = Path("data/sim")  # the dataset folder every stage reads and gen_rl_data.py writes by default
 
 
 @dataclass
@@ -127,17 +128,6 @@ class Groups:
 
     def __len__(self) -> int:
         return len(self.queries)
-
-    def subset(self, idx: Tensor) -> Groups:
-        return Groups(
-            self.queries[idx],
-            self.pools[idx],
-            self.pool_mask[idx],
-            self.seqs[idx],
-            self.seq_mask[idx],
-            {k: v[idx] for k, v in self.fields.items()},
-            [self.sources[i] for i in idx.tolist()],
-        )
 
 
 def parse_groups(path: Path, records: list[tuple[int, dict]], num_train: int, seq_len: int) -> Groups:
@@ -313,13 +303,23 @@ def group_stats(groups: Groups, reward: Tensor) -> dict[str, Tensor]:
     return {"gap": gap, "positives": pos, "negatives": m.sum(-1) - pos}
 
 
+# Quality tiers of a query's scored group: (name, smallest reward gap max - min, smallest count of correct and of
+# wrong sequences, how the data report describes it); a query takes the first tier it meets, else "low".
+QUALITY_TIERS = (
+    ("high", 1.5, 3, "gap >= 1.5, >= 3 positives and >= 3 negatives"),
+    ("medium", 1.0, 2, "gap >= 1.0, >= 2 of each"),
+)
+
+
 def quality_labels(groups: Groups, reward: Tensor) -> list[str]:
-    """high: gap >= 1.5 with >= 3 positives and >= 3 negatives; medium: gap >= 1.0 with >= 2 of each; else low."""
+    """Each query's tier (QUALITY_TIERS), "low" for the rest."""
     st = group_stats(groups, reward)
     both = torch.minimum(st["positives"], st["negatives"])
-    high = (st["gap"] >= 1.5) & (both >= 3)
-    medium = (st["gap"] >= 1.0) & (both >= 2) & ~high
-    return ["high" if h else "medium" if m else "low" for h, m in zip(high.tolist(), medium.tolist())]
+    labels = ["low"] * len(groups)
+    for name, gap, count, _ in reversed(QUALITY_TIERS):  # the first tier a query meets wins
+        for i in ((st["gap"] >= gap) & (both >= count)).nonzero()[:, 0].tolist():
+            labels[i] = name
+    return labels
 
 
 def filter_queries(groups: Groups, reward: Tensor, quality: Quality, require_positive: bool) -> Tensor:

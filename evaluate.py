@@ -43,7 +43,7 @@ import sharding
 from backends import open_backend
 from checkpoints import checkpoints, load_selector
 from cli import CpuArgs, default_is, help_first, run_cli
-from data import Dataset, data_digest, load_dataset
+from data import DEFAULT_DATA, Dataset, data_digest, load_dataset
 from files import atomic_write_text, read_json, read_jsonl
 from locks import exclusive
 from model import PointerSelector
@@ -65,7 +65,7 @@ class Args(CpuArgs):
     which train items helped)."""
     out: Annotated[Path | None, default_is("runs/baseline-<name>")] = None
     """Run folder for a baseline."""
-    data: Path = Path("data/sim")
+    data: Path = DEFAULT_DATA
     """Dataset folder (its backend answers the questions)."""
     split: Literal["val", "train"] = "val"
     """val = the validation questions; train = the anchor queries (train/val gap)."""

@@ -42,8 +42,11 @@ import sharding
 from backends import LVLMOptions, SimBackend, lvlm_backend
 from cli import CpuArgs, default_is, help_first, run_cli
 from data import (
+    DEFAULT_DATA,
     FORMAT_VERSION,
+    QUALITY_TIERS,
     REWARD_MODES,
+    SEQ_FIELDS,
     RewardArgs,
     compute_reward,
     load_dataset,
@@ -142,7 +145,7 @@ def is_sim(args: Args) -> bool:
 def out_folder(args: Args) -> Path:
     if args.out is not None:
         return args.out
-    return Path("data") / ("sim" if is_sim(args) else f"{args.dataset}-{Path(args.lvlm.rstrip('/')).name}")
+    return DEFAULT_DATA if is_sim(args) else Path("data") / f"{args.dataset}-{Path(args.lvlm.rstrip('/')).name}"
 
 
 def check_args(args: Args) -> None:
@@ -317,15 +320,8 @@ def merge_shards(out: Path, anchors: Tensor) -> None:
 
 
 def seq_record(icds: list[int], source: str, res: dict, i: int) -> dict:
-    return {
-        "icds": icds,
-        "source": source,
-        "acc": round(float(res["acc"][i]), 6),
-        "correct": int(res["correct"][i]),
-        "gt_prob": round(float(res["gt_prob"][i]), 6),
-        "rel": round(float(res["rel"][i]), 6),
-        "prediction": res["prediction"][i],
-    }
+    scores = {k: int(res[k][i]) if k == "correct" else round(float(res[k][i]), 6) for k in SEQ_FIELDS}
+    return {"icds": icds, "source": source, **scores, "prediction": res["prediction"][i]}
 
 
 def generate(args: Args) -> None:
@@ -480,11 +476,7 @@ def report(folder: Path, args: Args) -> str:
         r = compute_reward(g.fields, RewardArgs(mode, args.hard_weight, args.soft_weight, args.rel_weight))
         lines.append(f"| {mode} | {quantiles(r[m])} |")
     lines += ["", f"## Query quality ({args.reward_mode})", "", "| quality | queries | share |", "|---|---|---|"]
-    for q, rule in (
-        ("high", "gap >= 1.5, >= 3 positives and >= 3 negatives"),
-        ("medium", "gap >= 1.0, >= 2 of each"),
-        ("low", "the rest"),
-    ):
+    for q, *_, rule in (*QUALITY_TIERS, ("low", "the rest")):
         n = labels.count(q)
         lines.append(f"| {q} ({rule}) | {n} | {100 * n / len(labels):.1f}% |")
     if "calibration" in ds.meta:

@@ -352,8 +352,6 @@ def load_lvlm(
 class LVLMBackend:
     """A transformers LVLM scoring ICD prompts: greedy short answers, VQA accuracy and teacher-forced gt_prob."""
 
-    name = "hf"
-
     def __init__(
         self,
         model: str,

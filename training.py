@@ -35,7 +35,7 @@ from checkpoints import (
     save_checkpoint,
 )
 from cli import CpuArgs, alias
-from data import Dataset, Quality, RewardArgs, compute_reward, data_digest, filter_queries, load_dataset
+from data import DEFAULT_DATA, Dataset, Quality, RewardArgs, compute_reward, data_digest, filter_queries, load_dataset
 from files import atomic_write_text, read_json, read_jsonl
 from locks import exclusive
 from model import (
@@ -50,7 +50,7 @@ from tracking import ReportTo, check_installed, open_tracker
 class TrainArgs(RewardArgs, CpuArgs):
     """Flags common to rce.py and grpo.py."""
 
-    data: Path = Path("data/sim")
+    data: Path = DEFAULT_DATA
     """Dataset folder written by gen_rl_data.py."""
     epochs: Annotated[int, alias("--num-train-epochs")] = 10
     """Passes over the training queries."""

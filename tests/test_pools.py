@@ -13,10 +13,9 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import seeds
 
 import pools
-
-seeds = st.integers(0, 2**31 - 1)
 
 
 def _gen(seed: int) -> torch.Generator:
