@@ -403,7 +403,7 @@ def build_folder(args: Args, rank: int, world: int) -> None:
             f.flush()
             scored += len(idx) * G
             bar.update(len(idx))
-            bar.set_postfix(seq_per_s=f"{scored / (time.perf_counter() - start):.1f}")
+            bar.set_postfix(seq_per_s=f"{scored / (time.perf_counter() - start):.1f}", refresh=False)
     bar.close()
 
     sharding.barrier(world)
