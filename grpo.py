@@ -102,7 +102,7 @@ class Args(TrainArgs):
     online: bool = False
     """Sample fresh groups from the current policy each step and score them with the backend."""
     group_size: Annotated[int, alias("--num-generations")] = 16
-    """Online: distinct sequences sampled per query (TRL's num_generations defaults to 8; 8 cost 2 points here)."""
+    """Online: distinct sequences sampled per query (TRL's num_generations defaults to 8; 8 cost 1.4 points here)."""
     temperature: float = 1.0
     """Online: sampling temperature."""
     queries: Literal["train", "anchors"] = "train"

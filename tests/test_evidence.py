@@ -50,7 +50,7 @@ def mean(run) -> float:
 def test_rce_beats_similarity_and_online_grpo_takes_about_half_the_room_to_the_oracle(runs):
     acc = {name: mean(runs / name) for name in ("image-sim", "rce", "online", "offline-beta0.1", "oracle")}
     assert acc["rce"] >= acc["image-sim"] + 2, acc
-    # Online GRPO's share of the RCE -> oracle room: 51% on this seed here, 44-57% over five seeds (README). The
+    # Online GRPO's share of the RCE -> oracle room: 48% on this seed here, 44-55% over five seeds (README). The
     # bound guards against regressions with room for CPUs whose float rounding sends training elsewhere.
     assert acc["online"] - acc["rce"] >= 0.45 * (acc["oracle"] - acc["rce"]), acc
     assert acc["offline-beta0.1"] >= acc["rce"] + 1, acc
