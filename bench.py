@@ -22,10 +22,9 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import torch
-import tyro
 from torch import Tensor
 
-from cli import default_is
+from cli import default_is, run_cli
 from model import PointerSelector, SelectorConfig
 
 
@@ -40,7 +39,7 @@ class Args:
     grpo_epochs: int = 10
     """GRPO benchmark: epochs per run (10 = grpo.py's offline default; 1 shows a run's fixed costs)."""
     repeats: int = 5
-    """Timed repeats per measurement (the median is reported)."""
+    """Timed repeats per measurement (reported as min / median / max, or the median where one figure is shown)."""
     threads: int = 1
     """torch threads for the log-prob benchmark (0 = torch's default)."""
     thread_counts: list[int] = field(default_factory=lambda: [1])
@@ -424,4 +423,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    run_cli(main, Args)
