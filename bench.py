@@ -354,7 +354,7 @@ def bench_lvlm(args: Args) -> dict:
     from vqa_data import load_vqa_split
 
     if args.lvlm is None or args.vqa_root is None:
-        raise SystemExit("--only lvlm needs --lvlm MODEL and --vqa-root FOLDER (the official VQA files and images)")
+        raise ValueError("--only lvlm needs --lvlm MODEL and --vqa-root FOLDER (the official VQA files and images)")
     items = {s: load_vqa_split(args.dataset, args.vqa_root, s) for s in ("train", "val")}
     backend = LVLMBackend(args.lvlm, items, batch_size=args.lvlm_batch_size, device=args.device)
     rng = random.Random(0)
