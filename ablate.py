@@ -27,10 +27,10 @@ import evaluate
 import gen_rl_data
 import grpo
 import rce
-from cli import run_cli
+from cli import SIDE_ARGS, run_cli
 from compare import bootstrap_ci, gap_share, paired, per_question
 from tables import md_table
-from training import SIDE_ARGS, flag_values
+from training import flag_values
 
 # name -> (stage, flags, reference). GRPO variants start from the default RCE run of their seed unless they name
 # another init; their reference is the default online run.

@@ -231,6 +231,7 @@ def bench_grpo_epoch(repeats: int, shapes: list[tuple[int, int, int]], reference
             ds = load_dataset(tmp / "data")
             train = split_queries(ds, grpo.resolve(grpo.Args(data=tmp / "data"))).train
             sub = train[:reference_queries]
+            reference_grpo_steps(load_selector(tmp / "rce"), ds, sub[:1], 1)  # warm-up: torch's one-off imports
             ours, ref, fresh = [], [], []
             for rep in range(repeats):
                 t0 = time.perf_counter()

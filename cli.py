@@ -28,6 +28,14 @@ class CpuArgs:
     core busy elsewhere (README, Speed). Results may differ in the last bits between thread counts."""
 
 
+# Flags that name places, not settings: a resumed run compares what they hold (the data's digest, the --init
+# weights' hash), so a moved run, dataset or init folder still resumes.
+PATH_ARGS = ("out", "data", "init")
+# Flags that change what is kept, shown or how a run is started, never what is trained: a resumed run may change
+# them freely, and compare.py does not list them among the flags that differ.
+SIDE_ARGS = ("keep_every", "report_to", "resume")
+
+
 def alias(*names: str):
     """Also accept TRL's name for a flag (--learning-rate for --lr, ...) where the meaning is the same."""
     return tyro.conf.arg(aliases=names)

@@ -30,7 +30,7 @@ from typing import Annotated, Literal
 import numpy as np
 import tyro
 
-from cli import default_is, run_cli
+from cli import SIDE_ARGS, default_is, run_cli
 from files import atomic_write_text, read_jsonl
 from tables import accuracy_table, md_table
 
@@ -465,7 +465,10 @@ def flags_section(runs: list[Run]) -> list[str]:
     for r in runs:
         if (r.path / "config.json").is_file():
             args = json.loads((r.path / "config.json").read_text()).get("args", {})
-            flags[r.name] = {"stage": phase(r) or "?", **{k: v for k, v in args.items() if k not in ("out", "resume")}}
+            flags[r.name] = {
+                "stage": phase(r) or "?",
+                **{k: v for k, v in args.items() if k not in ("out", *SIDE_ARGS)},
+            }
     if len(flags) < 2:
         return []
     keys = sorted({k for f in flags.values() for k in f}, key=lambda k: (k != "stage", k))

@@ -84,10 +84,16 @@ def read_jsonl(path: Path, truncated: Truncated = "error", hint: str = "") -> li
 
 
 def append_jsonl(path: Path) -> TextIO:
-    """`path` opened for appending lines, after cutting a truncated last line left by a killed write (else the
-    next line would be glued onto it)."""
+    """`path` opened for appending lines. A last line without newline (a killed write) would glue the next line
+    onto it: one that parses (only the newline was lost) gets its newline, one that does not is cut, as
+    `read_jsonl` reads them."""
     text = path.read_text() if path.exists() else ""
     if text and not text.endswith("\n"):
-        print(f"note: {path}: dropping a truncated last line from an interrupted run", file=sys.stderr)
-        atomic_write_text(path, text[: text.rfind("\n") + 1])
+        head, tail = text[: text.rfind("\n") + 1], text[text.rfind("\n") + 1 :]
+        try:
+            json.loads(tail)
+            atomic_write_text(path, text + "\n")
+        except json.JSONDecodeError:
+            print(f"note: {path}: dropping a truncated last line from an interrupted run", file=sys.stderr)
+            atomic_write_text(path, head)
     return path.open("a")

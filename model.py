@@ -311,12 +311,17 @@ class PointerSelector(nn.Module):
 DECODE_CHUNK = 64
 
 
+# Matrix products of fewer rows than this take other CPU kernels, whose rounding differs from the batched ones: on
+# the development CPU (AMD EPYC, MKL) a selector's outputs for a row had the same bits in every batch of 4 or more
+# rows, and other bits in batches of 1-3.
+MIN_SLICE = 4
+
+
 def slices(n: int, size: int) -> list[slice]:
-    """Consecutive slices of `size` rows covering n; a last slice of one row joins the one before. A single-row
-    matrix product takes another kernel, whose rounding can differ from the batched one, so a row computed in any
-    slice of at least two rows has the same bits (checked on this kit's x86 CPUs: tests/test_pinned.py)."""
+    """Consecutive slices of `size` rows covering n; a last slice of fewer than MIN_SLICE rows joins the one before,
+    so each row is computed with the kernels of a batch."""
     starts = list(range(0, n, size))
-    if len(starts) > 1 and n - starts[-1] == 1:
+    if len(starts) > 1 and n - starts[-1] < MIN_SLICE:
         starts.pop()
     return [slice(a, b) for a, b in zip(starts, [*starts[1:], n])]
 

@@ -33,8 +33,9 @@ class TensorBoard:
     def __init__(self, out: Path, config: dict, resume_step: int | None):
         from torch.utils.tensorboard import SummaryWriter
 
-        # purge_step: events at later steps, written by a run killed after its last checkpoint, are dropped
-        purge = None if resume_step is None else resume_step + 1
+        # purge_step: events at later steps, written by a run killed after its last checkpoint, are dropped (all of
+        # them when a run killed before its first checkpoint starts again)
+        purge = 0 if resume_step is None else resume_step + 1
         self.writer = SummaryWriter(str(out / "tensorboard"), purge_step=purge)
         if resume_step is None:
             self.writer.add_text("config", "\n".join(f"    {k}: {v}" for k, v in config.items()))
@@ -49,7 +50,7 @@ class TensorBoard:
 
 
 class WandB:
-    def __init__(self, out: Path, config: dict, resume_step: int | None):
+    def __init__(self, out: Path, config: dict):
         import wandb
 
         # one W&B run per run folder, continued on resume (W&B ignores records at steps it already has)
@@ -73,5 +74,6 @@ def check_installed(kind: ReportTo) -> None:
 
 def open_tracker(kind: ReportTo, out: Path, config: dict, resume_step: int | None):
     """The tracker for --report-to, or None; `resume_step` = the global step of the checkpoint a run resumes from."""
-    trackers = {"tensorboard": TensorBoard, "wandb": WandB}
-    return trackers[kind](out, config, resume_step) if kind in trackers else None
+    if kind == "tensorboard":
+        return TensorBoard(out, config, resume_step)
+    return WandB(out, config) if kind == "wandb" else None

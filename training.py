@@ -34,7 +34,7 @@ from checkpoints import (
     prune_checkpoints,
     save_checkpoint,
 )
-from cli import CpuArgs, alias
+from cli import PATH_ARGS, SIDE_ARGS, CpuArgs, alias
 from data import DEFAULT_DATA, Dataset, Quality, RewardArgs, compute_reward, data_digest, filter_queries, load_dataset
 from files import atomic_write_text, read_json, read_jsonl
 from locks import exclusive
@@ -84,6 +84,8 @@ class TrainArgs(RewardArgs, CpuArgs):
     epoch by that accuracy. The simulator always does this (it answers instantly)."""
     val_max_queries: int = 200
     """--val-lvlm: validation anchors answered per epoch (the first N of the held-out split)."""
+    resume: bool = False
+    """Not needed any more: re-running a command continues its run (accepted so that older scripts still work)."""
     report_to: ReportTo = "none"
     """Also send every logged record to TensorBoard (<out>/tensorboard) or Weights & Biases (project icl-select),
     if that package is installed; metrics.jsonl is always written."""
@@ -282,8 +284,8 @@ class MetricsLog:
     """metrics.jsonl, one flushed line per record; on resume, records past the resumed epoch are dropped. Each record
     also goes to the --report-to tracker, if any."""
 
-    def __init__(self, path: Path, keep_through_epoch: int | None = None, tracker=None):
-        self.path, self.tracker = path, tracker
+    def __init__(self, path: Path, keep_through_epoch: int | None = None):
+        self.path, self.tracker = path, None
         if keep_through_epoch is not None and path.exists():
             kept = [r for _, r in read_jsonl(path, truncated="skip") if r.get("epoch", 0) <= keep_through_epoch]
             atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
@@ -372,13 +374,6 @@ def continue_with_more_or_fewer_epochs(out: Path, ckpt: Path, args, config: dict
 
 def file_sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-
-
-# Flags that name places, not settings: a resumed run compares what they hold (the data's digest, the --init
-# weights' hash), so a moved run, dataset or init folder still resumes.
-PATH_ARGS = ("out", "data", "init")
-# Flags that change what is kept or shown, never what is trained: a resumed run may change them freely.
-SIDE_ARGS = ("keep_every", "report_to")
 
 
 def flag_values(args) -> dict:
@@ -528,9 +523,10 @@ def fit(run: Loop) -> dict:
     if resume_from is not None:
         loop = load_checkpoint(resume_from, run.model, run.opt, rngs)
     resumed = resume_from is not None
-    tracker = open_tracker(args.report_to, out, flag_values(args), loop["step"] if resumed else None)
-    log = MetricsLog(out / "metrics.jsonl", loop["epoch"] if resumed else None, tracker)
+    log = MetricsLog(out / "metrics.jsonl", loop["epoch"] if resumed else None)
     with contextlib.closing(log):
+        if loop["epoch"] < args.epochs:  # a finished run that is re-run logs nothing, so it opens no tracker
+            log.tracker = open_tracker(args.report_to, out, flag_values(args), loop["step"] if resumed else None)
         if resume_from is None:  # epoch 0 = the initial policy, the start of every curve
             record = {
                 "phase": run.phase,
