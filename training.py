@@ -334,9 +334,10 @@ def prepare_out(out: Path, args, ds: Dataset) -> Path | None:
             f"{out} was started by an older icl-select that identified its data differently; "
             "start a new run (--init can start from its checkpoint)"
         )
+    done = checkpoint_meta(ckpt)["epoch"]
     diff = sorted(k for k in now["args"] if k not in SIDE_ARGS and now["args"][k] != then["args"].get(k))
     if diff == ["epochs"]:
-        continue_with_more_or_fewer_epochs(out, ckpt, args, config)
+        continue_with_more_or_fewer_epochs(out, done, args, config)
         diff = []
     if diff:
         details = "; ".join(
@@ -349,17 +350,16 @@ def prepare_out(out: Path, args, ds: Dataset) -> Path | None:
     if now["data"] != then["data"] or now["init"] != then["init"]:
         what = "dataset" if now["data"] != then["data"] else "--init selector"
         raise ValueError(f"{out}: the {what} changed since this run was started; start a new run in another --out")
-    done = checkpoint_meta(ckpt)["epoch"]
     news = "has finished all its epochs; nothing to train" if done >= args.epochs else f"resumes after epoch {done}"
     print(f"note: {out} holds this run (same flags and data): it {news} (another --out starts anew)", file=sys.stderr)
     return ckpt
 
 
-def continue_with_more_or_fewer_epochs(out: Path, ckpt: Path, args, config: dict) -> None:
+def continue_with_more_or_fewer_epochs(out: Path, done: int, args, config: dict) -> None:
     """A resumed run with another --epochs, where the schedule can be continued honestly; the run's config.json then
     records the new total and when it changed. Refused where a schedule is spread over all steps of the run: RCE's
     tau anneal and a decaying learning rate would have taken other values at every step already trained."""
-    done, before = checkpoint_meta(ckpt)["epoch"], config["args"]["epochs"]
+    before = config["args"]["epochs"]
     why = args.fixed_length_reason() or (f"it has already trained {done} epochs" if args.epochs < done else None)
     if why:
         raise ValueError(
@@ -496,6 +496,44 @@ def run_training(run: Loop) -> dict:
     return loop
 
 
+def train_epoch(run: Loop, log: MetricsLog, loop: dict, order: Tensor, epoch: int) -> dict[str, float]:
+    """One epoch of steps over the training queries in `order`; returns the epoch's metrics: the mean of each step
+    metric, the maximum of those named *_max. Stops with one line if the loss or the gradient norm is not finite."""
+    from tqdm import tqdm
+
+    args, out = run.args, run.start.out
+    steps = steps_per_epoch(run.start.split, args.batch_size)
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    maxes: dict[str, float] = {}
+    bar = tqdm(
+        range(steps), desc=f"{out.name} epoch {epoch}/{args.epochs}", unit="step", dynamic_ncols=True, leave=False
+    )
+    for i in bar:
+        for group in run.opt.param_groups:  # a function of the step alone, so a resumed run follows it exactly
+            group["lr"] = args.lr * lr_factor(args.lr_schedule, loop["step"], args.epochs * steps)
+        m = run.step(order[i * args.batch_size : (i + 1) * args.batch_size], loop["step"], loop["state"])
+        loop["step"] += 1
+        if run.log_steps:
+            log.write({"phase": run.phase, "kind": "step", "epoch": epoch, "step": loop["step"], **m})
+        if is_bad(m["train/loss"]) or is_bad(m.get("train/grad_norm", 0.0)):
+            last = last_checkpoint(out)
+            what = "loss" if is_bad(m["train/loss"]) else "gradient norm"
+            raise ValueError(
+                f"{run.phase}: the {what} became {m['train/loss'] if what == 'loss' else m['train/grad_norm']} "
+                f"at epoch {epoch}, step {loop['step']}; stopping. "
+                f"The last good checkpoint is {last or 'none (no epoch finished)'}; {run.diverged_hint}"
+            )
+        for k, v in m.items():
+            if k.endswith("_max"):
+                maxes[k] = max(maxes.get(k, -math.inf), v)
+            else:
+                sums[k], counts[k] = sums.get(k, 0.0) + v, counts.get(k, 0) + 1
+        bar.set_postfix_str(log_line(m, run.postfix), refresh=False)  # shown at the bar's next timed redraw
+    bar.close()
+    return {**{k: v / counts[k] for k, v in sums.items()}, **maxes}
+
+
 def fit(run: Loop) -> dict:
     """Epochs over the training queries, validation, best-model selection (`selection_metric`), checkpoints, resume.
     Returns the final loop state.
@@ -505,82 +543,31 @@ def fit(run: Loop) -> dict:
     beat a better later epoch by chance. Whether training helped is for evaluate.py and compare.py to say, on the
     evaluation questions, with paired tests.
     """
-    from tqdm import tqdm
-
     args, out, ds, split = run.args, run.start.out, run.start.ds, run.start.split
     metric = selection_metric(run.start.backend)
     cap = None if ds.is_sim else args.val_max_queries
 
-    def validation() -> dict:
-        return {**validate(run.model, ds, split, run.start.backend, cap), "select_metric": metric}
-
-    def extra() -> dict:
-        return run.epoch_extra() if run.epoch_extra else {}
+    def evaluated(record: dict) -> dict:
+        """The record with validation and then the stage's epoch metrics added (validation puts the model in eval
+        mode, which the stage's metrics rely on)."""
+        record = {**record, **validate(run.model, ds, split, run.start.backend, cap), "select_metric": metric}
+        return {**record, **(run.epoch_extra() if run.epoch_extra else {})}
 
     rngs = {"shuffle": torch.Generator().manual_seed(args.seed + 1), **run.rngs}
     loop = {"epoch": 0, "step": 0, "best": -math.inf, "best_epoch": None, "state": run.state}
-    resume_from = run.start.resume_from
-    if resume_from is not None:
-        loop = load_checkpoint(resume_from, run.model, run.opt, rngs)
-    resumed = resume_from is not None
+    resumed = run.start.resume_from is not None
+    if resumed:
+        loop = load_checkpoint(run.start.resume_from, run.model, run.opt, rngs)
     log = MetricsLog(out / "metrics.jsonl", loop["epoch"] if resumed else None)
     with contextlib.closing(log):
         if loop["epoch"] < args.epochs:  # a finished run that is re-run logs nothing, so it opens no tracker
             log.tracker = open_tracker(args.report_to, out, flag_values(args), loop["step"] if resumed else None)
-        if resume_from is None:  # epoch 0 = the initial policy, the start of every curve
-            record = {
-                "phase": run.phase,
-                "epoch": 0,
-                "step": 0,
-                **validation(),
-                **extra(),
-            }
-            log.write(record)
-        n = len(split.train)
-        steps = steps_per_epoch(split, args.batch_size)
+        if not resumed:  # epoch 0 = the initial policy, the start of every curve
+            log.write(evaluated({"phase": run.phase, "epoch": 0, "step": 0}))
         for epoch in range(loop["epoch"] + 1, args.epochs + 1):
-            order = split.train[torch.randperm(n, generator=rngs["shuffle"])]
-            sums: dict[str, float] = {}
-            counts: dict[str, int] = {}
-            maxes: dict[str, float] = {}
-            bar = tqdm(
-                range(steps),
-                desc=f"{out.name} epoch {epoch}/{args.epochs}",
-                unit="step",
-                dynamic_ncols=True,
-                leave=False,
-            )
-            for i in bar:
-                for group in run.opt.param_groups:  # a function of the step alone, so a resumed run follows it exactly
-                    group["lr"] = args.lr * lr_factor(args.lr_schedule, loop["step"], args.epochs * steps)
-                m = run.step(order[i * args.batch_size : (i + 1) * args.batch_size], loop["step"], loop["state"])
-                loop["step"] += 1
-                if run.log_steps:
-                    log.write({"phase": run.phase, "kind": "step", "epoch": epoch, "step": loop["step"], **m})
-                if is_bad(m["train/loss"]) or is_bad(m.get("train/grad_norm", 0.0)):
-                    last = last_checkpoint(out)
-                    what = "loss" if is_bad(m["train/loss"]) else "gradient norm"
-                    raise ValueError(
-                        f"{run.phase}: the {what} became {m['train/loss'] if what == 'loss' else m['train/grad_norm']} "
-                        f"at epoch {epoch}, step {loop['step']}; stopping. "
-                        f"The last good checkpoint is {last or 'none (no epoch finished)'}; {run.diverged_hint}"
-                    )
-                for k, v in m.items():
-                    if k.endswith("_max"):
-                        maxes[k] = max(maxes.get(k, -math.inf), v)
-                    else:
-                        sums[k], counts[k] = sums.get(k, 0.0) + v, counts.get(k, 0) + 1
-                bar.set_postfix_str(log_line(m, run.postfix), refresh=False)  # shown at the bar's next timed redraw
-            bar.close()
-            record = {
-                "phase": run.phase,
-                "epoch": epoch,
-                "step": loop["step"],
-                **{k: v / counts[k] for k, v in sums.items()},
-                **maxes,
-                **validation(),
-                **extra(),
-            }
+            order = split.train[torch.randperm(len(split.train), generator=rngs["shuffle"])]
+            means = train_epoch(run, log, loop, order, epoch)
+            record = evaluated({"phase": run.phase, "epoch": epoch, "step": loop["step"], **means})
             warnings = run.check(record) if run.check else []
             if warnings:
                 record["warnings"] = warnings
