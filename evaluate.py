@@ -196,8 +196,13 @@ def score_all(
     bar.close()
 
 
+def partial_path(target: Path, seed: int, rank: int | str) -> Path:
+    """The progress file of one rank for one seed of an evaluation file (rank "*" as a glob pattern)."""
+    return target.with_name(f"{target.name}.seed{seed}.rank{rank}.partial.jsonl")
+
+
 def partial_files(target: Path, seed: int) -> list[Path]:
-    return sorted(target.parent.glob(f"{target.name}.seed{seed}.rank*.partial.jsonl"))
+    return sorted(target.parent.glob(partial_path(target, seed, "*").name))
 
 
 def read_partials(target: Path, seed: int, header: dict) -> dict[int, list[dict]]:
@@ -286,7 +291,7 @@ def evaluate_locked(
             icds = [x.flip(1) for x in icds]
         h = {**header, "seed": seed}
         done = read_partials(target, seed, h)
-        path = target.with_name(f"{target.name}.seed{seed}.rank{rank}.partial.jsonl")
+        path = partial_path(target, seed, rank)
         todo = [i for i in sharding.share(n, rank, world) if i not in done]
         bar = f"{desc} seed {seed}" if len(seeds) > 1 else desc
         score_all(backend, split, rows, icds, args.batch_size, bar, todo, path, h)

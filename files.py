@@ -3,7 +3,7 @@
 Whole files (configs, tensors, evaluations) are written to a temporary name and renamed, so a killed process never
 leaves a half-written one. Append-only JSONL files (metrics.jsonl, scored queries, evaluation progress) are flushed
 line by line instead, so a killed process can leave one truncated last line: `read_jsonl` is the one reader that
-decides what to do with it, and `append_jsonl` cuts it before appending again.
+decides what to do with it, and `append_jsonl` mends it before appending again.
 """
 
 from __future__ import annotations

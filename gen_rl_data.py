@@ -311,9 +311,9 @@ def jsonl_line(record: dict) -> str:
     return json.dumps(record, separators=(",", ":")) + "\n"
 
 
-def merge_shards(out: Path, anchors: Tensor) -> None:
-    """rl_data.jsonl in anchor order from itself and every shard file; the shards are then removed."""
-    done = scored_queries(out)
+def merge_shards(out: Path, anchors: Tensor, done: dict[int, dict]) -> None:
+    """rl_data.jsonl in anchor order from `done` (scored_queries: itself and every shard file); the shards are then
+    removed."""
     atomic_write_text(out / "rl_data.jsonl", "".join(jsonl_line(done[q]) for q in anchors.tolist() if q in done))
     for path in shard_files(out):
         path.unlink()
@@ -409,9 +409,10 @@ def build_folder(args: Args, rank: int, world: int) -> None:
     sharding.barrier(world)
     if rank == 0:
         lines = (out / "rl_data.jsonl").read_text().count("\n") if (out / "rl_data.jsonl").exists() else 0
-        if shard_files(out) or lines != len(scored_queries(out)):  # shards to merge, or a query written twice
-            merge_shards(out, anchors)  # one line per query, in anchor order
-        if missing := len(anchors) - len(scored_queries(out)):
+        done = scored_queries(out)  # every rank's lines, read once
+        if shard_files(out) or lines != len(done):  # shards to merge, or a query written twice
+            merge_shards(out, anchors, done)  # one line per query, in anchor order
+        if missing := sum(q not in done for q in anchors.tolist()):
             raise ValueError(f"{out}: {missing} anchor queries are still unscored; re-run the same command to finish")
         if not meta["complete"]:
             meta.update(complete=True, counts={"train": n_train, "val": n_val, "anchors": len(anchors)})

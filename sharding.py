@@ -70,8 +70,8 @@ def done(paths: list[Path], key: str, header: dict | None = None) -> dict:
 
 
 def own_file(path: Path, header: dict | None = None) -> TextIO:
-    """This rank's progress file opened for appending: a truncated last line is cut, and a file that does not start
-    with `header` (new, or left by other settings) is started afresh with it."""
+    """This rank's progress file opened for appending (a killed write's last line mended: `files.append_jsonl`); a
+    file that does not start with `header` (new, or left by other settings) is started afresh with it."""
     if header is not None and not _starts_with(path, header):
         atomic_write_text(path, json.dumps(header) + "\n")
     return append_jsonl(path)
