@@ -254,6 +254,11 @@ def per_question(doc: dict, n: int) -> dict:
     return {q: sum(d[q] for d in per_shot) / len(per_shot) for q in per_shot[0]}
 
 
+def common_n(runs: list[Run]) -> int:
+    """The largest question count every run's evaluation summarises."""
+    return min(max(map(int, r.eval["summary"])) for r in runs)
+
+
 def gap_share(a: dict, b: dict, top: dict, resamples: int, rng: np.random.Generator) -> tuple[float, float, float]:
     """Share of the mean a -> top gap that b closes over their common questions, with a paired bootstrap 95% CI
     (questions resampled together for the three runs)."""
@@ -277,7 +282,7 @@ def gap_section(evaluated: list[Run], args: Args, rng: np.random.Generator) -> s
         return None
     others = [r for r in evaluated if r is not start and r not in ceilings.values()]
     names = [c for c in ("oracle", "observable") if c in ceilings]
-    n = min(max(map(int, r.eval["summary"])) for r in [start, *others, *ceilings.values()])
+    n = common_n([start, *others, *ceilings.values()])
     rows = []
     for run in others:
         cells = []
@@ -385,7 +390,7 @@ def write_plots(runs: list[Run], folder: Path, bootstrap: int, seed: int) -> lis
 
     evaluated = [r for r in runs if r.eval is not None]
     if evaluated:
-        n = min(max(map(int, r.eval["summary"])) for r in evaluated)
+        n = common_n(evaluated)
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for r in evaluated:
             shots = r.eval["shots"]
@@ -436,7 +441,7 @@ def write_plots(runs: list[Run], folder: Path, bootstrap: int, seed: int) -> lis
 
 def summary_section(evaluated: list[Run], base: Run, stats: dict) -> str:
     """Runs x shots at the largest n every run has, each cell with its delta to the baseline (* = significant)."""
-    n = str(min(max(map(int, r.eval["summary"])) for r in evaluated))
+    n = str(common_n(evaluated))
     shots = sorted({s for r in evaluated for s in r.eval["shots"]})
     rows = []
     for r in evaluated:
