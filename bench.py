@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from cli import default_is, run_cli
-from model import PointerSelector, SelectorConfig
+from model import DECODE_CHUNK, PointerSelector, SelectorConfig, slices
 
 
 @dataclass
@@ -276,20 +276,27 @@ def reference_greedy(model: PointerSelector, query: Tensor, pool: Tensor, pool_m
 
 def bench_decode(repeats: int, B=800, S=4, K=64, d=512) -> None:
     """Greedy picks for 800 queries: ours (one call; slices inside, inputs checked once) against Lever-Plus's
-    decoder in batches of 32, interleaved."""
+    decoder in batches of 32, interleaved; and the encoder alone over the same slices, which both decoders run."""
     model = PointerSelector(SelectorConfig(dim=d)).eval()
     query, pool, pool_mask, _, _ = random_batch(B, 1, S, K, d, torch.Generator().manual_seed(0))
-    times = {"ours": [], "lever": []}
+
+    @torch.no_grad()
+    def encoder_only() -> None:
+        for part in slices(B, DECODE_CHUNK):
+            model.encode(query[part], pool[part], pool_mask[part])
+
+    times, picks = {"ours": [], "lever": [], "encoder": []}, {}
     for _ in range(repeats + 1):  # the first round warms up
         for name, fn in (
             ("ours", lambda: model.greedy(query, pool, pool_mask, S)[0]),
             ("lever", lambda: reference_greedy(model, query, pool, pool_mask, S)),
+            ("encoder", encoder_only),
         ):
             t0 = time.perf_counter()
-            picks = fn()
+            picks[name] = fn()
             times[name].append(time.perf_counter() - t0)
-        assert torch.equal(picks, model.greedy(query, pool, pool_mask, S)[0])  # the same decoder
-    ours, lever = times["ours"][1:], times["lever"][1:]
+        assert torch.equal(picks["lever"], picks["ours"])  # the same decoder
+    ours, lever, encoder = times["ours"][1:], times["lever"][1:], times["encoder"][1:]
     ratios = sorted(b / a for a, b in zip(ours, lever))
     print(f"greedy decoding of {B} queries, S={S} K={K} d={d} ({repeats} repeats; min / median / max)")
     print(
@@ -301,6 +308,8 @@ def bench_decode(repeats: int, B=800, S=4, K=64, d=512) -> None:
         f"{max(lever) * 1e3:7.1f} ms"
     )
     print(f"  speed-up:                   {ratios[0]:.2f} / {statistics.median(ratios):.2f} / {ratios[-1]:.2f}x")
+    share = statistics.median(encoder) / statistics.median(ours)
+    print(f"  the encoder alone:          {statistics.median(encoder) * 1e3:7.1f} ms median, {share:.0%} of ours")
 
 
 @torch.inference_mode()
