@@ -34,16 +34,20 @@ Departures from the obvious implementation, and why:
 
 from __future__ import annotations
 
+import copy
+import json
 import os
+import sys
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+import transformers
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 from PIL import Image
@@ -58,10 +62,11 @@ from transformers import (
     GenerationConfig,
     PretrainedConfig,
     ProcessorMixin,
-    Qwen2_5_VLProcessor,
 )
+from transformers.cache_utils import DynamicLayer
 from transformers.image_utils import make_flat_list_of_images
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
 
 from vqa import answer_rel, normalize_answer, postprocess, vqa_score
 
@@ -69,13 +74,13 @@ PromptStyle = Literal["single-turn", "turn-per-demo"]
 
 __all__ = [
     "Example",
-    "ImageOnlyQwen2_5_VLProcessor",
     "ByteLRU",
     "LVLMBackend",
     "PromptTemplate",
     "answer_counts",
     "credited_replies",
     "clip_embed",
+    "image_only",
     "load_image",
     "load_lvlm",
     "resolve_device",
@@ -84,6 +89,12 @@ __all__ = [
 
 # One prompt to score: (query item, ICD items in prompt order).
 Example = tuple[dict, list[dict]]
+
+
+def assistant_turn(text: str) -> dict:
+    """An assistant message in the content-list form every family's template reads (some iterate a string's
+    characters)."""
+    return {"role": "assistant", "content": [{"type": "text", "text": text}]}
 
 
 @dataclass(frozen=True)
@@ -280,28 +291,48 @@ def _load_config(model: str, folder: Path) -> PretrainedConfig:
         raise ValueError(f"{model}: {folder} does not hold a loadable transformers model config: {e}") from e
 
 
-class ImageOnlyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
-    """Qwen2.5-VL's processor without its video processor, so it builds without torchvision.
+def image_only(cls: type[ProcessorMixin]) -> type[ProcessorMixin]:
+    """`cls` without its video processor, so that it builds without torchvision (only its video half needs it).
 
-    ProcessorMixin loads and checks one sub-processor per modality parameter of __init__; leaving video_processor
-    out of the signature is what stops it from loading the torchvision-only video processor. The parent's __init__
-    gets video_processor=None, which ProcessorMixin then ignores. Image and text processing are the parent's, unchanged;
-    passing videos is unsupported.
+    ProcessorMixin loads one sub-processor per name that get_attributes() lists; this subclass leaves
+    video_processor out of that list and hands the family's own __init__ video_processor=None (which it passes on
+    positionally, where ProcessorMixin drops it). Everything else, the folder's processor settings included, is the
+    family's own, so one mechanism serves every family; passing videos is unsupported.
     """
 
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        super().__init__(image_processor, tokenizer, video_processor=None, chat_template=chat_template, **kwargs)
+    class ImageOnly(cls):
+        @classmethod
+        def get_attributes(klass) -> list[str]:
+            return [name for name in super().get_attributes() if name != "video_processor"]
+
+        @classmethod
+        def get_processor_dict(klass, *args, **kwargs) -> tuple[dict, dict]:
+            processor_dict, rest = super().get_processor_dict(*args, **kwargs)
+            return {**processor_dict, "video_processor": None}, rest
+
+    ImageOnly.__name__ = ImageOnly.__qualname__ = f"ImageOnly{cls.__name__}"
+    return ImageOnly
+
+
+def _processor_class(folder: Path, config: PretrainedConfig) -> type[ProcessorMixin] | None:
+    """The processor class a folder names (processor_config.json), else the one AutoProcessor maps its config to."""
+    saved = folder / "processor_config.json"
+    name = json.loads(saved.read_text()).get("processor_class") if saved.is_file() else None
+    if name:
+        return getattr(transformers, name, None)
+    return PROCESSOR_MAPPING.get(type(config), None)
 
 
 def _load_processor(folder: Path, config: PretrainedConfig) -> ProcessorMixin:
     """The model's image+text processor, set up for left padding (batched generation appends on the right).
 
-    AutoProcessor first; for Qwen2.5-VL the image-only processor next, which loads what AutoProcessor cannot here:
-    folders whose processor needs torchvision's video processor (ImportError), has none saved (transformers 5 saves
-    processor_config.json without one: OSError), or is named by a class AutoProcessor does not know (it then falls
-    back to the bare tokenizer). Anything else is one ValueError naming the folder and each loader's reason.
+    AutoProcessor first; then the folder's processor class without its video processor (image_only), which loads
+    what AutoProcessor cannot here: processors whose video half needs torchvision (ImportError) or that transformers
+    5 saved without one (OSError). Anything else is one ValueError naming the folder and each loader's reason.
     """
-    loaders = [AutoProcessor] + ([ImageOnlyQwen2_5_VLProcessor] if config.model_type == "qwen2_5_vl" else [])
+    cls = _processor_class(folder, config)
+    video = cls is not None and "video_processor" in cls.get_attributes()
+    loaders = [AutoProcessor] + ([image_only(cls)] if video else [])
     reasons = []
     for loader in loaders:
         try:
@@ -349,6 +380,12 @@ def load_lvlm(
     return lvlm, processor, info
 
 
+def croppable(cache) -> bool:
+    """Whether cache.crop() gives back exactly the states it held before: plain layers only. A sliding-window layer
+    has already dropped the states that cutting back past its window would need."""
+    return all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
 class LVLMBackend:
     """A transformers LVLM scoring ICD prompts: greedy short answers, VQA accuracy and teacher-forced gt_prob."""
 
@@ -366,12 +403,17 @@ class LVLMBackend:
         self.model, self.processor, self.info = load_lvlm(model, device=device)
         # The process's image memory: half for decoded images, half for their preprocessed patches.
         DECODED_IMAGES.budget = image_cache_mib * MIB // 2
-        self.processor.image_processor = CachedImageProcessor(
-            self.processor.image_processor, image_cache_mib * MIB // 2
-        )
+        probe = self.processor.image_processor([Image.new("RGB", (64, 48))], return_tensors="pt")
+        if set(probe) == {"pixel_values", "image_grid_thw"}:
+            # Qwen-style processors turn each image into its own rows of patches and concatenate them, so per-image
+            # results can be cached. Tiling, padding and multi-image processors (Idefics3, LLaVA-NeXT/OneVision)
+            # shape an image by the prompt it is in: they always see the whole prompt.
+            self.processor.image_processor = CachedImageProcessor(
+                self.processor.image_processor, image_cache_mib * MIB // 2
+            )
         self.items = items
         self.batch_size, self.max_new_tokens = batch_size, max_new_tokens
-        self.system_prompt, self.template = system_prompt, template
+        self.system_prompt = system_prompt
         self.tokenizer = self.processor.tokenizer
         eos = self.model.generation_config.eos_token_id
         eos = self.tokenizer.eos_token_id if eos is None else eos
@@ -388,23 +430,32 @@ class LVLMBackend:
             pad_token_id=self.pad_id,
             bos_token_id=self.model.generation_config.bos_token_id,
         )
-        self.closer_ids = self._turn_closer()
+        self.template, self.layout_note = template, None
+        if template.style == "single-turn" and not self._interleaves():
+            self.template = replace(template, style="turn-per-demo")
+            self.layout_note = (
+                "the chat template puts every image of a turn before its texts, so each demonstration gets its own "
+                "user and assistant turn (turn-per-demo) to keep its image next to its question"
+            )
+            print(f"note: {self.info['lvlm']}: {self.layout_note}", file=sys.stderr)
         self.prompt_tokens = 0  # prompt tokens run through the model so far (bench.py reports it per sequence)
 
     def _chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return self.processor.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
 
-    def _turn_closer(self) -> list[int]:
-        """The token ids that end an assistant reply: the template's text after a reply, up to its first stop token."""
-        probe = [{"role": "user", "content": [{"type": "text", "text": "?"}]}]
-        reply = "ok"
-        prompt = self._chat(probe, add_generation_prompt=True)
-        full = self._chat([*probe, {"role": "assistant", "content": [{"type": "text", "text": reply}]}], False)
-        tail = full[len(prompt) + len(reply) :] if full.startswith(prompt + reply) else ""
-        ids = self.tokenizer(tail, add_special_tokens=False)["input_ids"]
-        stops = [i for i, t in enumerate(ids) if t in self.stop_ids]
-        # A template that closes replies without a stop token: generation ends on the stop token itself.
-        return ids[: stops[0] + 1] if stops else self.stop_ids[:1]
+    def _interleaves(self) -> bool:
+        """Whether the chat template renders a turn's images where its content puts them: LLaVA-style templates
+        write every image first, then every text, whatever the order of the content."""
+        image, text = {"type": "image"}, {"type": "text", "text": "a"}
+        in_order = [{"role": "user", "content": [image, text, image, {**text, "text": "b"}]}]
+        images_first = [{"role": "user", "content": [image, image, text, {**text, "text": "b"}]}]
+        return self._chat(in_order, True) != self._chat(images_first, True)
+
+    def _special(self, text: str) -> bool:
+        """Whether tokenizing a rendered chat adds the tokenizer's special tokens: not when the template wrote the
+        BOS itself (the rule of the stock apply_chat_template, so no prompt starts with two)."""
+        bos = self.tokenizer.bos_token
+        return not (bos is not None and text.startswith(bos))
 
     def messages(self, query: dict, icds: list[dict]) -> list[dict]:
         """The chat: optional system turn, then the ICDs and the query in the template's style (see PromptTemplate)."""
@@ -416,7 +467,7 @@ class LVLMBackend:
             answer = answer_counts(icd["answers"])[0][0]
             if t.style == "turn-per-demo":
                 asked = [{"type": "image"}, {"type": "text", "text": t.query.format(question=icd["question"])}]
-                chat += [{"role": "user", "content": asked}, {"role": "assistant", "content": answer}]
+                chat += [{"role": "user", "content": asked}, assistant_turn(answer)]
             else:
                 content += [
                     {"type": "image"},
@@ -431,13 +482,42 @@ class LVLMBackend:
         return text, [load_image(item["image"]) for item in (*icds, query)]
 
     def encode(self, examples: list[Example]) -> BatchFeature:
-        """Processor inputs for a batch of prompts, left-padded, on the model's device (pixels in the model's dtype)."""
+        """Processor inputs for a batch of prompts, left-padded, on the model's device (pixels in the model's dtype).
+
+        Each prompt's images go in as that prompt's list, as the stock apply_chat_template passes them: multi-image
+        processors (LLaVA-OneVision) shape an image by how many share its prompt.
+        """
         texts, images = zip(*(self.render(query, icds) for query, icds in examples))
-        inputs = self.processor(text=list(texts), images=list(images), padding=True, return_tensors="pt")
+        inputs = self.processor(
+            text=list(texts),
+            images=list(images),
+            padding=True,
+            return_tensors="pt",
+            add_special_tokens=self._special(texts[0]),
+        )
         return inputs.to(self.model.device, dtype=self.model.dtype)  # casts only the floating-point tensors
 
-    def _batches(self, n: int) -> range:
-        return range(0, n, self.batch_size)
+    def reply_ids(self, messages: list[dict], replies: list[str]) -> list[list[int]]:
+        """Each reply's tokens as the chat template renders it as the assistant's turn after `messages`: the tokens
+        that the rendered chat adds to the prompt's, up to and including the first stop token (a template that ends
+        the turn without one gets the model's first stop token). Spacing and merges are the template's and the
+        tokenizer's, never guessed: a reply rendered as " black" is scored as that."""
+        prompt = self._chat(messages, add_generation_prompt=True)
+        special = self._special(prompt)
+        head = self.tokenizer(prompt, add_special_tokens=special)["input_ids"]
+        out = []
+        for reply in replies:
+            full = self._chat([*messages, assistant_turn(reply)], add_generation_prompt=False)
+            ids = self.tokenizer(full, add_special_tokens=special)["input_ids"]
+            if ids[: len(head)] != head:
+                raise ValueError(
+                    f"{self.info['lvlm']}: the chat template's assistant turn {reply!r} does not extend the prompt's "
+                    "tokens, so P(reply) is undefined for this model"
+                )
+            tail = ids[len(head) :]
+            stops = [i for i, t in enumerate(tail) if t in self.stop_ids]
+            out.append(tail[: stops[0] + 1] if stops else tail + self.stop_ids[:1])
+        return out
 
     @torch.inference_mode()
     def run(
@@ -446,33 +526,41 @@ class LVLMBackend:
         """Everything asked of each prompt from ONE pass over it, batch_size prompts at a time.
 
         The prompt pass keeps its KV cache. With `answer`, the greedy answer is decoded from it (raw text, new tokens
-        only, special tokens dropped), token by token as generate() would with do_sample=False. Then the cache is cut
-        back to the prompt, each prompt's rows repeated once per reply, and every reply of replies[i] (its tokens and
-        the turn's closing token) is teacher-forced behind prompt i in one more forward over the reply tokens only:
-        P(reply) is the product of its tokens' probabilities, the first from the prompt pass's last logits. Returns
-        (answers or [], [P(reply) per reply of example i: (R_i,)]). Continuation positions are the prompt's text
-        positions plus the model's rope offset (Qwen2.5-VL's 3-d rope deltas; 0 for 1-d rope models).
+        only, special tokens dropped), token by token as generate() would with do_sample=False. Then every reply of
+        replies[i] (its tokens as the template renders the assistant turn, see reply_ids) is teacher-forced behind
+        prompt i from the prompt's cache, each prompt's rows repeated once per reply, in one more forward over the
+        reply tokens only: P(reply) is the product of its tokens' probabilities, the first from the prompt pass's last
+        logits. Returns (answers or [], [P(reply) per reply of example i: (R_i,)]).
+
+        Positions are the ones generate() gives: its own position builder for the prompt (left padding skipped,
+        Qwen's 3-d rope from the image grids), then one more per token.
         """
         texts, probs = [], []
-        for start in self._batches(len(examples)):
+        for start in range(0, len(examples), self.batch_size):
             batch = examples[start : start + self.batch_size]
             inputs = self.encode(batch)
             self.prompt_tokens += int(inputs["attention_mask"].sum())  # bench.py: prompt tokens processed
-            out = self.model(**inputs, use_cache=True, logits_to_keep=1)
-            cache, last = out.past_key_values, out.logits[:, -1]  # (B, V)
-            rope = getattr(getattr(self.model, "model", None), "rope_deltas", None)  # set by this prompt pass
-            offset = torch.zeros_like(last[:, :1], dtype=torch.long) if rope is None else rope.clone()  # (B, 1)
-            mask = inputs["attention_mask"]  # (B, T)
+            pos = self.model._prepare_position_ids_for_generation(
+                inputs["input_ids"], dict(inputs)
+            )  # (B, T) | (4, B, T)
+            out = self.model(**inputs, position_ids=pos, use_cache=True, logits_to_keep=1)
+            cache, last, mask = out.past_key_values, out.logits[:, -1], inputs["attention_mask"]  # last: (B, V)
+            after = pos[..., -1:] + 1  # the next token's position: (B, 1) | (4, B, 1)
+            wanted = None if replies is None else replies[start : start + self.batch_size]
+            # Decoding extends the cache, and the replies need it as the prompt left it: plain layers are cut back
+            # afterwards, others (sliding windows drop old states) are copied before.
+            kept = copy.deepcopy(cache) if answer and wanted is not None and not croppable(cache) else cache
             if answer:
-                new = self._greedy(last, cache, mask, offset)
+                new = self._greedy(last, cache, mask, after)
                 texts += self.tokenizer.batch_decode(new, skip_special_tokens=True)
-                if new.shape[1] > 1:  # the last token was never fed: the cache holds new.shape[1] - 1 of them
+                if kept is cache and new.shape[1] > 1:  # the last token was never fed: the cache holds new - 1
                     cache.crop(-(new.shape[1] - 1))
-            if replies is not None:
-                probs += self._replies(replies[start : start + self.batch_size], last, cache, mask, offset)
+            if wanted is not None:
+                chats = [self.messages(query, icds) for query, icds in batch]
+                probs += self._replies([self.reply_ids(c, rs) for c, rs in zip(chats, wanted)], last, kept, mask, after)
         return texts, probs
 
-    def _greedy(self, last: Tensor, cache, mask: Tensor, offset: Tensor) -> Tensor:
+    def _greedy(self, last: Tensor, cache, mask: Tensor, pos: Tensor) -> Tensor:
         """Greedy tokens (B, new) from a prompt's last logits and cache, padded after each row's stop token."""
         stop = torch.tensor(self.stop_ids, device=last.device)
         done = torch.zeros(last.shape[0], dtype=torch.bool, device=last.device)  # (B,)
@@ -484,37 +572,32 @@ class LVLMBackend:
             if done.all() or step + 1 == self.max_new_tokens:
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # (B, T + step + 1)
-            pos = (mask.cumsum(-1) - 1)[:, -1:] + offset  # (B, 1) text position of the new token
-            out = self.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache)
+            out = self.model(
+                input_ids=nxt[:, None], attention_mask=mask, position_ids=pos + step, past_key_values=cache
+            )
             nxt = out.logits[:, -1].argmax(-1)
         return torch.stack(tokens, dim=1)  # (B, new)
 
-    def _replies(self, replies: list[list[str]], last: Tensor, cache, mask: Tensor, offset: Tensor) -> list[Tensor]:
-        """P(reply) for every reply of each prompt, teacher-forced from the prompt's cache (which this consumes)."""
-        rows = torch.tensor([i for i, rs in enumerate(replies) for _ in rs], dtype=torch.long, device=last.device)
+    def _replies(self, ids: list[list[list[int]]], last: Tensor, cache, mask: Tensor, pos: Tensor) -> list[Tensor]:
+        """P(reply) for every reply (token ids) of each prompt, teacher-forced from the prompt's cache (consumed)."""
+        rows = torch.tensor([i for i, rs in enumerate(ids) for _ in rs], dtype=torch.long, device=last.device)
         if len(rows) == 0:
-            return [torch.zeros(0) for _ in replies]
-        ids = [
-            torch.tensor(self.tokenizer(a, add_special_tokens=False)["input_ids"] + self.closer_ids)
-            for rs in replies
-            for a in rs
-        ]
-        reply = torch.nn.utils.rnn.pad_sequence(ids, batch_first=True, padding_value=self.pad_id).to(
-            last.device
-        )  # (R, L)
-        reply_mask = (
-            torch.arange(reply.shape[1], device=last.device)
-            < torch.tensor([len(x) for x in ids], device=last.device)[:, None]
-        )  # (R, L)
+            return [torch.zeros(0) for _ in ids]
+        flat = [torch.tensor(r) for rs in ids for r in rs]
+        reply = torch.nn.utils.rnn.pad_sequence(flat, batch_first=True, padding_value=self.pad_id).to(last.device)
+        lengths = torch.tensor([len(r) for r in flat], device=last.device)
+        reply_mask = torch.arange(reply.shape[1], device=last.device) < lengths[:, None]  # (R, L)
         cache.batch_select_indices(rows)  # each prompt's keys and values once per reply
         full = torch.cat([mask[rows], reply_mask.to(mask.dtype)], dim=1)  # (R, T + L)
-        pos = (full.cumsum(-1) - 1)[:, mask.shape[1] :] + offset[rows]  # (R, L)
-        out = self.model(input_ids=reply, attention_mask=full, position_ids=pos, past_key_values=cache)
+        steps = torch.arange(reply.shape[1], device=last.device)
+        out = self.model(
+            input_ids=reply, attention_mask=full, position_ids=pos.index_select(-2, rows) + steps, past_key_values=cache
+        )
         # Reply token 0 is predicted by the prompt's last logits, token j > 0 by the reply's column j - 1.
         logits = torch.cat([last[rows][:, None], out.logits[:, :-1]], dim=1)  # (R, L, V)
         logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, reply[..., None]).squeeze(-1)  # (R, L)
         p = (logp * reply_mask).sum(1).exp().cpu()  # (R,)
-        return list(p.split([len(rs) for rs in replies]))
+        return list(p.split([len(rs) for rs in ids]))
 
     def generate(self, examples: list[Example]) -> list[str]:
         """Raw greedy generations (new tokens only, special tokens dropped)."""
@@ -568,6 +651,7 @@ class LVLMBackend:
             # What gt_prob means, so that a dataset folder never mixes two definitions when it resumes.
             "gt_prob": "sum of VQA credit x P(reply) over normalised annotator answers and their raw spellings",
             "simulation": False,
+            **({"prompt_note": self.layout_note} if self.layout_note else {}),
         }
 
 

@@ -19,15 +19,16 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
+from transformers import Qwen2_5_VLProcessor
 
 import lvlm
 from lvlm import (
     ByteLRU,
-    ImageOnlyQwen2_5_VLProcessor,
     LVLMBackend,
     PromptTemplate,
     clip_embed,
     credited_replies,
+    image_only,
     load_image,
     load_lvlm,
 )
@@ -305,7 +306,7 @@ def biased(assets, items) -> LVLMBackend:
         x = seen[0].reshape(-1, seen[0].shape[-1])  # (T, d) the head's input at every position
         assert F.cosine_similarity(x, x.mean(0, keepdim=True)).min() > 0.999
         u = x.mean(0)  # (d,)
-        for ids, logit in ((set(yes) | set(b.closer_ids), 8.0), (set(cap) - set(yes), 4.0)):
+        for ids, logit in ((set(yes) | {tok.convert_tokens_to_ids("<|im_end|>")}, 8.0), (set(cap) - set(yes), 4.0)):
             model.lm_head.weight[sorted(ids)] = logit * u / u.dot(u)
     return b
 
@@ -440,7 +441,7 @@ def saved_processor_folder(assets, tmp_path, processor_class: str | None) -> Pat
     processor), naming `processor_class` (None: no processor_config.json and no preprocessor config at all)."""
     folder = tmp_path / f"qwen-{processor_class}"
     shutil.copytree(assets["qwen"], folder)
-    processor = ImageOnlyQwen2_5_VLProcessor.from_pretrained(assets["qwen"])
+    processor = image_only(Qwen2_5_VLProcessor).from_pretrained(assets["qwen"])
     (folder / "preprocessor_config.json").unlink()
     if processor_class is not None:
         processor.save_pretrained(folder)
@@ -450,9 +451,8 @@ def saved_processor_folder(assets, tmp_path, processor_class: str | None) -> Pat
     return folder
 
 
-@pytest.mark.parametrize("processor_class", ["Qwen2_5_VLProcessor", "ImageOnlyQwen2_5_VLProcessor"])
-def test_processor_folders_saved_by_transformers_5_load_and_encode_alike(assets, items, tmp_path, processor_class):
-    folder = saved_processor_folder(assets, tmp_path, processor_class)
+def test_processor_folders_saved_by_transformers_5_load_and_encode_alike(assets, items, tmp_path):
+    folder = saved_processor_folder(assets, tmp_path, "Qwen2_5_VLProcessor")
     stock = LVLMBackend(str(assets["qwen"]), items, batch_size=4, max_new_tokens=4)
     saved = LVLMBackend(str(folder), items, batch_size=4, max_new_tokens=4)
     examples = [(items["val"][0], items["train"][1:3]), (items["val"][1], [])]
@@ -485,4 +485,4 @@ def test_load_lvlm_from_hub_cache_records_revision(assets, tmp_path):
     assert info["model_class"] == "Qwen2_5_VLForConditionalGeneration" and not model.training
     assert processor.tokenizer.padding_side == "left"
     if importlib.util.find_spec("torchvision") is None:
-        assert isinstance(processor, ImageOnlyQwen2_5_VLProcessor)
+        assert type(processor).__name__ == "ImageOnlyQwen2_5_VLProcessor"
