@@ -1,6 +1,8 @@
 """Dataset folders: reading, strict validation, rewards, and tensors ready for training.
 
-A dataset folder holds meta.json, items.json, embeddings.safetensors, rl_data.jsonl and eval_pools.json. Every
+A dataset folder holds meta.json, items.json, embeddings.safetensors, rl_data.jsonl and eval_pools.json. Each
+rl_data.jsonl line is one anchor query: {"query", "pool", "zero_shot_gt_prob" (its gt_prob with no ICDs), "seqs":
+[{"icds", "source", "acc", "correct", "gt_prob", "rel", "prediction"}, ...]}, gt_prob at full float precision. Every
 malformed input raises one `DataError` naming the file, the line (jsonl) and the field; stages call
 `load_dataset` before writing anything, so bad input never leaves a half-made run behind.
 
@@ -12,6 +14,15 @@ Rewards are computed here, from the per-sequence fields every backend stores (ac
     soft_only                  acc
     hard_plus_gtprob           hard_w * correct + soft_w * gt_prob
     hard_plus_gtprob_plus_rel  hard_w * correct + soft_w * gt_prob + rel_w * (1 - correct) * rel
+    info_score                 soft_w * (log max(gt_prob, 1e-6) - log max(zero_shot_gt_prob, 1e-6))
+
+info_score is the InfoScore-style reward Lever-LM scores ICDs with: how much the ICDs raise the log-probability of
+the credited answers over the query alone (each rl_data line stores its query's zero-shot gt_prob once). Both
+probabilities are floored at INFO_FLOOR: a stored 0 (an underflow) has no logarithm, and below one in a million the
+answer is not produced either way, so tail differences there would otherwise swing the reward by tens of nats. The
+zero-shot term is one constant per query: objectives that compare sequences within a group (RCE's softmax, GRPO's
+group advantages, the reward gaps of the curriculum tiers) train exactly as on log gt_prob; it makes the reward
+readable (> 0: the ICDs help) and comparable across queries.
 """
 
 from __future__ import annotations
@@ -29,13 +40,21 @@ from torch import Tensor
 from files import DataError, read_json, read_jsonl, read_tensors
 from model import reward_spread
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: gt_prob at full precision, and each query's zero-shot gt_prob
 RewardMode = Literal[
-    "hard_plus_soft", "separated", "hard_only", "soft_only", "hard_plus_gtprob", "hard_plus_gtprob_plus_rel"
+    "hard_plus_soft",
+    "separated",
+    "hard_only",
+    "soft_only",
+    "hard_plus_gtprob",
+    "hard_plus_gtprob_plus_rel",
+    "info_score",
 ]
 REWARD_MODES: tuple[str, ...] = get_args(RewardMode)
 Quality = Literal["high", "medium", "varied", "all"]
 SEQ_FIELDS = ("acc", "correct", "gt_prob", "rel")  # what a backend scores for every sequence
+ZERO_SHOT = "zero_shot_gt_prob"  # gt_prob of an anchor query with no ICDs: one per rl_data line
+INFO_FLOOR = 1e-6  # info_score's floor on both probabilities (module docstring)
 DEFAULT_DATA = Path("data/sim")  # the dataset folder every stage reads and gen_rl_data.py writes by default
 
 
@@ -44,17 +63,19 @@ class RewardArgs:
     """How a scored sequence becomes a scalar reward (shared by rce.py, grpo.py and the data report)."""
 
     reward_mode: RewardMode = "hard_plus_soft"
-    """hard_plus_soft | separated | hard_only | soft_only | hard_plus_gtprob | hard_plus_gtprob_plus_rel."""
+    """hard_plus_soft | separated | hard_only | soft_only | hard_plus_gtprob | hard_plus_gtprob_plus_rel |
+    info_score (log gt_prob with the ICDs minus without)."""
     hard_weight: float = 1.0
     """Weight of `correct` (0/1) in the modes that have one."""
     soft_weight: float = 1.0
-    """Weight of the soft term (acc or gt_prob)."""
+    """Weight of the soft term (acc, gt_prob or info_score's log ratio)."""
     rel_weight: float = 0.2
     """hard_plus_gtprob_plus_rel: weight of the answer's closeness to the truth, on wrong answers only."""
 
 
 def compute_reward(fields: dict[str, Tensor], args: RewardArgs) -> Tensor:
-    """Per-sequence reward from the stored fields (any shape, e.g. (Q, G))."""
+    """Per-sequence reward from the stored fields (any shape, e.g. (Q, G)); info_score also reads ZERO_SHOT, the
+    query's zero-shot gt_prob broadcast to the same shape."""
     c, acc, p, rel = (fields[k].double() for k in ("correct", "acc", "gt_prob", "rel"))
     h, s, w = args.hard_weight, args.soft_weight, args.rel_weight
     match args.reward_mode:
@@ -70,6 +91,11 @@ def compute_reward(fields: dict[str, Tensor], args: RewardArgs) -> Tensor:
             return h * c + s * p
         case "hard_plus_gtprob_plus_rel":
             return h * c + s * p + w * (1 - c) * rel
+        case "info_score":
+            if ZERO_SHOT not in fields:
+                raise ValueError(f"reward mode info_score needs each query's zero-shot gt_prob ('{ZERO_SHOT}')")
+            p0 = fields[ZERO_SHOT].double()
+            return s * (p.clamp_min(INFO_FLOOR).log() - p0.clamp_min(INFO_FLOOR).log())
     raise ValueError(f"unknown reward mode {args.reward_mode!r}")
 
 
@@ -123,7 +149,7 @@ class Groups:
     pool_mask: Tensor  # (Q, K) bool
     seqs: Tensor  # (Q, G, S) pool positions, -1 where padded
     seq_mask: Tensor  # (Q, G) bool
-    fields: dict[str, Tensor]  # acc, correct, gt_prob, rel: (Q, G), 0 where padded
+    fields: dict[str, Tensor]  # acc, correct, gt_prob, rel, ZERO_SHOT (per query, repeated): (Q, G), 0 where padded
     sources: list[list[str]]  # per query, per sequence
 
     def __len__(self) -> int:
@@ -132,14 +158,14 @@ class Groups:
 
 def parse_groups(path: Path, records: list[tuple[int, dict]], num_train: int, seq_len: int) -> Groups:
     """Validate rl_data.jsonl records and pad them into tensors."""
-    queries, pools, seqs, sources = [], [], [], []
+    queries, pools, seqs, sources, zero_shot = [], [], [], [], []
     fields = {k: [] for k in SEQ_FIELDS}
     seen: dict[int, int] = {}
     for line, rec in records:
         at = f"{path} line {line}"
         if not isinstance(rec, dict):
             raise DataError(f"{at}: expected a JSON object")
-        for key in ("query", "pool", "seqs"):
+        for key in ("query", "pool", ZERO_SHOT, "seqs"):
             if key not in rec:
                 raise DataError(f"{at}: field '{key}' is missing")
         [q] = _ids([rec["query"]], f"{at}: field 'query'", num_train)
@@ -154,6 +180,7 @@ def parse_groups(path: Path, records: list[tuple[int, dict]], num_train: int, se
             raise DataError(f"{at}: field 'pool' contains the query itself ({q})")
         if len(pool) < seq_len:
             raise DataError(f"{at}: field 'pool' has {len(pool)} candidates, fewer than the sequence length {seq_len}")
+        zero_shot.append(_number(rec[ZERO_SHOT], f"{at}: field '{ZERO_SHOT}'"))
         if not isinstance(rec["seqs"], list) or not rec["seqs"]:
             raise DataError(f"{at}: field 'seqs' must be a non-empty list")
         group, codes = [], set()
@@ -173,6 +200,8 @@ def parse_groups(path: Path, records: list[tuple[int, dict]], num_train: int, se
             group.append(icds)
             for key in SEQ_FIELDS:
                 fields[key].append((len(queries), j, _number(s[key], f"{where}.{key}'")))
+            if s["correct"] not in (0, 1):
+                raise DataError(f"{where}.correct': expected 0 or 1, got {s['correct']!r}")
         queries.append(q)
         pools.append(pool)
         seqs.append(group)
@@ -192,6 +221,7 @@ def parse_groups(path: Path, records: list[tuple[int, dict]], num_train: int, se
         t[list(i), list(j)] = torch.tensor(v, dtype=torch.float64)
         field_t[key] = t
     seq_mask = seq_t[..., 0] >= 0
+    field_t[ZERO_SHOT] = torch.tensor(zero_shot, dtype=torch.float64)[:, None].expand(Q, G) * seq_mask  # (Q, G)
     return Groups(torch.tensor(queries), pool_t, pool_t >= 0, seq_t, seq_mask, field_t, sources)
 
 

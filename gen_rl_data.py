@@ -5,7 +5,9 @@ its image), makes G distinct sequences of S picks from it (a selector's greedy/b
 one similarity-retrieval sequence, random ones to fill the group), and scores every sequence with the LVLM:
 official VQA accuracy `acc`, `correct = acc > 0`, `gt_prob` (the LVLM's probability of replying with an answer the
 VQA metric credits, each credited reply weighted by its credit: every normalised annotator answer and each raw
-spelling the annotators used, 0.3/0.6/0.9/1.0 for 1/2/3/4+ of 10 matching annotators) and `rel`. It also builds one
+spelling the annotators used, 0.3/0.6/0.9/1.0 for 1/2/3/4+ of 10 matching annotators; full float precision, so that
+log-space rewards can be computed) and `rel`; and once per anchor query `zero_shot_gt_prob`, the same gt_prob with no
+ICDs (what data.py's info_score reward subtracts; one more prompt per query). It also builds one
 pool per validation query (eval_pools.json) with the same sampler, so training and inference see the same kind of
 pool.
 
@@ -47,6 +49,7 @@ from data import (
     QUALITY_TIERS,
     REWARD_MODES,
     SEQ_FIELDS,
+    ZERO_SHOT,
     RewardArgs,
     compute_reward,
     load_dataset,
@@ -320,7 +323,9 @@ def merge_shards(out: Path, anchors: Tensor, done: dict[int, dict]) -> None:
 
 
 def seq_record(icds: list[int], source: str, res: dict, i: int) -> dict:
+    # gt_prob unrounded: log-space rewards need every probability, however small (acc and rel are coarse anyway)
     scores = {k: int(res[k][i]) if k == "correct" else round(float(res[k][i]), 6) for k in SEQ_FIELDS}
+    scores["gt_prob"] = float(res["gt_prob"][i])
     return {"icds": icds, "source": source, **scores, "prediction": res["prediction"][i]}
 
 
@@ -396,9 +401,12 @@ def build_folder(args: Args, rank: int, world: int) -> None:
             idx = torch.tensor(todo[c : c + chunk])  # (C,)
             icds = anchor_pools[idx].gather(1, groups[idx].flatten(1)).view(-1, S)  # (C*G, S) train rows
             res = src.backend.score("train", anchors[idx].repeat_interleave(G), icds)
+            no_icds = torch.zeros(len(idx), 0, dtype=torch.long)  # (C, 0)
+            zero_shot = src.backend.score("train", anchors[idx], no_icds)["gt_prob"]  # (C,)
             for j, i in enumerate(idx.tolist()):
                 seqs = [seq_record(groups[i, g].tolist(), sources[i][g], res, j * G + g) for g in range(G)]
-                line = {"query": int(anchors[i]), "pool": anchor_pools[i].tolist(), "seqs": seqs}
+                pool = anchor_pools[i].tolist()
+                line = {"query": int(anchors[i]), "pool": pool, ZERO_SHOT: float(zero_shot[j]), "seqs": seqs}
                 f.write(jsonl_line(line))
             f.flush()
             scored += len(idx) * G

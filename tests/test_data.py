@@ -11,7 +11,9 @@ from safetensors.torch import load_file, save_file
 from strategies import rng, seeds
 
 from data import (
+    INFO_FLOOR,
     REWARD_MODES,
+    ZERO_SHOT,
     DataError,
     RewardArgs,
     compute_reward,
@@ -52,7 +54,7 @@ def test_missing_files_and_versions(folder, tmp_path):
     expect(tmp_path / "nope", "no such dataset folder")
     meta = json.loads((folder / "meta.json").read_text())
     (folder / "meta.json").write_text(json.dumps({**meta, "format_version": 99}))
-    expect(folder, r"meta.json: field 'format_version' is 99, this kit reads version 1")
+    expect(folder, r"meta.json: field 'format_version' is 99, this kit reads version 2")
     (folder / "meta.json").write_text(json.dumps(meta))
     (folder / "eval_pools.json").unlink()
     expect(folder, r"eval_pools.json: missing file")
@@ -76,6 +78,11 @@ def test_truncated_last_line(folder):
         (lambda r: r.__setitem__("query", r["pool"][0]), r"line 3: field 'pool' contains the query itself"),
         (lambda r: r["seqs"][0].__setitem__("gt_prob", float("nan")), r"line 3: field 'seqs\[0\].gt_prob'.*finite"),
         (lambda r: r["seqs"][0].__setitem__("acc", 1.5), r"line 3: field 'seqs\[0\].acc': 1.5 is outside"),
+        (lambda r: r["seqs"][0].__setitem__("acc", float("inf")), r"line 3: field 'seqs\[0\].acc'.*finite"),
+        (lambda r: r["seqs"][0].__setitem__("correct", 0.5), r"line 3: field 'seqs\[0\].correct': expected 0 or 1"),
+        (lambda r: r.pop(ZERO_SHOT), rf"line 3: field '{ZERO_SHOT}' is missing"),
+        (lambda r: r.__setitem__(ZERO_SHOT, float("nan")), rf"line 3: field '{ZERO_SHOT}'.*finite"),
+        (lambda r: r.__setitem__(ZERO_SHOT, "0.5"), rf"line 3: field '{ZERO_SHOT}'.*finite number"),
         (lambda r: r["seqs"][0].pop("rel"), r"line 3: field 'seqs\[0\].rel' is missing"),
         (lambda r: r.__setitem__("pool", r["pool"][:3]), r"line 3: field 'pool' has 3 candidates, fewer than the seq"),
         (lambda r: r["seqs"][0].__setitem__("icds", [0, 1]), r"line 3: field 'seqs\[0\].icds' has 2 picks, expected"),
@@ -120,7 +127,10 @@ def test_reward_modes(seed, mode):
         "acc": acc,
         "gt_prob": torch.rand(6, 5, generator=g, dtype=torch.float64),
         "rel": torch.rand(6, 5, generator=g, dtype=torch.float64),
+        ZERO_SHOT: torch.rand(6, 1, generator=g, dtype=torch.float64).repeat(1, 5),
     }
+    fields["gt_prob"][0, :2] = 0.0  # an underflow: info_score floors it
+    fields[ZERO_SHOT][1] = 1e-9
     args = RewardArgs(mode, hard_weight=1.0, soft_weight=0.5, rel_weight=0.3)
     r = compute_reward(fields, args)
     expected = {
@@ -130,11 +140,19 @@ def test_reward_modes(seed, mode):
         "soft_only": acc,
         "hard_plus_gtprob": correct + 0.5 * fields["gt_prob"],
         "hard_plus_gtprob_plus_rel": correct + 0.5 * fields["gt_prob"] + 0.3 * (1 - correct) * fields["rel"],
+        "info_score": 0.5 * (fields["gt_prob"].clamp_min(INFO_FLOOR) / fields[ZERO_SHOT].clamp_min(INFO_FLOOR)).log(),
     }[mode]
+    assert torch.isfinite(r).all()
     assert torch.allclose(r, expected)
     # a correct answer never earns less than a wrong one with the same soft fields, in every mode
     flipped = compute_reward({**fields, "correct": torch.ones_like(correct), "acc": acc.clamp_min(0.3)}, args)
     assert (flipped >= r - 1e-12).all()
+
+
+def test_info_score_needs_the_zero_shot_probability():
+    fields = {k: torch.full((2, 3), 0.5, dtype=torch.float64) for k in ("correct", "acc", "gt_prob", "rel")}
+    with pytest.raises(ValueError, match=ZERO_SHOT):
+        compute_reward(fields, RewardArgs("info_score"))
 
 
 def test_quality_and_filters(small_data):

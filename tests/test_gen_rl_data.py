@@ -11,7 +11,8 @@ import torch
 from conftest import SMALL
 
 import pools
-from data import load_dataset
+from backends import sim_from_meta
+from data import ZERO_SHOT, load_dataset
 from gen_rl_data import Args, generate, report
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,6 +34,19 @@ def test_folder_contents(small_data):
         assert all(len(set(s)) == len(s) for s in seqs.tolist())
     assert all(src[0] == "retrieval" and set(src[1:]) == {"random"} for src in g.sources)
     assert ds.eval_pools.shape == (SMALL["num_val"], SMALL["pool_size"])
+
+
+def test_probabilities_at_full_precision_and_zero_shot(small_data):
+    """gt_prob is stored exactly as the backend returned it (log-space rewards need the tiny ones), and each query's
+    zero-shot gt_prob beside its group."""
+    ds = load_dataset(small_data)
+    g, sim = ds.groups, sim_from_meta(ds.meta)
+    Q, G, S = g.seqs.shape
+    icds = g.pools.gather(1, g.seqs.flatten(1)).view(-1, S)  # (Q*G, S) train rows, prompt order
+    want = sim.score("train", g.queries.repeat_interleave(G), icds)["gt_prob"].double().view(Q, G)
+    assert torch.equal(g.fields["gt_prob"], want)
+    zero_shot = sim.score("train", g.queries, torch.zeros(Q, 0, dtype=torch.long))["gt_prob"].double()  # (Q,)
+    assert torch.equal(g.fields[ZERO_SHOT], zero_shot[:, None].expand(Q, G))
 
 
 def test_same_seed_byte_identical_and_resume_after_kill(small_data, tmp_path):
