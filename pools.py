@@ -28,6 +28,7 @@ from torch import Tensor
 
 __all__ = [
     "SAMPLERS",
+    "CHUNK_ELEMENTS",
     "exclusion_mask",
     "build_pools",
     "query_pools",
@@ -38,6 +39,10 @@ __all__ = [
 ]
 
 SAMPLERS: tuple[str, ...] = ("random", "image", "text", "mix")
+
+# Queries x train rows per chunk of `query_pools`: a few (C, N) float and bool matrices of this size (similarities,
+# random keys, masks) are alive at once, so this bounds the memory of pool building whatever Q and N are.
+CHUNK_ELEMENTS = 2**25
 
 
 def exclusion_mask(query_image_ids: Tensor, train_image_ids: Tensor, query_rows: Tensor) -> Tensor:
@@ -51,6 +56,32 @@ def exclusion_mask(query_image_ids: Tensor, train_image_ids: Tensor, query_rows:
     # -1 never equals a row index, so non-train queries exclude nothing by row.
     own_row = rows[None, :] == query_rows[:, None]  # (Q, N)
     return same_image | own_row
+
+
+def _allowed_counts(query_image_ids: Tensor, train_image_ids: Tensor, query_rows: Tensor) -> Tensor:
+    """How many train rows each query may draw from, i.e. `(~exclusion_mask(...)).sum(1)` without the (Q, N) mask:
+    N minus the rows on the query's image, minus its own row when that row is on another image. Returns (Q,) long."""
+    sorted_ids = train_image_ids.sort().values  # (N,)
+    same_image = torch.searchsorted(sorted_ids, query_image_ids, right=True) - torch.searchsorted(
+        sorted_ids, query_image_ids
+    )  # (Q,)
+    allowed = train_image_ids.shape[0] - same_image  # (Q,)
+    own = query_rows >= 0  # (Q,)
+    allowed[own] -= (train_image_ids[query_rows[own]] != query_image_ids[own]).long()
+    return allowed
+
+
+def _check_allowed(allowed: Tensor, pool_size: int) -> None:
+    """Fail, naming the first short query, unless every query has at least pool_size allowed rows. allowed (Q,)."""
+    if pool_size < 1:
+        raise ValueError(f"pool_size must be >= 1, got {pool_size}")
+    short = (allowed < pool_size).nonzero()
+    if len(short):
+        q = int(short[0])
+        raise ValueError(
+            f"query {q} has only {int(allowed[q])} allowed train rows, fewer than pool_size={pool_size} "
+            f"({len(short)} queries are short)"
+        )
 
 
 def _top_allowed(sim: Tensor, exclude: Tensor, k: int) -> Tensor:
@@ -80,16 +111,7 @@ def build_pools(
             raise ValueError(f"sampler {sampler!r} needs {name}, which was not given")
         if given[name].shape != exclude.shape:
             raise ValueError(f"{name} has shape {tuple(given[name].shape)}, expected {tuple(exclude.shape)}")
-    if pool_size < 1:
-        raise ValueError(f"pool_size must be >= 1, got {pool_size}")
-    allowed = (~exclude).sum(dim=1)  # (Q,)
-    short = (allowed < pool_size).nonzero()
-    if len(short):
-        q = int(short[0])
-        raise ValueError(
-            f"query {q} has only {int(allowed[q])} allowed train rows, fewer than pool_size={pool_size} "
-            f"({len(short)} queries are short)"
-        )
+    _check_allowed((~exclude).sum(dim=1), pool_size)
 
     if sampler == "random":
         # Uniform random keys with excluded rows at +inf: the K smallest keys are a uniform K-subset of the allowed
@@ -116,16 +138,32 @@ def query_pools(
     queries: Tensor,
     query_rows: Tensor,
     generator: torch.Generator,
+    chunk: int | None = None,
 ) -> Tensor:
     """One pool per query: rows `queries` of `split` -> (Q, K) train rows, by `build_pools` with the given sampler.
 
     emb: "<split>_image" / "<split>_text" (N, d) views, read only by the samplers that use them; image_ids: split ->
     (N,) image id per row; query_rows: the queries' own train rows, or -1 (see `exclusion_mask`).
+
+    Built `chunk` queries at a time (default: CHUNK_ELEMENTS // N), each chunk with its own exclusion mask and
+    similarities, so memory grows with the chunk, not with Q x N. A query's pool depends only on its own row of
+    those matrices, and a chunk's random keys are the next rows of the same generator stream, so the pools (and the
+    generator's state afterwards) equal one `build_pools` call on the whole (Q, N) matrices, whatever the chunk.
     """
-    exclude = exclusion_mask(image_ids[split][queries], image_ids["train"], query_rows)  # (Q, N)
+    train_ids, query_ids = image_ids["train"], image_ids[split][queries]  # (N,), (Q,)
+    _check_allowed(_allowed_counts(query_ids, train_ids, query_rows), pool_size)  # every query, before any work
     views = {"image": ("image",), "text": ("text",), "mix": ("image", "text")}.get(sampler, ())
-    sims = {f"{v}_sim": emb[f"{split}_{v}"][queries] @ emb[f"train_{v}"].T for v in views}  # (Q, N) each
-    return build_pools(sampler, pool_size, exclude, generator, **sims)
+    if chunk is None:
+        chunk = max(1, CHUNK_ELEMENTS // max(train_ids.shape[0], 1))
+    # Near-equal chunks, so none is a sliver: BLAS multiplies matrices of 1-3 rows another way, and those
+    # similarities can differ from the whole matrix's in the last bit (and flip a tie at the pool's edge).
+    parts = torch.arange(queries.shape[0]).tensor_split(max(1, math.ceil(queries.shape[0] / chunk)))
+    out = []
+    for part in parts:
+        exclude = exclusion_mask(query_ids[part], train_ids, query_rows[part])  # (C, N)
+        sims = {f"{v}_sim": emb[f"{split}_{v}"][queries[part]] @ emb[f"train_{v}"].T for v in views}  # (C, N) each
+        out.append(build_pools(sampler, pool_size, exclude, generator, **sims))  # (C, K)
+    return torch.cat(out)  # (Q, K)
 
 
 def random_sequences(pool_mask: Tensor, group_size: int, seq_len: int, generator: torch.Generator) -> Tensor:

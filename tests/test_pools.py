@@ -1,4 +1,5 @@
-"""Property tests for pools.py: exclusion, pool samplers, random candidate sequences, similarity ranking.
+"""Property tests for pools.py: exclusion, pool samplers, chunked pool building, random candidate sequences,
+similarity ranking.
 
 All randomness comes from hypothesis-drawn seeds turned into torch.Generators, so failures replay.
 """
@@ -261,3 +262,93 @@ def test_query_pools_is_build_pools_with_the_views_it_needs(seed, sampler):
     exclude = pools.exclusion_mask(image_ids["val"], image_ids["train"], torch.full((n_val,), -1))
     sims = {f"{v}_sim": emb[f"val_{v}"] @ emb[f"train_{v}"].T for v in ("image", "text")}
     assert torch.equal(got, pools.build_pools(sampler, 10, exclude, _gen(seed + 1), **sims))
+
+
+def _whole_matrix_pools(sampler, pool_size, emb, image_ids, split, queries, query_rows, g):
+    """Pools from the whole (Q, N) matrices at once: the reference chunked `query_pools` must equal. Short queries
+    raise a ValueError whose message is the pattern `query_pools`'s error must match."""
+    train_img = image_ids["train"]
+    n_train = len(train_img)
+    exclude = (image_ids[split][queries][:, None] == train_img[None, :]) | (
+        torch.arange(n_train)[None, :] == query_rows[:, None]
+    )  # (Q, N)
+    allowed = (~exclude).sum(1)  # (Q,)
+    if short := (allowed < pool_size).nonzero()[:, 0].tolist():
+        raise ValueError(f"query {short[0]} has only {int(allowed[short[0]])} allowed .* \\({len(short)} queries")
+    if sampler == "random":
+        keys = torch.rand(exclude.shape, generator=g).masked_fill(exclude, float("inf"))
+        return keys.topk(pool_size, dim=1, largest=False).indices
+    sim = {
+        v: (emb[f"{split}_{v}"][queries] @ emb[f"train_{v}"].T).masked_fill(exclude, -math.inf)
+        for v in ("image", "text")
+    }
+    if sampler != "mix":
+        return sim[sampler].topk(pool_size, dim=1).indices
+    half = sim["image"].topk(pool_size // 2, dim=1).indices
+    rest = sim["text"].scatter(1, half, -math.inf).topk(pool_size - pool_size // 2, dim=1).indices
+    return torch.cat([half, rest], 1)
+
+
+@given(
+    seed=seeds,
+    sampler=st.sampled_from(pools.SAMPLERS),
+    split=st.sampled_from(["train", "val"]),
+    num_train=st.integers(1, 40),
+    num_images=st.integers(1, 12),
+    num_queries=st.integers(0, 12),
+    pool_size=st.integers(1, 8),
+    chunk=st.integers(1, 14),
+)
+def test_chunked_query_pools_equal_whole_matrix_pools(
+    seed, sampler, split, num_train, num_images, num_queries, pool_size, chunk
+):
+    # Embeddings with entries in {-1, 0, 1}: similarities are exact small integers, equal however the product is
+    # blocked, and ties are common, so tie-breaking must not depend on the chunk either.
+    g = _gen(seed)
+    n = {"train": num_train, "val": 9}
+    emb = {f"{s}_{v}": torch.randint(-1, 2, (n[s], 3), generator=g).float() for s in n for v in ("image", "text")}
+    # Val images partly shared with train images, so exclusion by image applies to val queries too.
+    image_ids = {s: torch.randint(num_images, (n[s],), generator=g) for s in n}
+    queries = torch.randint(n[split], (num_queries,), generator=g)  # repeats allowed (online draws repeat)
+    # Own train rows: mostly the query's row itself (a train anchor), some another row (on another image, so the
+    # own-row rule counts on its own), the rest none (-1).
+    other = torch.randint(num_train, (num_queries,), generator=g)
+    own = torch.where((torch.rand(num_queries, generator=g) < 0.7) & (split == "train"), queries, other)
+    query_rows = torch.where(torch.rand(num_queries, generator=g) < 0.7, own, -1)
+    try:
+        want = _whole_matrix_pools(sampler, pool_size, emb, image_ids, split, queries, query_rows, _gen(seed + 1))
+    except ValueError as e:
+        for c in (1, chunk):  # the first short query of all, not of its chunk
+            with pytest.raises(ValueError, match=str(e)):
+                pools.query_pools(sampler, pool_size, emb, image_ids, split, queries, query_rows, _gen(seed + 1), c)
+        return
+    for c in (1, 2, 3, chunk, None):
+        after_ref, after = _gen(seed + 1), _gen(seed + 1)
+        _whole_matrix_pools(sampler, pool_size, emb, image_ids, split, queries, query_rows, after_ref)
+        got = pools.query_pools(sampler, pool_size, emb, image_ids, split, queries, query_rows, after, c)
+        assert torch.equal(got, want), f"chunk={c}"
+        # The generator ends where the whole-matrix draw leaves it, so what is drawn next is unchanged too.
+        assert torch.equal(torch.rand(3, generator=after), torch.rand(3, generator=after_ref)), f"chunk={c}"
+
+
+def test_query_pools_never_builds_a_queries_by_train_matrix(monkeypatch):
+    # Every (C, N) matrix belongs to one chunk: the exclusion mask and the similarities are built per chunk.
+    n_train, n_queries, d = 1000, 50, 4
+    g = _gen(0)
+    emb = {f"train_{v}": torch.randn(n_train, d, generator=g) for v in ("image", "text")}
+    image_ids = {"train": torch.arange(n_train) // 3}
+    rows = torch.randperm(n_train, generator=g)[:n_queries]
+    seen = []
+
+    def spy(sampler, pool_size, exclude, generator, **sims):
+        seen.append(exclude.shape[0])
+        assert all(s.shape == exclude.shape for s in sims.values())
+        return build(sampler, pool_size, exclude, generator, **sims)
+
+    build = pools.build_pools
+    monkeypatch.setattr(pools, "build_pools", spy)
+    monkeypatch.setattr(pools, "CHUNK_ELEMENTS", 8 * n_train)
+    for chunk, most in ((7, 7), (None, 8)):
+        seen.clear()
+        got = pools.query_pools("mix", 5, emb, image_ids, "train", rows, rows, g, chunk)
+        assert got.shape == (n_queries, 5) and sum(seen) == n_queries and max(seen) <= most, (chunk, seen)
