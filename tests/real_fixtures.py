@@ -92,6 +92,16 @@ CORPUS: tuple[str, ...] = (
 )
 
 IMAGE_SIZES = ((56, 56), (70, 56), (56, 42))
+# build_okvqa_fixture(mixed=True): images as a COCO download has them, cycled: (width, height), PIL mode, file format.
+MIXED_IMAGES = (
+    ((96, 32), "RGB", "JPEG"),  # wide, 3:1
+    ((30, 84), "RGB", "JPEG"),  # tall
+    ((9, 13), "RGB", "JPEG"),  # tiny
+    ((64, 48), "L", "JPEG"),  # grayscale
+    ((50, 40), "P", "PNG"),  # palette (PNG bytes under COCO's .jpg name)
+    ((40, 56), "CMYK", "JPEG"),
+    ((56, 42), "RGB", "JPEG"),
+)
 TRAIN_IMAGES, VAL_IMAGES = 16, 8
 
 
@@ -904,11 +914,13 @@ def _annotators(rng: random.Random, truth: str, distractors: list[str]) -> list[
     return answers
 
 
-def build_okvqa_fixture(root: Path, seed: int = 0) -> Path:
+def build_okvqa_fixture(root: Path, seed: int = 0, mixed: bool = False) -> Path:
     """An OK-VQA-format dataset under `root` with the official file names and JSON layout; returns `root`.
 
     train: TRAIN_IMAGES images with two questions each (several questions share an image); val: VAL_IMAGES images
-    with one question each. Question ids follow OK-VQA's image_id * 10 + index convention.
+    with one question each. Question ids follow OK-VQA's image_id * 10 + index convention. `mixed`: the images cycle
+    through MIXED_IMAGES' sizes, modes and formats (wide, tall, tiny, grayscale, palette, CMYK) instead of RGB JPEGs
+    of IMAGE_SIZES; questions and answers are the same either way.
     """
     root = Path(root)
     rng = random.Random(seed)
@@ -926,7 +938,11 @@ def build_okvqa_fixture(root: Path, seed: int = 0) -> Path:
             image_id = first_id + 7 * i
             shape, color, background, size = scenes.pop()
             path = root / f"{split}2014" / f"COCO_{split}2014_{image_id:012d}.jpg"
-            _draw(shape, color, background, size).save(path, quality=95)
+            if mixed:
+                size, mode, fmt = MIXED_IMAGES[(i if split == "train" else TRAIN_IMAGES + i) % len(MIXED_IMAGES)]
+                _draw(shape, color, background, size).convert(mode).save(path, format=fmt, quality=95)
+            else:
+                _draw(shape, color, background, size).save(path, quality=95)
             for j, (text, truth_of, choices) in enumerate(rng.sample(questions, per_image)):
                 truth = truth_of(shape, color, background)
                 answers = _annotators(rng, truth, [c for c in choices if c != truth])
