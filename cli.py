@@ -33,7 +33,7 @@ class CpuArgs:
 PATH_ARGS = ("out", "data", "init")
 # Flags that change what is kept, shown or how a run is started, never what is trained: a resumed run may change
 # them freely, and compare.py does not list them among the flags that differ.
-SIDE_ARGS = ("keep_every", "report_to", "resume")
+SIDE_ARGS = ("keep_every", "report_to")
 
 
 def alias(*names: str):

@@ -2,35 +2,16 @@
 
 Per step, for a batch of queries and their groups of G sequences: advantages from the group's rewards
 (`model.group_advantages`), the PPO clipped surrogate on sequence log-probs against the old policy, plus
-beta * exact KL(pi || pi_ref) over the pool at every visited step, averaged over valid sequences.
+beta * exact KL(pi || pi_ref) over the pool at every visited step, averaged over valid sequences. The reference is the
+--init selector, frozen; the old policy is the current one, refreshed every --num-iterations updates, so the ratio
+starts at exactly 1; every log-prob is taken with dropout off.
 
-Correctness choices (each one a bug of Lever-Plus):
-- the reference policy is the --init (RCE) weights, frozen; the KL weight is exactly --kl-beta for the whole run,
-  unless an adaptive target is asked for with --kl-target (then the beta used is logged every epoch);
-- the old policy is the current one, refreshed every --num-iterations updates on a batch, so the PPO ratio starts
-  at exactly 1; every log-prob (new, old, reference) is computed with dropout off;
-- every scored sequence of every group is used (no top-k), variable group sizes are masked;
-- the best epoch is chosen on held-out anchor queries by the true accuracy of the greedy picks when the backend can
-  answer them (always on the simulator; --val-lvlm on real data), else by validation reward; never by loss or
-  test questions.
-
-Two modes, and what each one is:
-- offline (default): the groups are the scored sequences of rl_data.jsonl, drawn by gen_rl_data.py (random and
-  retrieval sequences, or an earlier selector's), not by the policy being trained. Their probabilities under the
-  sampler are not stored and no importance weight is applied, so this is a reward-weighted policy gradient on fixed
-  groups (advantage-weighted log-likelihood), not on-policy GRPO: with --num-iterations 1 the PPO ratio is exactly 1
-  at every step and the clip never binds; with more iterations it binds against the policy's own previous step.
-  Cheap (no LVLM calls) and a fair warm-up, but it cannot learn about sequences nobody scored.
-- online (--online): each step samples G distinct sequences per query from the current policy at --temperature,
-  scores them with the dataset's backend (the simulator, or the LVLM that scored the data; each distinct prompt
-  once per process) and updates: real on-policy GRPO. The ratio, the KL and the entropy are those of the sampling
-  policy at that temperature (as in TRL). Queries come from all train questions held out from validation
-  (--queries train), not only the anchors. Use it whenever LVLM calls during training are affordable: on the
-  simulator it is the mode that learns most (README, "What moves the learning").
-
-Defaults differ by mode where the README's ablation says they should: offline 10 epochs at lr 1e-4, reward
-hard_plus_soft, beta 0.1; online 30 epochs at lr 1e-3, reward hard_plus_gtprob (gt_prob grades every group: with
-0/1 correctness most groups tie), beta 0.3.
+Offline (default), the groups are the scored sequences of rl_data.jsonl, drawn by gen_rl_data.py and not by the
+policy, with no importance weight: a reward-weighted policy gradient on fixed groups, cheap (no LVLM calls) but blind
+to sequences nobody scored; with --num-iterations 1 the clip never binds. Online (--online), each step samples G
+distinct sequences per query from the current policy at --temperature and scores them with the dataset's backend:
+on-policy GRPO, the mode that learns most wherever LVLM calls during training are affordable. Defaults differ by
+mode (MODE_DEFAULTS; docs/ablations.md measures them).
 
 Usage:
     python grpo.py --kl-beta 0.1 --no-rank-advantage         # offline, init runs/rce -> runs/grpo-kl0.1
@@ -40,7 +21,9 @@ Usage:
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Literal
@@ -49,25 +32,37 @@ import torch
 from torch import Tensor
 
 from backends import ScoreCache, open_backend
-from checkpoints import load_selector
+from checkpoints import load_checkpoint, load_selector, prune_checkpoints, save_checkpoint
 from cli import alias, default_is, help_first, run_cli
-from data import Dataset, RewardMode, compute_reward
+from data import Dataset, RewardMode, compute_reward, load_dataset
 from model import PointerSelector, exact_kl, group_advantages, k3_kl, ppo_clip_loss, reward_spread, slices
 from pools import first_distinct, query_pools
 from training import (
     Batch,
-    Loop,
+    EpochMeans,
     Split,
     TrainArgs,
-    adamw,
     check_train_args,
-    clipped_step,
     greedy_picks,
+    log_line,
+    lr_factor,
     make_batch,
-    open_run,
-    run_training,
+    new_loop,
+    open_log,
+    prepare_out,
+    progress,
+    run_folder,
+    selection_metric,
+    split_queries,
     steps_per_epoch,
+    stop_if_diverged,
+    validate,
+    validation_backend,
+    write_config,
 )
+
+# What moves in GRPO, on the progress bar and the epoch line (the loss is ~beta * KL: the PPO term is ~0 at ratio 1).
+SHOWN = ("grpo/reward_mean", "grpo/kl_ref", "grpo/entropy")
 
 
 @help_first("init", "data", "out", "online", "kl_beta")
@@ -196,14 +191,10 @@ def kl_grad_share(params: list[torch.nn.Parameter], ppo: Tensor, kl_term: Tensor
 
 @torch.no_grad()
 def reference_dists(ref: PointerSelector, ds: Dataset, split: Split, batch_size: int) -> Tensor:
-    """The frozen reference policy's per-step distributions over every training query's scored group, (Q, G, S, K)
-    (zeros for the validation queries), computed once per run: offline groups never change, and neither do these,
-    so every step reads them instead of running the reference again (Lever-Plus caches its reference the same way).
-    13 MB at 800 queries x 16 x 4 x 64.
+    """The frozen reference's per-step distributions over every training query's scored group, (Q, G, S, K) (zeros
+    for the validation queries), computed once per run: offline groups never change, so neither do these.
 
-    They are computed in fixed `slices` of the training queries, so a resumed run recomputes the very same bits; each
-    row's bits are those of any training batch of at least MIN_SLICE queries (a smaller last batch of an epoch used
-    to get other roundings from its own small products)."""
+    They are computed in fixed `slices` of the training queries, so a resumed run recomputes the very same bits."""
     g = ds.groups
     out = torch.zeros(len(g), g.seqs.shape[1], ds.seq_len, g.pools.shape[1])  # (Q, G, S, K)
     for part in slices(len(split.train), batch_size):
@@ -213,142 +204,194 @@ def reference_dists(ref: PointerSelector, ds: Dataset, split: Split, batch_size:
     return out
 
 
+def sample_and_score(
+    policy: PointerSelector, scorer: ScoreCache, ds: Dataset, rows: Tensor, pool: Tensor, args: Args, gen
+) -> Batch:
+    """Online groups: G distinct sequences per query sampled from the current policy, scored by the backend.
+    rows (B,) train questions, pool (B, K) their candidates (train rows, -1 = padding)."""
+    S, G = ds.seq_len, args.group_size
+    emb = ds.emb["train"]
+    query, pool_emb, pool_mask = emb[rows], emb[pool.clamp_min(0)], pool >= 0  # (B, d), (B, K, d), (B, K)
+    cand, _ = policy.sample(query, pool_emb, pool_mask, S, 2 * G, gen, args.temperature)  # (B, 2G, S)
+    order, ok = first_distinct(cand, G)  # (B, G) the first G distinct of 2G samples
+    seqs = cand.gather(1, order[..., None].expand(-1, -1, S)).masked_fill(~ok[..., None], -1)  # (B, G, S)
+    prompt = policy.cfg.to_prompt(seqs.clamp_min(0))  # (B, G, S)
+    icds = pool.gather(1, prompt.flatten(1)).view(-1, S)  # (B*G, S) train rows, prompt order
+    fields = scorer.score("train", rows.repeat_interleave(G), icds)
+    reward = compute_reward({k: v.view(len(rows), -1) for k, v in fields.items()}, args).where(ok, 0.0)  # (B, G)
+    return Batch(query, pool_emb, pool_mask, seqs, ok, reward)
+
+
+def selection_change(policy: PointerSelector, ds: Dataset, split: Split, ref_greedy: Tensor) -> float:
+    """Share of validation anchors whose greedy picks differ from the reference's, ref_greedy (V, S)."""
+    return (greedy_picks(policy, ds, split.val) != ref_greedy).any(-1).double().mean().item()
+
+
 def main(args: Args) -> None:
     args = resolve(args)
     check_args(args)
-    run = open_run(args, args.out or default_out(args))
-    ds, split, backend = run.ds, run.split, run.backend
-    # online groups are scored by the dataset's backend (the simulator, or the LVLM that scored the data), through
-    # the same score cache as validation
-    scorer = (backend or ScoreCache(open_backend(ds.meta, ds.items, ds.emb))) if args.online else None
-    policy = load_selector(args.init)
-    if policy.cfg.dim != ds.emb["train"].shape[1]:
-        raise ValueError(
-            f"--init {args.init}: selector expects {policy.cfg.dim}-d embeddings, the data has "
-            f"{ds.emb['train'].shape[1]}"
-        )
-    ref = copy.deepcopy(policy).eval().requires_grad_(False)
-    if args.freeze_backbone:
-        for p in policy.backbone_parameters():
-            p.requires_grad_(False)
-    params = [p for p in policy.parameters() if p.requires_grad]
-    opt = adamw(params, args.lr, args.weight_decay)
-    ref_greedy = greedy_picks(ref, ds, split.val)
-    ref_cache = None if args.online else reference_dists(ref, ds, split, args.batch_size)  # (Q, G, S, K)
-    sampler = torch.Generator().manual_seed(args.seed + 2)
+    out = args.out or default_out(args)
+
+    # data and split
+    ds = load_dataset(args.data, args.allow_truncated)
+    split = split_queries(ds, args)
     S = ds.seq_len
-    # Online groups are drawn at --temperature: the ratio, the KL and the entropy are those of that sampling policy
-    # (as in TRL). Offline groups were not drawn from the policy at all, so the plain policy is used.
-    temp = args.temperature if args.online else 1.0
-    epoch_steps = steps_per_epoch(split, args.batch_size)
-
+    steps = steps_per_epoch(split, args.batch_size)
+    total = args.epochs * steps
+    backend = validation_backend(ds, args)  # answers the validation anchors' greedy picks, where it can
+    metric = selection_metric(backend)
+    cap = None if ds.is_sim else args.val_max_queries
+    # Online queries: any train question whose image is no validation anchor's, so validation stays held out.
     image_ids = {"train": torch.tensor([it["image_id"] for it in ds.items["train"]])}
-    # Online queries never share an image with a validation anchor, so validation stays held out.
     eligible = (~torch.isin(image_ids["train"], image_ids["train"][ds.groups.queries[split.val]])).nonzero()[:, 0]
-    draws = torch.Generator().manual_seed(args.seed + 3)
 
-    def online_batch(idx: Tensor) -> Batch:
-        """Sample G distinct sequences per query from the current policy and score them (cached). With --queries
-        train, the len(idx) queries are drawn from `eligible` (uniformly, with replacement) with fresh pools."""
-        if args.queries == "anchors":
-            rows, pool = ds.groups.queries[idx], ds.groups.pools[idx]  # (B,), (B, K)
-        else:
-            rows = eligible[torch.randint(len(eligible), (len(idx),), generator=draws)]  # (B,)
-            pool = query_pools(
-                ds.meta["sampler"], ds.groups.pools.shape[1], ds.emb, image_ids, "train", rows, rows, draws
+    with run_folder(out):
+        resume_from = prepare_out(out, args, ds)  # the last checkpoint of this very run, if a re-run continues it
+        torch.manual_seed(args.seed)
+        # online groups are scored by the dataset's backend, through the same cache as validation
+        scorer = (backend or ScoreCache(open_backend(ds.meta, ds.items, ds.emb))) if args.online else None
+
+        # policy, frozen reference and optimizer
+        policy = load_selector(args.init)
+        if policy.cfg.dim != ds.emb["train"].shape[1]:
+            raise ValueError(
+                f"--init {args.init}: selector expects {policy.cfg.dim}-d embeddings, the data has "
+                f"{ds.emb['train'].shape[1]}"
             )
-        emb = ds.emb["train"]
-        query, pool_emb, pool_mask = emb[rows], emb[pool.clamp_min(0)], pool >= 0  # (B, d), (B, K, d), (B, K)
-        cand, _ = policy.sample(query, pool_emb, pool_mask, S, 2 * args.group_size, sampler, args.temperature)
-        order, ok = first_distinct(cand, args.group_size)  # (B, G) first G distinct of 2G samples
-        seqs = cand.gather(1, order[..., None].expand(-1, -1, S)).masked_fill(~ok[..., None], -1)  # (B, G, S)
-        prompt = policy.cfg.to_prompt(seqs.clamp_min(0))  # (B, G, S)
-        icds = pool.gather(1, prompt.flatten(1)).view(-1, S)  # (B*G, S) train rows, prompt order
-        fields = scorer.score("train", rows.repeat_interleave(args.group_size), icds)
-        reward = compute_reward({k: v.view(len(idx), -1) for k, v in fields.items()}, args).where(ok, 0.0)
-        return Batch(query, pool_emb, pool_mask, seqs, ok, reward)
+        ref = copy.deepcopy(policy).eval().requires_grad_(False)
+        if args.freeze_backbone:
+            for p in policy.backbone_parameters():
+                p.requires_grad_(False)
+        params = [p for p in policy.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+        ref_greedy = greedy_picks(ref, ds, split.val)  # (V, S): selection change is measured against these
+        ref_cache = None if args.online else reference_dists(ref, ds, split, args.batch_size)  # (Q, G, S, K)
+        # Online groups are drawn at --temperature, so the ratio, the KL and the entropy are those of that sampling
+        # policy (as in TRL); offline groups were not drawn from the policy at all, so the plain policy is used.
+        temp = args.temperature if args.online else 1.0
 
-    def step(idx: Tensor, step: int, state: dict) -> dict[str, float]:
-        policy.eval()  # sampling and every log-prob (new, old, reference) without dropout: the ratio starts at 1
-        b = online_batch(idx) if args.online else make_batch(ds, idx, split.reward, policy.cfg)
-        m = b.seq_mask
-        adv = group_advantages(b.reward, m, args.scale_rewards, args.rank_advantage).float()  # (B, G)
-        step_mask = m[..., None].expand(-1, -1, S)  # (B, G, S)
-        if ref_cache is not None:
-            ref_dist = ref_cache[idx]  # (B, G, S, K)
+        # resume
+        sampler = torch.Generator().manual_seed(args.seed + 2)
+        draws = torch.Generator().manual_seed(args.seed + 3)
+        rngs = {"shuffle": torch.Generator().manual_seed(args.seed + 1), "sampler": sampler, "queries": draws}
+        loop = new_loop({"beta": args.kl_beta})  # beta moves only with --kl-target
+        if resume_from is not None:
+            loop = load_checkpoint(resume_from, policy, opt, rngs)
         else:
-            with torch.no_grad():
-                ref_dist = ref(b.query, b.pool, b.pool_mask, b.seqs, m, True, temp).log_dist  # (B, G, S, K)
-        beta = state["beta"]  # --kl-beta, or where --kl-target has moved it (saved in checkpoints)
-        last_of_epoch = (step + 1) % epoch_steps == 0
-        old = None
-        for _ in range(args.num_iterations):
-            cur = policy(b.query, b.pool, b.pool_mask, b.seqs, m, True, temp)
-            logp = cur.logp.sum(-1)  # (B, G)
-            old = logp.detach() if old is None else old  # the policy before this batch's updates: ratio starts at 1
-            ppo, st = ppo_clip_loss(logp, old, adv, m, args.epsilon, args.epsilon_high)
-            kl = exact_kl(cur.log_dist, ref_dist, step_mask)[m].mean()
-            loss = ppo + beta * kl
-            opt.zero_grad(set_to_none=True)
-            # Two extra backward passes: measured once per epoch, at its last step, where the policy has left the
-            # reference (at an epoch's first step the KL gradient is still 0 in epoch 1).
-            extra = {"grpo/kl_grad_share": kl_grad_share(params, ppo, beta * kl)} if last_of_epoch else {}
-            loss.backward()
-            norm = clipped_step(opt, params, args.grad_clip)
-        if last_of_epoch:  # how far one batch's updates move the policy, KL(old || new); a forward more
-            with torch.no_grad():
-                new = policy(b.query, b.pool, b.pool_mask, b.seqs, m, temperature=temp).logp.sum(-1)
-            extra["grpo/approx_kl_old"] = k3_kl(old, new, m).item()
-        r = b.reward[m]
-        zero_std = (reward_spread(b.reward, m) == 0)[m.any(-1)]
-        if args.kl_target is not None:  # adaptive beta only on explicit request; then every step is logged
-            state["beta"] = (
-                beta * 1.5
-                if kl.item() > 1.5 * args.kl_target
-                else (beta / 1.5 if kl.item() < args.kl_target / 1.5 else beta)
-            )
-        return {
-            "train/loss": loss.item(),
-            "grpo/ppo_loss": ppo.item(),
-            "grpo/kl_ref": kl.item(),
-            "grpo/kl_share": (beta * kl.abs() / (ppo.abs() + beta * kl.abs() + 1e-12)).item(),
-            "grpo/clip_frac_low": float(st["clip_frac_low"]),
-            "grpo/clip_frac_high": float(st["clip_frac_high"]),
-            "grpo/ratio_mean": float(st["ratio_mean"]),
-            "grpo/entropy": cur.entropy[step_mask].mean().item(),
-            "train/grad_norm": norm,
-            "grpo/beta": beta,
-            "grpo/reward_mean": r.mean().item(),
-            "grpo/reward_std": r.std(correction=0).item(),
-            "grpo/zero_std_frac": zero_std.double().mean().item(),
-            "grpo/adv_std": adv[m].std(correction=0).item(),
-            "grpo/adv_abs_max": adv[m].abs().max().item(),
-            "grpo/group_size": m.sum(-1).double().mean().item(),
-            **extra,
-        }
+            write_config(out, args, ds, split, {"out": str(out)})
 
-    def selection_change() -> dict[str, float]:
-        changed = (greedy_picks(policy, ds, split.val) != ref_greedy).any(-1)
-        return {"grpo/selection_change": changed.double().mean().item()}
+        with contextlib.closing(open_log(out, args, loop, resume_from is not None)) as log:
+            if resume_from is None:  # epoch 0 = the initial policy, the start of every curve
+                record = {"phase": "grpo", "epoch": 0, "step": 0, **validate(policy, ds, split, backend, cap)}
+                log.write({**record, "grpo/selection_change": selection_change(policy, ds, split, ref_greedy)})
+            for epoch in range(loop["epoch"] + 1, args.epochs + 1):
+                order = split.train[torch.randperm(len(split.train), generator=rngs["shuffle"])]
+                means = EpochMeans()
+                bar = progress(out, epoch, args.epochs, steps)
+                for i in bar:
+                    idx = order[i * args.batch_size : (i + 1) * args.batch_size]
+                    for group in opt.param_groups:  # a function of the step alone, so a resumed run follows it
+                        group["lr"] = args.lr * lr_factor(args.lr_schedule, loop["step"], total)
+                    last_of_epoch = i == steps - 1
 
-    loop = Loop(
-        args=args,
-        start=run,
-        model=policy,
-        opt=opt,
-        phase="grpo",
-        step=step,
-        state={"beta": args.kl_beta},
-        rngs={"sampler": sampler, "queries": draws},
-        epoch_extra=selection_change,
-        check=lambda record: warnings_for(record, S),
-        # The loss value is ~beta * KL (centred advantages give a PPO term near 0 at ratio 1): show what moves.
-        postfix=("grpo/reward_mean", "grpo/kl_ref", "grpo/entropy"),
-        log_steps=args.kl_target is not None,
-        diverged_hint="try a lower --lr or a larger --kl-beta",
-        config_extra={"out": str(run.out)},
-    )
-    run_training(loop)
+                    # the batch's groups, their advantages and the reference's distributions
+                    policy.eval()  # sampling and every log-prob (new, old, reference) without dropout
+                    if not args.online:
+                        b = make_batch(ds, idx, split.reward, policy.cfg)
+                    elif args.queries == "anchors":
+                        b = sample_and_score(
+                            policy, scorer, ds, ds.groups.queries[idx], ds.groups.pools[idx], args, sampler
+                        )
+                    else:  # as many questions as the batch has anchors, with replacement, each with a fresh pool
+                        rows = eligible[torch.randint(len(eligible), (len(idx),), generator=draws)]  # (B,)
+                        K = ds.groups.pools.shape[1]
+                        pool = query_pools(ds.meta["sampler"], K, ds.emb, image_ids, "train", rows, rows, draws)
+                        b = sample_and_score(policy, scorer, ds, rows, pool, args, sampler)
+                    m = b.seq_mask  # (B, G)
+                    adv = group_advantages(b.reward, m, args.scale_rewards, args.rank_advantage).float()  # (B, G)
+                    step_mask = m[..., None].expand(-1, -1, S)  # (B, G, S)
+                    if ref_cache is not None:
+                        ref_dist = ref_cache[idx]  # (B, G, S, K)
+                    else:
+                        with torch.no_grad():
+                            ref_dist = ref(b.query, b.pool, b.pool_mask, b.seqs, m, True, temp).log_dist
+
+                    # --num-iterations updates against the policy as it was before this batch
+                    beta = loop["state"]["beta"]
+                    old, extra = None, {}
+                    for _ in range(args.num_iterations):
+                        cur = policy(b.query, b.pool, b.pool_mask, b.seqs, m, True, temp)
+                        logp = cur.logp.sum(-1)  # (B, G)
+                        old = logp.detach() if old is None else old
+                        ppo, st = ppo_clip_loss(logp, old, adv, m, args.epsilon, args.epsilon_high)
+                        kl = exact_kl(cur.log_dist, ref_dist, step_mask)[m].mean()
+                        loss = ppo + beta * kl
+                        opt.zero_grad(set_to_none=True)
+                        if last_of_epoch:  # once per epoch, where the policy has left the reference
+                            extra["grpo/kl_grad_share"] = kl_grad_share(params, ppo, beta * kl)
+                        loss.backward()
+                        norm = float(torch.nn.utils.clip_grad_norm_(params, args.grad_clip or math.inf))
+                        if math.isfinite(norm):  # a NaN/inf gradient skips the step; the run stops just below
+                            opt.step()
+                    if last_of_epoch:  # how far one batch's updates moved the policy, KL(old || new)
+                        with torch.no_grad():
+                            new = policy(b.query, b.pool, b.pool_mask, b.seqs, m, temperature=temp).logp.sum(-1)
+                        extra["grpo/approx_kl_old"] = k3_kl(old, new, m).item()
+                    if args.kl_target is not None:  # adaptive beta, only on request
+                        if kl.item() > 1.5 * args.kl_target:
+                            loop["state"]["beta"] = beta * 1.5
+                        elif kl.item() < args.kl_target / 1.5:
+                            loop["state"]["beta"] = beta / 1.5
+
+                    loop["step"] += 1
+                    r = b.reward[m]
+                    metrics = {
+                        "train/loss": loss.item(),
+                        "grpo/ppo_loss": ppo.item(),
+                        "grpo/kl_ref": kl.item(),
+                        "grpo/clip_frac_low": float(st["clip_frac_low"]),
+                        "grpo/clip_frac_high": float(st["clip_frac_high"]),
+                        "grpo/ratio_mean": float(st["ratio_mean"]),
+                        "grpo/entropy": cur.entropy[step_mask].mean().item(),
+                        "train/grad_norm": norm,
+                        "grpo/beta": beta,
+                        "grpo/reward_mean": r.mean().item(),
+                        "grpo/reward_std": r.std(correction=0).item(),
+                        "grpo/zero_std_frac": (reward_spread(b.reward, m) == 0)[m.any(-1)].double().mean().item(),
+                        "grpo/adv_std": adv[m].std(correction=0).item(),
+                        "grpo/adv_abs_max": adv[m].abs().max().item(),
+                        "grpo/group_size": m.sum(-1).double().mean().item(),
+                        **extra,
+                    }
+                    if args.kl_target is not None:  # beta moves every step: log every step
+                        log.write({"phase": "grpo", "kind": "step", "epoch": epoch, "step": loop["step"], **metrics})
+                    stop_if_diverged(
+                        metrics, "grpo", epoch, loop["step"], out, "try a lower --lr or a larger --kl-beta"
+                    )
+                    means.add(metrics)
+                    bar.set_postfix_str(log_line(metrics, SHOWN), refresh=False)  # drawn at the bar's next redraw
+                bar.close()
+
+                # validation, best and checkpoint
+                record = {"phase": "grpo", "epoch": epoch, "step": loop["step"], **means.result()}
+                record.update(validate(policy, ds, split, backend, cap))  # sets eval mode, as selection_change needs
+                record["grpo/selection_change"] = selection_change(policy, ds, split, ref_greedy)
+                warnings = warnings_for(record, S)
+                if warnings:
+                    record["warnings"] = warnings
+                if record[metric] > loop["best"]:  # epoch 0 is no candidate: see training.selection_metric
+                    loop["best"], loop["best_epoch"] = record[metric], epoch
+                    policy.save(out)
+                record["best_epoch"] = loop["best_epoch"]
+                loop["epoch"] = epoch
+                log.write(record)  # before the checkpoint: a resume from epoch - 1 drops this line again
+                save_checkpoint(out, epoch, policy, opt, rngs, loop)
+                prune_checkpoints(out, args.keep_every, loop["best_epoch"])
+                summary = log_line(record, (*SHOWN, "val/reward", "val/acc"))
+                print(
+                    f"{out.name} epoch {epoch}: {summary}" + "".join(f"\n  warning: {w}" for w in warnings), flush=True
+                )
+    print(f"best epoch {loop['best_epoch']} ({metric} {loop['best']:.4f}) -> {out}/model.safetensors")
 
 
 if __name__ == "__main__":

@@ -35,28 +35,29 @@ from files import atomic_write_text, read_tensors, save_tensors
 PickOrder = Literal["prompt", "nearest_first"]
 
 
-@dataclass(frozen=True)
+@dataclass
 class SelectorConfig:
-    """Architecture of the pointer selector (saved beside its weights as model.json)."""
+    """Architecture of the pointer selector, saved beside its weights as model.json; rce.py's flags for a fresh
+    selector."""
 
     dim: int = 512
     """Input embedding size (CLIP ViT-B/32 fused image+question vectors are 512-d)."""
     hidden: int = 256
     """Width of the projected query/candidate space."""
     num_layers: int = 1
-    """Cross-attention layers (query attends over its pool)."""
+    """Cross-attention layers (the query attends over its pool)."""
     num_heads: int = 4
     """Attention heads; must divide `hidden`."""
     dropout: float = 0.1
     """Dropout after attention and on the projected features (train mode only)."""
     temperature: float = 0.1
-    """Scores are cosine / temperature."""
-    pick_order: PickOrder = "prompt"
-    """How the picks become a prompt. "prompt": pick t is the t-th demonstration, so the last pick sits next to the
-    query (Lever-Plus). "nearest_first": the first pick sits next to the query (the prompt lists the picks in
-    reverse), so the best pick of a greedy decode lands where an LVLM with a recency bias weighs it most, and the
-    k-shot prompt made of the first k picks keeps it there for every k. Decoders return picks in pick order;
-    convert with `to_prompt` / `from_prompt` wherever picks meet scored data or the LVLM."""
+    """Scores are cosine / temperature: how sharp the selector's distribution over its pool is."""
+    pick_order: PickOrder = "nearest_first"
+    """How the picks become a prompt. nearest_first: the first pick sits next to the query (the prompt lists the
+    picks in reverse), so the best pick of a greedy decode lands where an LVLM weighs it most and the k-shot prompt
+    of the first k picks keeps it there for every k. prompt: pick t is the t-th demonstration (Lever-Plus).
+    Decoders return picks in pick order; `to_prompt` / `from_prompt` convert wherever picks meet scored data or
+    the LVLM."""
 
     def __post_init__(self):
         if self.hidden % self.num_heads:

@@ -1,18 +1,11 @@
 """Stage 2: reward-weighted cross-entropy (RCE) warm-up of the pointer selector.
 
-Loss per query: sum_i w_i * (-log pi(seq_i)) over its group of scored sequences, w = softmax(reward / tau) over
-the group's valid sequences, tau annealed linearly from --temp-start to --temp-end over all steps. `--top1` is
-plain cross-entropy on each group's best sequence (a supervised baseline).
-
-Departures from Lever-Plus's trainer, each measured on the simulator (README, "What moves the learning"):
-- only groups whose rewards differ are trained on (--quality varied). In a group where every sequence scored the
-  same, softmax(reward / tau) is uniform and its cross-entropy pulls the selector towards the uniform policy over
-  random sequences; with 60% of the groups tied, that pull dominated and the warm-up barely moved from its init;
-- a fresh selector reads its picks nearest-first (model.json pick_order): the first pick sits next to the query,
-  so the greedy decode's best pick stays there in every k-shot prompt (k-shot = the first k picks);
-- the best epoch is chosen by the true accuracy of the greedy picks on held-out anchor queries when the backend
-  can answer them (always on the simulator; --val-lvlm on real data), else by validation reward; never by the RCE
-  loss, never on the evaluation questions.
+Loss per query: sum_i w_i * (-log pi(seq_i)) over its group of scored sequences, w = softmax(reward / tau) over the
+group's valid sequences, tau annealed linearly from --temp-start to --temp-end over all steps. `--top1` is plain
+cross-entropy on each group's best sequence (a supervised baseline). Training queries are those whose rewards differ
+(--quality varied): in an all-equal group softmax(reward / tau) is uniform, and its cross-entropy pulls the selector
+towards the uniform policy without saying which demonstrations help. The best epoch is chosen on held-out anchor
+queries (training.selection_metric); docs/design.md says why each choice differs from Lever-Plus.
 
 Usage:
     python rce.py                                  # data/sim -> runs/rce
@@ -22,33 +15,50 @@ Usage:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+import math
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Annotated
 
 import torch
+import tyro
 from torch import Tensor
 
-from checkpoints import load_selector
+from checkpoints import load_checkpoint, load_selector, prune_checkpoints, save_checkpoint
 from cli import alias, help_first, run_cli
-from data import Quality
-from model import PickOrder, PointerSelector, SelectorConfig, rce_weights
+from data import Quality, load_dataset
+from model import PointerSelector, SelectorConfig, rce_weights
 from training import (
-    Loop,
+    EpochMeans,
     TrainArgs,
-    adamw,
     check_train_args,
-    clipped_step,
+    log_line,
+    lr_factor,
     make_batch,
-    open_run,
-    run_training,
+    new_loop,
+    open_log,
+    prepare_out,
+    progress,
+    run_folder,
+    selection_metric,
+    split_queries,
     steps_per_epoch,
+    stop_if_diverged,
+    validate,
+    validation_backend,
+    write_config,
 )
+
+SHOWN = ("train/loss", "train/tau")  # on the progress bar and the epoch line
 
 
 @help_first("data", "out")
 @dataclass
-class Args(TrainArgs):
+class Args(TrainArgs, SelectorConfig):
+    """The selector's settings (--hidden, --num-layers, --num-heads, --dropout, --temperature, --pick-order) shape a
+    fresh selector; --init starts from a trained one instead."""
+
     out: Annotated[Path, alias("--output-dir")] = Path("runs/rce")
     """Run folder."""
     temp_start: float = 2.0
@@ -56,24 +66,14 @@ class Args(TrainArgs):
     temp_end: float = 0.5
     """RCE temperature at the last step (linear annealing)."""
     quality: Quality = "varied"
-    """Training queries: varied (default) = those whose scored sequences do not all share one reward. In an
-    all-equal group softmax(reward / tau) is uniform, and its cross-entropy pulls the selector towards the uniform
-    policy over random sequences without saying which demonstrations help; high / medium / all as in grpo.py."""
+    """Training queries: varied (default) = those whose scored sequences do not all share one reward; high / medium /
+    all as in grpo.py."""
     top1: bool = False
     """Plain cross-entropy on each group's best sequence instead of reward weighting."""
     init: Path | None = None
     """Start from this selector (run folder or epoch checkpoint) instead of a fresh one."""
-    hidden: int = 256
-    """Selector width (fresh selectors only)."""
-    num_layers: int = 1
-    """Cross-attention layers (fresh selectors only)."""
-    num_heads: int = 4
-    """Attention heads (fresh selectors only)."""
-    dropout: float = 0.1
-    """Dropout during RCE training (fresh selectors only)."""
-    pick_order: PickOrder = "nearest_first"
-    """Fresh selectors: nearest_first = the first pick sits next to the query (prompt = picks reversed), so every
-    k-shot prefix of a greedy decode keeps the best pick next to the query; prompt = picks in prompt order."""
+    dim: tyro.conf.Suppress[int] = 0
+    """Not a flag: a fresh selector takes the data's embedding size."""
 
     def fixed_length_reason(self) -> str | None:
         return "RCE anneals tau over all steps of the run"
@@ -89,38 +89,82 @@ def main(args: Args) -> None:
     check_train_args(args)
     if args.temp_start <= 0 or args.temp_end <= 0:
         raise ValueError("--temp-start and --temp-end must be > 0")
-    run = open_run(args, args.out)
-    ds, split = run.ds, run.split
-    if args.init is not None:
-        model = load_selector(args.init)
-    else:
-        cfg = SelectorConfig(
-            dim=ds.emb["train"].shape[1],
-            hidden=args.hidden,
-            num_layers=args.num_layers,
-            num_heads=args.num_heads,
-            dropout=args.dropout,
-            pick_order=args.pick_order,
-        )
-        model = PointerSelector(cfg)
-    opt = adamw(model.parameters(), args.lr, args.weight_decay)
-    total = args.epochs * steps_per_epoch(split, args.batch_size)
+    out = args.out
 
-    def step(idx: Tensor, step: int, state: dict) -> dict[str, float]:
-        model.train()  # dropout on: the warm-up is plain supervised learning
-        tau = args.temp_start + (args.temp_end - args.temp_start) * step / max(total - 1, 1)
-        b = make_batch(ds, idx, split.reward, model.cfg)
-        logp = model.log_probs(b.query, b.pool, b.pool_mask, b.seqs, b.seq_mask).sum(-1)  # (B, G)
-        w = top1_weights(b.reward, b.seq_mask) if args.top1 else rce_weights(b.reward, b.seq_mask, tau)  # (B, G)
-        loss = -(w.to(logp.dtype) * logp).sum(-1).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        norm = clipped_step(opt, list(model.parameters()), args.grad_clip)
-        return {"train/loss": loss.item(), "train/tau": tau, "train/grad_norm": norm}
+    # data and split
+    ds = load_dataset(args.data, args.allow_truncated)
+    split = split_queries(ds, args)
+    steps = steps_per_epoch(split, args.batch_size)
+    total = args.epochs * steps
+    backend = validation_backend(ds, args)  # answers the validation anchors' greedy picks, where it can
+    metric = selection_metric(backend)
+    cap = None if ds.is_sim else args.val_max_queries
 
-    run_training(
-        Loop(args=args, start=run, model=model, opt=opt, phase="rce", step=step, postfix=("train/loss", "train/tau"))
-    )
+    with run_folder(out):
+        resume_from = prepare_out(out, args, ds)  # the last checkpoint of this very run, if a re-run continues it
+
+        # model and optimizer
+        torch.manual_seed(args.seed)
+        if args.init is not None:
+            model = load_selector(args.init)
+        else:
+            settings = {f.name: getattr(args, f.name) for f in fields(SelectorConfig)}
+            model = PointerSelector(SelectorConfig(**{**settings, "dim": ds.emb["train"].shape[1]}))
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+
+        # resume
+        rngs = {"shuffle": torch.Generator().manual_seed(args.seed + 1)}
+        loop = new_loop()
+        if resume_from is not None:
+            loop = load_checkpoint(resume_from, model, opt, rngs)
+        else:
+            write_config(out, args, ds, split)
+
+        with contextlib.closing(open_log(out, args, loop, resume_from is not None)) as log:
+            if resume_from is None:  # epoch 0 = the initial selector, the start of every curve
+                log.write({"phase": "rce", "epoch": 0, "step": 0, **validate(model, ds, split, backend, cap)})
+            for epoch in range(loop["epoch"] + 1, args.epochs + 1):
+                order = split.train[torch.randperm(len(split.train), generator=rngs["shuffle"])]
+                means = EpochMeans()
+                bar = progress(out, epoch, args.epochs, steps)
+                for i in bar:
+                    idx = order[i * args.batch_size : (i + 1) * args.batch_size]
+                    step = loop["step"]
+                    for group in opt.param_groups:  # a function of the step alone, so a resumed run follows it
+                        group["lr"] = args.lr * lr_factor(args.lr_schedule, step, total)
+                    tau = args.temp_start + (args.temp_end - args.temp_start) * step / max(total - 1, 1)
+
+                    model.train()  # dropout on: the warm-up is plain supervised learning
+                    b = make_batch(ds, idx, split.reward, model.cfg)
+                    logp = model.log_probs(b.query, b.pool, b.pool_mask, b.seqs, b.seq_mask).sum(-1)  # (B, G)
+                    w = top1_weights(b.reward, b.seq_mask) if args.top1 else rce_weights(b.reward, b.seq_mask, tau)
+                    loss = -(w.to(logp.dtype) * logp).sum(-1).mean()
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf))
+                    if math.isfinite(norm):  # a NaN/inf gradient skips the step; the run stops just below
+                        opt.step()
+
+                    loop["step"] += 1
+                    m = {"train/loss": loss.item(), "train/tau": tau, "train/grad_norm": norm}
+                    stop_if_diverged(m, "rce", epoch, loop["step"], out, "try a lower --lr")
+                    means.add(m)
+                    bar.set_postfix_str(log_line(m, SHOWN), refresh=False)  # drawn at the bar's next timed redraw
+                bar.close()
+
+                # validation, best and checkpoint
+                record = {"phase": "rce", "epoch": epoch, "step": loop["step"], **means.result()}
+                record.update(validate(model, ds, split, backend, cap))
+                if record[metric] > loop["best"]:  # epoch 0 is no candidate: see training.selection_metric
+                    loop["best"], loop["best_epoch"] = record[metric], epoch
+                    model.save(out)
+                record["best_epoch"] = loop["best_epoch"]
+                loop["epoch"] = epoch
+                log.write(record)  # before the checkpoint: a resume from epoch - 1 drops this line again
+                save_checkpoint(out, epoch, model, opt, rngs, loop)
+                prune_checkpoints(out, args.keep_every, loop["best_epoch"])
+                print(f"{out.name} epoch {epoch}: {log_line(record, (*SHOWN, 'val/reward', 'val/acc'))}", flush=True)
+    print(f"best epoch {loop['best_epoch']} ({metric} {loop['best']:.4f}) -> {out}/model.safetensors")
 
 
 if __name__ == "__main__":

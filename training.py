@@ -1,24 +1,22 @@
-"""What rce.py and grpo.py share: arguments, run folders, batches, validation, checkpoints with exact resume.
+"""What rce.py and grpo.py share: flags, the train/validation split, batches, validation, run folders, metrics log.
 
-Run folder: config.json, metrics.jsonl (one flushed JSON object per logged epoch), ckpt/epoch_NNN.safetensors (model
-+ optimizer + RNG state + loop state, so re-running an interrupted command ends bit-identical to an uninterrupted
-run), and model.safetensors + model.json = the best trained epoch by the true accuracy of its greedy picks on
-held-out anchor queries when the backend can answer them (else by validation reward).
-Every file is written to a temporary name and renamed, so a killed run never leaves a half-written file.
+The training loops themselves live in rce.py and grpo.py, top to bottom. A run folder holds config.json,
+metrics.jsonl (one flushed JSON object per logged epoch), ckpt/epoch_NNN.safetensors (checkpoints.py: model,
+optimizer, RNG and loop state, so a re-run of an interrupted command ends bit-identical to an uninterrupted run) and
+model.safetensors + model.json, the best trained epoch on held-out anchor queries. Every file is written to a
+temporary name and renamed, so a killed run never leaves a half-written file.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import inspect
 import json
 import math
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from pathlib import Path
 from typing import Annotated, Literal
@@ -27,22 +25,12 @@ import torch
 from torch import Tensor
 
 from backends import ScoreCache, open_backend
-from checkpoints import (
-    checkpoint_meta,
-    last_checkpoint,
-    load_checkpoint,
-    prune_checkpoints,
-    save_checkpoint,
-)
+from checkpoints import checkpoint_meta, last_checkpoint
 from cli import PATH_ARGS, SIDE_ARGS, CpuArgs, alias
-from data import DEFAULT_DATA, Dataset, Quality, RewardArgs, compute_reward, data_digest, filter_queries, load_dataset
+from data import DEFAULT_DATA, Dataset, Quality, RewardArgs, compute_reward, data_digest, filter_queries
 from files import atomic_write_text, read_json, read_jsonl
 from locks import exclusive
-from model import (
-    PointerSelector,
-    SelectorConfig,
-    reward_spread,
-)
+from model import PointerSelector, SelectorConfig, reward_spread
 from tracking import ReportTo, check_installed, open_tracker
 
 
@@ -84,8 +72,6 @@ class TrainArgs(RewardArgs, CpuArgs):
     epoch by that accuracy. The simulator always does this (it answers instantly)."""
     val_max_queries: int = 200
     """--val-lvlm: validation anchors answered per epoch (the first N of the held-out split)."""
-    resume: bool = False
-    """Not needed any more: re-running a command continues its run (accepted so that older scripts still work)."""
     report_to: ReportTo = "none"
     """Also send every logged record to TensorBoard (<out>/tensorboard) or Weights & Biases (project icl-select),
     if that package is installed; metrics.jsonl is always written."""
@@ -201,7 +187,7 @@ def validate(model: PointerSelector, ds: Dataset, split: Split, backend=None, ma
     b = make_batch(ds, split.val, split.reward, model.cfg)
     logp = model.log_probs(b.query, b.pool, b.pool_mask, b.seqs, b.seq_mask).sum(-1)  # (B, G)
     w = logp.masked_fill(~b.seq_mask, float("-inf")).softmax(-1)
-    out = {"val/reward": float((w * b.reward).sum(-1).mean())}
+    out = {"val/reward": float((w * b.reward).sum(-1).mean()), "select_metric": selection_metric(backend)}
     if backend is not None:
         n = max_queries or len(split.val)
         picks = model.greedy(b.query[:n], b.pool[:n], b.pool_mask[:n], ds.seq_len)[0]  # (n, S) pick order
@@ -224,11 +210,13 @@ def validation_backend(ds: Dataset, args: TrainArgs) -> ScoreCache | None:
 
 
 def selection_metric(backend) -> str:
-    """True accuracy of the greedy picks when they can be answered, else the expected reward over scored data.
+    """What chooses the best epoch: the true accuracy of the greedy picks when they can be answered, else the
+    expected reward over the scored validation groups (a proxy: it rewards probability on the better *scored*
+    sequences, which need not move the greedy picks the evaluation uses). Never the loss, never test questions.
 
-    val/reward is a poor proxy: it rewards putting probability on the better *scored* sequences, which need not
-    move the greedy picks the evaluation uses (on the simulator it chose epoch 1 of online GRPO runs whose
-    accuracy kept rising for 20 epochs)."""
+    Epoch 0 (the starting weights) is logged but never a candidate: a trained start was itself chosen as the best
+    of its run on these same anchors, so its score there is biased upwards and would beat a better later epoch by
+    chance. Whether training helped is for evaluate.py and compare.py to say, with paired tests."""
     return "val/reward" if backend is None else "val/acc"
 
 
@@ -329,11 +317,6 @@ def prepare_out(out: Path, args, ds: Dataset) -> Path | None:
         "data": config["data"].get("digest"),
         "init": config.get("init_sha256"),
     }
-    if then["data"] is None:
-        raise ValueError(
-            f"{out} was started by an older icl-select that identified its data differently; "
-            "start a new run (--init can start from its checkpoint)"
-        )
     done = checkpoint_meta(ckpt)["epoch"]
     diff = sorted(k for k in now["args"] if k not in SIDE_ARGS and now["args"][k] != then["args"].get(k))
     if diff == ["epochs"]:
@@ -398,188 +381,57 @@ def lr_factor(schedule: str, step: int, total: int) -> float:
     return {"constant": 1.0, "linear": 1.0 - done, "cosine": 0.5 * (1.0 + math.cos(math.pi * done))}[schedule]
 
 
-def adamw(params, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """torch's AdamW, kept from importing torch._dynamo, which took 1.0-1.2 s of every run's start-up here.
+class EpochMeans:
+    """An epoch's metrics from its steps' metrics: the mean of each, the maximum of those named *_max."""
 
-    torch 2.13 wraps Optimizer.add_param_group, zero_grad, state_dict and load_state_dict so that torch.compile
-    leaves them alone; the wrapper imports torch._dynamo at its first call and caches what it builds on the function
-    as `__dynamo_disable`. This kit never compiles, so that cache is filled with the function itself; `clipped_step`
-    calls AdamW's own step without its compile-only wrapper. The arithmetic is torch's, unchanged."""
-    for name in ("add_param_group", "zero_grad", "state_dict", "load_state_dict"):
-        fn = inspect.unwrap(getattr(torch.optim.Optimizer, name))
-        fn.__dynamo_disable = fn
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self.maxes: dict[str, float] = {}
 
+    def add(self, metrics: dict[str, float]) -> None:
+        for k, v in metrics.items():
+            if k.endswith("_max"):
+                self.maxes[k] = max(self.maxes.get(k, -math.inf), v)
+            else:
+                self.sums[k], self.counts[k] = self.sums.get(k, 0.0) + v, self.counts.get(k, 0) + 1
 
-def clipped_step(opt: torch.optim.Optimizer, params, grad_clip: float) -> float:
-    """Clip the gradient norm and step; a NaN/inf gradient skips the step (the weights stay finite) and is
-    returned, so the loop stops before a poisoned checkpoint can be written."""
-    norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip or float("inf")))
-    if math.isfinite(norm):
-        with torch.no_grad():  # what step()'s wrapper does, besides importing torch._dynamo (see `adamw`)
-            inspect.unwrap(type(opt).step)(opt)
-    return norm
+    def result(self) -> dict[str, float]:
+        return {**{k: v / self.counts[k] for k, v in self.sums.items()}, **self.maxes}
 
 
-def is_bad(x: float) -> bool:
-    return not math.isfinite(x)
+def stop_if_diverged(metrics: dict[str, float], phase: str, epoch: int, step: int, out: Path, hint: str) -> None:
+    """One line naming the step where the loss or the gradient norm stopped being finite, and the last good
+    checkpoint (a non-finite gradient has skipped its optimizer step, so the weights are still finite)."""
+    for key, what in (("train/loss", "loss"), ("train/grad_norm", "gradient norm")):
+        if not math.isfinite(metrics.get(key, 0.0)):
+            last = last_checkpoint(out)
+            raise ValueError(
+                f"{phase}: the {what} became {metrics[key]} at epoch {epoch}, step {step}; stopping. "
+                f"The last good checkpoint is {last or 'none (no epoch finished)'}; {hint}"
+            )
 
 
 def log_line(record: dict, keys: tuple[str, ...]) -> str:
     return " ".join(f"{k.split('/')[-1]}={record[k]:.4g}" for k in keys if k in record)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# The epoch loop shared by rce.py and grpo.py
-
-
-@dataclass
-class Start:
-    """What every training stage opens with, before it builds its model (see `open_run`)."""
-
-    out: Path
-    ds: Dataset
-    split: Split
-    resume_from: Path | None  # the checkpoint a re-run continues from; None for a new run
-    backend: ScoreCache | None  # what answers the validation anchors (`validation_backend`)
-
-
-def open_run(args: TrainArgs, out: Path) -> Start:
-    """The prologue of rce.py and grpo.py: read and check the data, split it, check the run folder (resume or new),
-    open the validation backend, seed torch. Nothing is written yet."""
-    ds = load_dataset(args.data, args.allow_truncated)
-    split = split_queries(ds, args)
-    resume_from = prepare_out(out, args, ds)
-    backend = validation_backend(ds, args)
-    torch.manual_seed(args.seed)
-    return Start(out, ds, split, resume_from, backend)
-
-
-@dataclass(kw_only=True)
-class Loop:
-    """A training run for `fit`: what it trains and how its steps are logged, checked and resumed."""
-
-    args: TrainArgs
-    start: Start
-    model: PointerSelector
-    opt: torch.optim.Optimizer
-    phase: str  # "rce" | "grpo": the "phase" of every metrics record
-    step: Callable[[Tensor, int, dict], dict[str, float]]
-    """step(idx (B,) query indices, global step, state) -> float metrics including "train/loss". It sets the
-    model's mode itself (RCE trains with dropout, GRPO takes every log-prob without)."""
-    state: dict = field(default_factory=dict)
-    """Mutable loop state saved in every checkpoint and handed to `step` (e.g. GRPO's adaptive beta)."""
-    rngs: dict[str, torch.Generator] = field(default_factory=dict)
-    """Generators besides the shuffle's, saved in every checkpoint."""
-    epoch_extra: Callable[[], dict] | None = None
-    """Extra metrics per epoch (e.g. the share of validation picks that changed)."""
-    check: Callable[[dict], list[str]] | None = None
-    """Plain-words warnings about an epoch's record."""
-    postfix: tuple[str, ...] = ("train/loss",)
-    """Metrics shown on the progress bar and the epoch line."""
-    log_steps: bool = False
-    """Also write every step's metrics ("kind": "step")."""
-    diverged_hint: str = "try a lower --lr"
-    """What the message of a NaN/inf loss or gradient suggests."""
-    config_extra: dict = field(default_factory=dict)
-    """More fields for config.json."""
-
-
-def run_training(run: Loop) -> dict:
-    """Write config.json (a new run), run `fit` in the locked run folder, and say where the best epoch went."""
-    out = run.start.out
-    with run_folder(out):
-        if run.start.resume_from is None:
-            write_config(out, run.args, run.start.ds, run.start.split, run.config_extra)
-        loop = fit(run)
-    print(f"best epoch {loop['best_epoch']} ({loop['metric']} {loop['best']:.4f}) -> {out}/model.safetensors")
-    return loop
-
-
-def train_epoch(run: Loop, log: MetricsLog, loop: dict, order: Tensor, epoch: int) -> dict[str, float]:
-    """One epoch of steps over the training queries in `order`; returns the epoch's metrics: the mean of each step
-    metric, the maximum of those named *_max. Stops with one line if the loss or the gradient norm is not finite."""
+def progress(out: Path, epoch: int, epochs: int, steps: int):
     from tqdm import tqdm
 
-    args, out = run.args, run.start.out
-    steps = steps_per_epoch(run.start.split, args.batch_size)
-    sums: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    maxes: dict[str, float] = {}
-    bar = tqdm(
-        range(steps), desc=f"{out.name} epoch {epoch}/{args.epochs}", unit="step", dynamic_ncols=True, leave=False
-    )
-    for i in bar:
-        for group in run.opt.param_groups:  # a function of the step alone, so a resumed run follows it exactly
-            group["lr"] = args.lr * lr_factor(args.lr_schedule, loop["step"], args.epochs * steps)
-        m = run.step(order[i * args.batch_size : (i + 1) * args.batch_size], loop["step"], loop["state"])
-        loop["step"] += 1
-        if run.log_steps:
-            log.write({"phase": run.phase, "kind": "step", "epoch": epoch, "step": loop["step"], **m})
-        if is_bad(m["train/loss"]) or is_bad(m.get("train/grad_norm", 0.0)):
-            last = last_checkpoint(out)
-            what = "loss" if is_bad(m["train/loss"]) else "gradient norm"
-            raise ValueError(
-                f"{run.phase}: the {what} became {m['train/loss'] if what == 'loss' else m['train/grad_norm']} "
-                f"at epoch {epoch}, step {loop['step']}; stopping. "
-                f"The last good checkpoint is {last or 'none (no epoch finished)'}; {run.diverged_hint}"
-            )
-        for k, v in m.items():
-            if k.endswith("_max"):
-                maxes[k] = max(maxes.get(k, -math.inf), v)
-            else:
-                sums[k], counts[k] = sums.get(k, 0.0) + v, counts.get(k, 0) + 1
-        bar.set_postfix_str(log_line(m, run.postfix), refresh=False)  # shown at the bar's next timed redraw
-    bar.close()
-    return {**{k: v / counts[k] for k, v in sums.items()}, **maxes}
+    desc = f"{out.name} epoch {epoch}/{epochs}"
+    return tqdm(range(steps), desc=desc, unit="step", dynamic_ncols=True, leave=False)
 
 
-def fit(run: Loop) -> dict:
-    """Epochs over the training queries, validation, best-model selection (`selection_metric`), checkpoints, resume.
-    Returns the final loop state.
-
-    Epoch 0 (the starting weights) is logged but never selected: a trained start was itself chosen as the best of
-    its run on these same validation anchors, so its score there is biased upwards (the winner's curse) and would
-    beat a better later epoch by chance. Whether training helped is for evaluate.py and compare.py to say, on the
-    evaluation questions, with paired tests.
-    """
-    args, out, ds, split = run.args, run.start.out, run.start.ds, run.start.split
-    metric = selection_metric(run.start.backend)
-    cap = None if ds.is_sim else args.val_max_queries
-
-    def evaluated(record: dict) -> dict:
-        """The record with validation and then the stage's epoch metrics added (validation puts the model in eval
-        mode, which the stage's metrics rely on)."""
-        record = {**record, **validate(run.model, ds, split, run.start.backend, cap), "select_metric": metric}
-        return {**record, **(run.epoch_extra() if run.epoch_extra else {})}
-
-    rngs = {"shuffle": torch.Generator().manual_seed(args.seed + 1), **run.rngs}
-    loop = {"epoch": 0, "step": 0, "best": -math.inf, "best_epoch": None, "state": run.state}
-    resumed = run.start.resume_from is not None
-    if resumed:
-        loop = load_checkpoint(run.start.resume_from, run.model, run.opt, rngs)
+def open_log(out: Path, args: TrainArgs, loop: dict, resumed: bool) -> MetricsLog:
+    """metrics.jsonl (cut back to the resumed epoch) and the --report-to tracker; a finished run that is re-run logs
+    nothing, so it opens no tracker."""
     log = MetricsLog(out / "metrics.jsonl", loop["epoch"] if resumed else None)
-    with contextlib.closing(log):
-        if loop["epoch"] < args.epochs:  # a finished run that is re-run logs nothing, so it opens no tracker
-            log.tracker = open_tracker(args.report_to, out, flag_values(args), loop["step"] if resumed else None)
-        if not resumed:  # epoch 0 = the initial policy, the start of every curve
-            log.write(evaluated({"phase": run.phase, "epoch": 0, "step": 0}))
-        for epoch in range(loop["epoch"] + 1, args.epochs + 1):
-            order = split.train[torch.randperm(len(split.train), generator=rngs["shuffle"])]
-            means = train_epoch(run, log, loop, order, epoch)
-            record = evaluated({"phase": run.phase, "epoch": epoch, "step": loop["step"], **means})
-            warnings = run.check(record) if run.check else []
-            if warnings:
-                record["warnings"] = warnings
-            if record[metric] > loop["best"]:
-                loop["best"], loop["best_epoch"] = record[metric], epoch
-                run.model.save(out)
-            record["best_epoch"] = loop["best_epoch"]
-            loop["epoch"] = epoch
-            log.write(record)  # before the checkpoint: a resume from epoch-1 drops this line again if we die in between
-            save_checkpoint(out, epoch, run.model, run.opt, rngs, loop)
-            prune_checkpoints(out, args.keep_every, loop["best_epoch"])
-            summary = log_line(record, (*run.postfix, "val/reward", "val/acc"))
-            print(f"{out.name} epoch {epoch}: {summary}" + "".join(f"\n  warning: {w}" for w in warnings), flush=True)
-    loop["metric"] = metric
-    return loop
+    if loop["epoch"] < args.epochs:
+        log.tracker = open_tracker(args.report_to, out, flag_values(args), loop["step"] if resumed else None)
+    return log
+
+
+def new_loop(state: dict | None = None) -> dict:
+    """The loop state every checkpoint saves (`state`: a stage's own, such as GRPO's adaptive beta)."""
+    return {"epoch": 0, "step": 0, "best": -math.inf, "best_epoch": None, "state": state or {}}

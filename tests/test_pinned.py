@@ -19,7 +19,6 @@ PINNED = {
     "rce": "18ae49a7cc19040e",
     "offline": "483fc18fd6a499bb",
     "online": "ab2a1b7368d4c358",
-    "imported torch._dynamo": False,
 }
 AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1"}
 
@@ -41,11 +40,8 @@ def train_tiny(root: Path) -> dict[str, str]:
     grpo.main(grpo.Args(data=data, init=root / "rce", out=root / "offline", epochs=2, **fast))
     grpo.main(grpo.Args(data=data, init=root / "rce", out=root / "online", epochs=1, online=True, **fast))
     return {
-        **{
-            name: hashlib.sha256((root / name / "model.safetensors").read_bytes()).hexdigest()[:16]
-            for name in ("rce", "offline", "online")
-        },
-        "imported torch._dynamo": "torch._dynamo" in sys.modules,  # about 1 s of start-up that no run needs
+        name: hashlib.sha256((root / name / "model.safetensors").read_bytes()).hexdigest()[:16]
+        for name in ("rce", "offline", "online")
     }
 
 

@@ -15,7 +15,7 @@ import grpo
 import rce
 import training
 from backends import ScoreCache
-from checkpoints import load_selector
+from checkpoints import load_selector, save_checkpoint
 from cli import run_cli
 from data import load_dataset
 from model import PointerSelector, SelectorConfig
@@ -54,14 +54,14 @@ def test_rce_run_folder(rce_run):
 
 def killed_after_epoch(monkeypatch, epoch):
     """Make the next run die (as if killed) right after writing its checkpoint of `epoch`."""
-    real = training.save_checkpoint
 
     def save_then_die(out, e, *a):
-        real(out, e, *a)
+        save_checkpoint(out, e, *a)
         if e == epoch:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(training, "save_checkpoint", save_then_die)
+    for stage in (rce, grpo):
+        monkeypatch.setattr(stage, "save_checkpoint", save_then_die)
 
 
 def test_rce_resume_is_bit_identical(small_data, rce_run, tmp_path, monkeypatch):
@@ -509,17 +509,16 @@ def test_report_to_tensorboard_holds_the_metrics_once_even_after_a_resume(small_
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "tb"
-    real = training.save_checkpoint
 
     for killed_at in (1, 3):  # epoch 1 dies before any checkpoint exists; epoch 3 after two
 
         def dies_saving(out, epoch, *a, killed_at=killed_at):
             if epoch == killed_at:  # the epoch is logged (metrics.jsonl and TensorBoard) but never checkpointed
                 raise KeyboardInterrupt
-            real(out, epoch, *a)
+            save_checkpoint(out, epoch, *a)
 
         with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
-            m.setattr(training, "save_checkpoint", dies_saving)
+            m.setattr(rce, "save_checkpoint", dies_saving)
             rce.main(rce.Args(data=small_data, out=out, epochs=3, report_to="tensorboard", **FAST))
     rce.main(rce.Args(data=small_data, out=out, epochs=3, report_to="tensorboard", **FAST))
     files = sorted((out / "tensorboard").iterdir())
