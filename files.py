@@ -4,13 +4,19 @@ Whole files (configs, tensors, evaluations) are written to a temporary name and 
 leaves a half-written one. Append-only JSONL files (metrics.jsonl, scored queries, evaluation progress) are flushed
 line by line instead, so a killed process can leave one truncated last line: `read_jsonl` is the one reader that
 decides what to do with it, and `append_jsonl` mends it before appending again.
+
+Every file is created by a plain open(), so every file the kit writes gets the same mode (0666 less the umask). A
+full disk or quota ends in one line naming the file (`DiskFull`), and an atomic write removes its temporary file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal, TextIO
 
@@ -19,19 +25,42 @@ class DataError(ValueError):
     """Malformed input data; the message names the file, the line (JSONL) and the field."""
 
 
-def atomic_write_text(path: Path, text: str) -> None:
+class DiskFull(OSError):
+    """No space left (or the quota is spent) while writing a file; the message names it."""
+
+
+@contextlib.contextmanager
+def full_disk_names(path: Path) -> Iterator[None]:
+    """Inside the block, a full disk or quota is a DiskFull naming `path` (an OSError from a write names no file)."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT) or isinstance(e, DiskFull):
+            raise
+        raise DiskFull(f"{path}: the disk is full ({e.strerror}); free space, then re-run the same command") from None
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """`data` to `path` through a temporary file and a rename; on any failure the temporary file is removed."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        with full_disk_names(path), open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
 
 
 def save_tensors(path: Path, tensors: dict, metadata: dict[str, str] | None = None) -> None:
     """Tensors to a safetensors file, atomically (contiguous CPU copies; safetensors holds tensors only, no pickle)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
+    atomic_write_bytes(path, save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata=metadata))
 
 
 def read_tensors(path: Path, map_location: str = "cpu") -> dict:

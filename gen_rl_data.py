@@ -27,6 +27,7 @@ Usage:
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import statistics
 import time
@@ -57,7 +58,7 @@ from data import (
     read_embeddings,
     read_meta,
 )
-from files import atomic_write_text, save_tensors
+from files import atomic_write_text, full_disk_names, save_tensors
 from locks import exclusive
 from model import PointerSelector, reward_spread
 from sim import SimConfig, Simulator, calibrate
@@ -157,6 +158,17 @@ def check_args(args: Args) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.seq_len > args.pool_size:
         raise ValueError(f"--seq-len {args.seq_len} is larger than --pool-size {args.pool_size}")
+    if math.perm(args.pool_size, args.seq_len) < args.group_size:
+        raise ValueError(
+            f"--group-size {args.group_size} cannot be drawn: a pool of {args.pool_size} holds only "
+            f"{math.perm(args.pool_size, args.seq_len)} distinct sequences of {args.seq_len}"
+        )
+    if args.init_beams < 1 or args.init_samples < 0:
+        raise ValueError(
+            f"--init-beams must be >= 1 and --init-samples >= 0, got {args.init_beams}, {args.init_samples}"
+        )
+    if not 0 < args.init_temperature < math.inf:
+        raise ValueError(f"--init-temperature must be a finite number > 0, got {args.init_temperature}")
     if args.chunk < 0:
         raise ValueError(f"--chunk must be >= 0, got {args.chunk}")
     if not is_sim(args) and args.data_root is None:
@@ -263,16 +275,18 @@ def init_candidates(args: Args, query: Tensor, pool: Tensor) -> tuple[Tensor, li
     return seqs, ["greedy"] + ["beam"] * args.init_beams + ["sample"] * args.init_samples
 
 
-def build_groups(args: Args, emb: dict, anchors: Tensor, anchor_pools: Tensor) -> tuple[Tensor, list[list[str]]]:
-    """G distinct sequences per anchor (Q, G, S) in pool positions, with their sources: the selector's picks
-    (with --init), one similarity-retrieval sequence, then random ones."""
+def anchor_groups(args: Args, items: dict, emb: dict, anchors: Tensor) -> tuple[Tensor, Tensor, list[list[str]]]:
+    """The anchors' pools (Q, K) train rows and G distinct sequences per anchor (Q, G, S) in pool positions, with
+    their sources: the selector's picks (with --init), one similarity-retrieval sequence, then random ones."""
+    anchor_pools = make_pools(args, items, emb, "train", anchors, anchors, stream=2)  # (Q, K)
     train = emb["train"]
     prefix, prefix_sources = None, None
     if args.init is not None:
         prefix, prefix_sources = init_candidates(args, train[anchors], train[anchor_pools])
-    return pools.candidate_groups(
+    groups, sources = pools.candidate_groups(
         train[anchors], train[anchor_pools], args.group_size, args.seq_len, rng(args.seed, 3), prefix, prefix_sources
     )
+    return anchor_pools, groups, sources
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -329,80 +343,31 @@ def seq_record(icds: list[int], source: str, res: dict, i: int) -> dict:
     return {"icds": icds, "source": source, **scores, "prediction": res["prediction"][i]}
 
 
-def generate(args: Args) -> None:
-    check_args(args)
-    rank, world = sharding.init()
-    with exclusive(out_folder(args), rank):  # one writer per dataset folder (torchrun: one job)
-        build_folder(args, rank, world)
-
-
-def build_folder(args: Args, rank: int, world: int) -> None:
-    """Create, resume or complete the dataset folder: settings check, pools, embeddings, then the scored groups."""
-    out = out_folder(args)
-    src = open_source(args)
-    n_train, n_val = len(src.items["train"]), len(src.items["val"])
-    if args.num_queries > n_train:
-        raise ValueError(f"--num-queries {args.num_queries} exceeds the {n_train} train items")
-    want = settings(args, src)
-    meta = prepare_folder(out, want)
-    if args.init is not None:
-        PointerSelector.load(args.init)  # fail on a bad --init before anything is written
-    sharding.barrier(world)  # every rank has checked the folder before rank 0 creates it
-
-    anchors = torch.randperm(n_train, generator=rng(args.seed, 1))[: args.num_queries]  # (Q,)
-    if meta is None and rank == 0:
-        emb = src.emb if src.emb is not None else embed(args, src.items)
-        val_pools = make_pools(args, src.items, emb, "val", torch.arange(n_val), torch.full((n_val,), -1), stream=5)
-        # Built under a temporary name and renamed: a kill here leaves no half-made folder behind.
-        build = out.with_name(out.name + ".building")
-        shutil.rmtree(build, ignore_errors=True)
-        build.mkdir(parents=True)
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "kind": "icl-select dataset",
-            **want,
-            "settings": want,
-            "complete": False,
-            "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        }
-        atomic_write_text(build / "items.json", json.dumps(src.items) + "\n")
-        save_tensors(build / "embeddings.safetensors", emb)
-        atomic_write_text(build / "eval_pools.json", json.dumps({"sampler": args.sampler, "pools": val_pools.tolist()}))
-        atomic_write_text(build / "meta.json", json.dumps(meta, indent=2) + "\n")
-        if out.exists():
-            out.rmdir()  # prepare_folder found it empty
-        build.rename(out)
-    sharding.barrier(world)
-    meta = read_meta(out)
-    emb = (
-        src.emb
-        if src.emb is not None
-        else read_embeddings(out / "embeddings.safetensors", {"train": n_train, "val": n_val})
-    )
-    anchor_pools = make_pools(args, src.items, emb, "train", anchors, anchors, stream=2)  # (Q, K)
-    groups, sources = build_groups(args, emb, anchors, anchor_pools)  # (Q, G, S)
-
-    # This rank's share of what is left; its lines go to rl_data.jsonl, or to its own shard under torchrun.
-    path = out / ("rl_data.jsonl" if world == 1 else f"rl_data.rank{rank}.jsonl")
-    done = scored_queries(out)
-    todo = [i for i in sharding.share(len(anchors), rank, world) if int(anchors[i]) not in done]
+def score_queries(
+    args: Args,
+    backend,
+    path: Path,
+    todo: list[int],
+    anchors: Tensor,
+    anchor_pools: Tensor,
+    groups: Tensor,
+    sources: list[list[str]],
+    rank: int,
+    world: int,
+) -> None:
+    """Score the anchors `todo` (indices into anchors) chunk by chunk, appending one line per query to `path`."""
     chunk = args.chunk or (64 if is_sim(args) else 1)
     G, S = groups.shape[1:]
-    bar = tqdm(
-        total=len(todo),
-        unit="query",
-        desc=f"scoring (rank {rank})" if world > 1 else "scoring",
-        position=rank,
-        dynamic_ncols=True,
-    )
+    desc = f"scoring (rank {rank})" if world > 1 else "scoring"
+    bar = tqdm(total=len(todo), unit="query", desc=desc, position=rank, dynamic_ncols=True)
     start, scored = time.perf_counter(), 0
-    with sharding.own_file(path) as f:
+    with full_disk_names(path), sharding.own_file(path) as f:
         for c in range(0, len(todo), chunk):
             idx = torch.tensor(todo[c : c + chunk])  # (C,)
             icds = anchor_pools[idx].gather(1, groups[idx].flatten(1)).view(-1, S)  # (C*G, S) train rows
-            res = src.backend.score("train", anchors[idx].repeat_interleave(G), icds)
+            res = backend.score("train", anchors[idx].repeat_interleave(G), icds)
             no_icds = torch.zeros(len(idx), 0, dtype=torch.long)  # (C, 0)
-            zero_shot = src.backend.score("train", anchors[idx], no_icds)["gt_prob"]  # (C,)
+            zero_shot = backend.score("train", anchors[idx], no_icds)["gt_prob"]  # (C,)
             for j, i in enumerate(idx.tolist()):
                 seqs = [seq_record(groups[i, g].tolist(), sources[i][g], res, j * G + g) for g in range(G)]
                 pool = anchor_pools[i].tolist()
@@ -414,12 +379,96 @@ def build_folder(args: Args, rank: int, world: int) -> None:
             bar.set_postfix(seq_per_s=f"{scored / (time.perf_counter() - start):.1f}", refresh=False)
     bar.close()
 
+
+def generate(args: Args) -> None:
+    check_args(args)
+    rank, world = sharding.init()
+    with exclusive(out_folder(args), rank):  # one writer per dataset folder (torchrun: one job)
+        build_folder(args, rank, world)
+
+
+BUILDING = ".icl-select-building"  # marks a scratch folder as this kit's: only a marked (or empty) one is removed
+
+
+def scratch_folder(out: Path) -> Path:
+    """`<out>.building`, where a new folder is made before its rename to `out`; a leftover of a killed build (marked,
+    or empty: killed before its mark) is removed, anything else stops the run: the kit deletes only what it made."""
+    build = out.with_name(out.name + ".building")
+    if build.is_dir() and ((build / BUILDING).is_file() or not any(build.iterdir())):
+        shutil.rmtree(build)
+    elif build.exists():
+        raise ValueError(f"{build} exists and was not made by gen_rl_data.py (no {BUILDING} inside); move it away")
+    return build
+
+
+def write_folder(out: Path, meta: dict, items: dict, emb: dict, val_pools: Tensor) -> None:
+    """The new folder's files, written under a marked scratch name and renamed: a kill leaves no half-made folder
+    behind, and a failure (a full disk) removes the scratch folder."""
+    build = scratch_folder(out)
+    build.mkdir(parents=True)
+    try:
+        (build / BUILDING).touch()
+        atomic_write_text(build / "items.json", json.dumps(items) + "\n")
+        save_tensors(build / "embeddings.safetensors", emb)
+        pools_doc = {"sampler": meta["sampler"], "pools": val_pools.tolist()}
+        atomic_write_text(build / "eval_pools.json", json.dumps(pools_doc))
+        atomic_write_text(build / "meta.json", json.dumps(meta, indent=2) + "\n")
+        if out.exists():
+            out.rmdir()  # prepare_folder found it empty
+        build.rename(out)
+    except BaseException:
+        shutil.rmtree(build, ignore_errors=True)
+        raise
+    (out / BUILDING).unlink()
+
+
+def build_folder(args: Args, rank: int, world: int) -> None:
+    """Create, resume or complete the dataset folder: settings check, pools, embeddings, then the scored groups.
+    Everything that can refuse (settings, --init, pools and groups) runs before the first file is written."""
+    out = out_folder(args)
+    if rank == 0 and (not out.exists() or not any(out.iterdir())):
+        scratch_folder(out)  # a foreign <out>.building stops the run before any work
+    src = open_source(args)
+    n_train, n_val = len(src.items["train"]), len(src.items["val"])
+    if args.num_queries > n_train:
+        raise ValueError(f"--num-queries {args.num_queries} exceeds the {n_train} train items")
+    want = settings(args, src)
+    meta = prepare_folder(out, want)
+    if args.init is not None:
+        PointerSelector.load(args.init)  # fail on a bad --init before anything is written
+    sharding.barrier(world)  # every rank has checked the folder before rank 0 creates it
+
+    anchors = torch.randperm(n_train, generator=rng(args.seed, 1))[: args.num_queries]  # (Q,)
+    new = meta is None and rank == 0
+    emb = embed(args, src.items) if src.emb is None and new else src.emb
+    if emb is not None:  # pools and groups first: whatever refuses does so before a file is written
+        anchor_pools, groups, sources = anchor_groups(args, src.items, emb, anchors)
+    if new:
+        val_pools = make_pools(args, src.items, emb, "val", torch.arange(n_val), torch.full((n_val,), -1), stream=5)
+        meta = {"format_version": FORMAT_VERSION, "kind": "icl-select dataset", **want, "settings": want}
+        created = datetime.now(UTC).isoformat(timespec="seconds")
+        write_folder(out, {**meta, "complete": False, "created_at": created}, src.items, emb, val_pools)
+    sharding.barrier(world)
+    meta = read_meta(out)
+    if emb is None:  # a real dataset's embeddings, computed once and stored in the folder
+        emb = read_embeddings(out / "embeddings.safetensors", {"train": n_train, "val": n_val})
+        anchor_pools, groups, sources = anchor_groups(args, src.items, emb, anchors)
+
+    # This rank's share of what is left; its lines go to rl_data.jsonl, or to its own shard under torchrun.
+    path = out / ("rl_data.jsonl" if world == 1 else f"rl_data.rank{rank}.jsonl")
+    done = scored_queries(out)
+    todo = [i for i in sharding.share(len(anchors), rank, world) if int(anchors[i]) not in done]
+    if todo:
+        score_queries(args, src.backend, path, todo, anchors, anchor_pools, groups, sources, rank, world)
+
     sharding.barrier(world)
     if rank == 0:
+        changed = bool(todo)
         lines = (out / "rl_data.jsonl").read_text().count("\n") if (out / "rl_data.jsonl").exists() else 0
         done = scored_queries(out)  # every rank's lines, read once
         if shard_files(out) or lines != len(done):  # shards to merge, or a query written twice
             merge_shards(out, anchors, done)  # one line per query, in anchor order
+            changed = True
         if missing := sum(q not in done for q in anchors.tolist()):
             raise ValueError(f"{out}: {missing} anchor queries are still unscored; re-run the same command to finish")
         if not meta["complete"]:
@@ -430,8 +479,10 @@ def build_folder(args: Args, rank: int, world: int) -> None:
                     sim, args.pool_size, args.group_size, args.seq_len, args.num_queries, args.seed
                 )
             atomic_write_text(out / "meta.json", json.dumps(meta, indent=2) + "\n")
+            changed = True
         label = "simulated LVLM" if is_sim(args) else f"LVLM {args.lvlm}"
-        print(f"wrote {out} ({len(anchors)} anchor queries x {G} sequences, {n_val} val queries; {label})")
+        what = f"{len(anchors)} anchor queries x {groups.shape[1]} sequences, {n_val} val queries; {label}"
+        print(f"wrote {out} ({what})" if changed else f"{out} is complete ({what}); left as it is")
     sharding.finish(world)
 
 

@@ -1,6 +1,8 @@
 """The dataset loader: reward modes, curriculum filters, and one clear error per kind of malformed input."""
 
+import errno
 import json
+import os
 import shutil
 
 import pytest
@@ -10,6 +12,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from strategies import rng, seeds
 
+import files
 from data import (
     INFO_FLOOR,
     REWARD_MODES,
@@ -169,3 +172,46 @@ def test_quality_and_filters(small_data):
     assert set(high) <= set(medium) and len(filter_queries(g, reward, "all", False)) == len(g)
     positive = filter_queries(g, reward, "all", True)
     assert (g.fields["correct"][positive].sum(-1) > 0).all()
+
+
+def test_full_disk_is_one_line_naming_the_file_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    target = tmp_path / "meta.json"
+    target.write_text("old")
+    real_open = open
+
+    class FullDisk:
+        """A file on a disk that fills after 10 bytes."""
+
+        def __init__(self, path, mode):
+            self.f = real_open(path, mode)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            self.f.write(data[:10])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(files, "open", FullDisk, raising=False)
+    for write in (
+        lambda: files.atomic_write_text(target, "new" * 100),
+        lambda: files.save_tensors(target, {"x": torch.ones(3)}),
+    ):
+        with pytest.raises(files.DiskFull, match=rf"^{target}: the disk is full \(No space left on device\)"):
+            write()
+        assert target.read_text() == "old" and list(tmp_path.iterdir()) == [target]
+
+
+def test_every_file_gets_the_mode_a_plain_open_gives(tmp_path):
+    umask = os.umask(0o027)
+    try:
+        (tmp_path / "plain").write_text("x")
+        files.atomic_write_text(tmp_path / "a.json", "{}")
+        files.save_tensors(tmp_path / "t.safetensors", {"x": torch.ones(3)})
+    finally:
+        os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert modes == {"plain": 0o640, "a.json": 0o640, "t.safetensors": 0o640}

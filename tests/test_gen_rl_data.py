@@ -1,5 +1,6 @@
 """gen_rl_data.py on the simulator: folder contents, determinism, resume, refusal to mix settings, report."""
 
+import errno
 import json
 import shutil
 import subprocess
@@ -10,7 +11,10 @@ import pytest
 import torch
 from conftest import SMALL
 
+import files
+import gen_rl_data
 import pools
+import sharding
 from backends import sim_from_meta
 from data import ZERO_SHOT, load_dataset
 from gen_rl_data import Args, generate, report
@@ -137,3 +141,72 @@ def test_init_adds_selector_sequences(small_data, tmp_path):
         assert src[0] == "greedy" and "beam" in src and len(src) == SMALL["group_size"]
         assert len({tuple(s) for s in seqs.tolist()}) == len(seqs) and ret in seqs.tolist()
     assert json.loads((out / "meta.json").read_text())["init"]["run"] == str(run)
+
+
+def test_keeps_a_scratch_folder_it_did_not_make(tmp_path):
+    out, build = tmp_path / "d", tmp_path / "d.building"
+    build.mkdir()
+    (build / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"d\.building exists and was not made by gen_rl_data\.py"):
+        generate(Args(out=out, **SMALL))
+    assert (build / "notes.txt").read_text() == "mine" and not out.exists()
+
+
+def test_refuses_before_writing_anything(tmp_path):
+    out = tmp_path / "d"
+    with pytest.raises(ValueError, match=r"--group-size 30 cannot be drawn: a pool of 4 holds only 24 distinct"):
+        generate(Args(out=out, **{**SMALL, "pool_size": 4, "seq_len": 3, "group_size": 30}))
+    with pytest.raises(ValueError, match=r"fewer than pool_size=599"):  # each anchor's image holds >= 1 more row
+        generate(Args(out=out, **{**SMALL, "pool_size": 599}))
+    assert list(tmp_path.iterdir()) == [tmp_path / ".d.lock"]  # the lock's small file, nothing else
+
+
+def test_full_disk_leaves_no_half_made_folder(tmp_path, monkeypatch):
+    def full(path, *a, **kw):
+        raise files.DiskFull(f"{path}: the disk is full")
+
+    monkeypatch.setattr(gen_rl_data, "save_tensors", full)
+    with pytest.raises(files.DiskFull, match=r"d\.building/embeddings\.safetensors: the disk is full"):
+        generate(Args(out=tmp_path / "d", **SMALL))
+    assert not (tmp_path / "d").exists() and not (tmp_path / "d.building").exists()
+    monkeypatch.undo()
+    # the disk fills while scored lines are appended: one line naming the file; the re-run resumes
+    real_own_file = sharding.own_file
+
+    class FillingFile:
+        def __init__(self, f):
+            self.f, self.writes = f, 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, line):
+            self.writes += 1
+            if self.writes > 10:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.f.write(line)
+
+        def flush(self):
+            self.f.flush()
+
+    monkeypatch.setattr(sharding, "own_file", lambda path: FillingFile(real_own_file(path)))
+    with pytest.raises(files.DiskFull, match=r"d/rl_data\.jsonl: the disk is full \(No space left on device\)"):
+        generate(Args(out=tmp_path / "d", **SMALL))
+    monkeypatch.undo()
+    generate(Args(out=tmp_path / "d", **SMALL))
+    assert len(load_dataset(tmp_path / "d").groups) == SMALL["num_queries"]
+
+
+def test_rerun_of_a_complete_folder_says_so(small_data, tmp_path, capsys):
+    out = tmp_path / "d"
+    shutil.copytree(small_data, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    generate(Args(out=out, **SMALL))
+    captured = capsys.readouterr()
+    assert f"{out} is complete (48 anchor queries x 8 sequences" in captured.out and "left as it is" in captured.out
+    assert "wrote" not in captured.out and "scoring" not in captured.err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
