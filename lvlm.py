@@ -1,45 +1,56 @@
-"""The real LVLM backend (Hugging Face transformers: Qwen2.5-VL & co.) and CLIP embeddings.
+"""The real LVLM backend (Hugging Face transformers: any image-text-to-text family) and CLIP embeddings.
 
     backend = LVLMBackend("Qwen/Qwen2.5-VL-3B-Instruct", items)   # items: {"train": [...], "val": [...]}
     backend.score("val", queries (N,), icds (N, k)) -> {"prediction", "acc", "correct", "gt_prob", "rel"}
+    backend.self_check() -> the fast path against plain transformers on a few prompts of this data (raises if off)
     backend.describe() -> {"lvlm", "revision", "prompt_template", "system_prompt", "generation", "simulation": False}
     clip_embed(items) -> {"image", "text", "fused"}: (N, d) L2-normalised CLIP embeddings
 
 Prompt: an optional system turn, then ONE user turn holding the k ICDs, each as its image followed by
 "Question: {q} Short answer: {a}" (a = the ICD's most common annotator answer), then the query's image and
 "Question: {q} Short answer:", rendered with the model's own chat template and its generation prompt. The other
-common multi-image ICL layout, one user/assistant turn pair per ICD, is PromptTemplate(style="turn-per-demo").
+common multi-image ICL layout, one user/assistant turn pair per ICD, is PromptTemplate(style="turn-per-demo"); it is
+also used, with a note, for templates that write every image of a turn before its texts (LLaVA-1.5/NeXT/OneVision),
+where one turn would lose which image belongs to which demonstration.
 
-Departures from the obvious implementation, and why:
+The contract, for every family and batch size: the greedy answer is model.generate()'s on the prompt alone, and
+P(reply) is one full forward pass over the prompt plus the reply as the chat template renders the assistant turn.
+How it is kept, and why the obvious implementation breaks it:
 - Models load only from a local folder or the local Hugging Face cache, never from the network: the commit hash of
   the cached snapshot is recorded as the revision, so a run says exactly which weights scored it.
 - Decoding is plain greedy from a fresh GenerationConfig: checkpoints ship sampling defaults (Qwen2.5-VL-Instruct:
   top_k=1, temperature=0.1, repetition_penalty=1.05) that would otherwise silently change the "greedy" answer.
-- gt_prob scores only the assistant reply's tokens (never the prompt's), and the reply includes the token that ends
-  the turn (<|im_end|> for Qwen), so P("red") is the probability of answering exactly "red", not of any answer that
-  starts with it. Distinct replies are then exclusive events, and gt_prob = sum over the replies the VQA metric
-  credits (each normalised annotator answer and every raw spelling of it the annotators used: "yes" and "Yes") of
-  credit * P(reply), credit being the official leave-one-out VQA accuracy of that answer (0.3/0.6/0.9/1.0): the
-  expected VQA accuracy of the model's answers over those spellings, in [0, 1], whatever the annotators' order.
-- Qwen2.5-VL's stock processor cannot be built without torchvision (its video processor needs it); an image-only
-  subclass is used then, which loads the same files and produces the same image and text inputs.
 - Each prompt (images included) runs through the model once: its KV cache serves the greedy answer (decoded token
-  by token, as generate() would) and then every credited reply, teacher-forced over the reply tokens only. Scoring
-  the replies from fresh passes would run each prompt 1 + R times (R = 3-5 distinct annotator answers).
-- The image-only processor relies on ProcessorMixin internals of the pinned transformers (5.23).
-- Each image file is decoded and preprocessed once while it stays cached (ICDs recur across thousands of prompts
-  and across the gt_prob passes), in least-recently-used caches bounded by bytes: --image-cache-mib (default 4096
-  per process, half decoded images, half patches; one COCO image is about 0.9 + 7 MiB at Qwen2.5-VL's defaults).
+  by token, as generate() would) and then every credited reply, teacher-forced over the reply tokens only, instead
+  of 1 + R passes (R = 3-5 distinct annotator answers). Positions are generate()'s own: a batch is left-padded, and
+  a forward pass without position ids would number each row from its pad slots. Sliding-window caches (Gemma3)
+  cannot be cut back after decoding, so they are copied before it.
+- gt_prob scores only the assistant reply's tokens (never the prompt's), as the chat template renders the turn (a
+  byte-level BPE template's " black" is not the tokens of "black"), up to and including the stop token that ends
+  the turn, so P("red") is the probability of answering exactly "red". Distinct replies are then exclusive events,
+  and gt_prob = sum over the replies the VQA metric credits (each normalised annotator answer and every raw spelling
+  of it the annotators used: "yes" and "Yes") of credit * P(reply), credit being the official leave-one-out VQA
+  accuracy of that answer (0.3/0.6/0.9/1.0): the expected VQA accuracy of the model's answers over those spellings.
+- A prompt's images go to the processor together, as that prompt's list: tiling (Idefics3), patch padding
+  (LLaVA-NeXT) and multi-image modes (LLaVA-OneVision) depend on the prompt. Only processors that turn each image
+  into its own rows of patches (Qwen2/2.5/3-VL) have them cached per image, which gives the same tensors.
+- Processors whose video half needs torchvision are built without it (image_only), one mechanism for every family;
+  it and the position builder rely on internals of the pinned transformers (5.23).
+- Decoded images and cached patches live in least-recently-used caches bounded by bytes: --image-cache-mib (default
+  4096 per process, half decoded images, half patches; one COCO image is about 0.9 + 7 MiB at Qwen2.5-VL's defaults).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import math
 import os
+import random
 import sys
 from collections import Counter, OrderedDict
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Literal
@@ -367,6 +378,12 @@ def load_lvlm(
         )
     dev, torch_dtype = resolve_device(device, dtype)
     processor = _load_processor(folder, config)
+    if processor.chat_template is None:
+        raise ValueError(
+            f"{model} has no chat template (a base checkpoint, such as PaliGemma's): icl-select builds every prompt "
+            f"with the model's chat template, so use the instruct or chat version of the model, or add a "
+            f"chat_template.jinja to {folder}"
+        )
     lvlm = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch_dtype).to(dev).eval()
     info = {
         "lvlm": model,
@@ -378,6 +395,11 @@ def load_lvlm(
         "dtype": str(torch_dtype).removeprefix("torch."),
     }
     return lvlm, processor, info
+
+
+def is_per_token(value, inputs: BatchFeature) -> bool:
+    """Whether a processor output has one entry per token (same shape as input_ids)."""
+    return torch.is_tensor(value) and value.shape == inputs["input_ids"].shape
 
 
 def croppable(cache) -> bool:
@@ -498,22 +520,32 @@ class LVLMBackend:
         return inputs.to(self.model.device, dtype=self.model.dtype)  # casts only the floating-point tensors
 
     def reply_ids(self, messages: list[dict], replies: list[str]) -> list[list[int]]:
-        """Each reply's tokens as the chat template renders it as the assistant's turn after `messages`: the tokens
-        that the rendered chat adds to the prompt's, up to and including the first stop token (a template that ends
-        the turn without one gets the model's first stop token). Spacing and merges are the template's and the
-        tokenizer's, never guessed: a reply rendered as " black" is scored as that."""
+        """Each reply's tokens as the chat template renders it as the assistant's turn after `messages`, up to and
+        including the first stop token (a template that ends the turn without one gets the model's first stop token).
+
+        The tokens are those the rendered chat adds to the prompt's: spacing and merges are the template's and the
+        tokenizer's, never guessed (LLaVA's " black" is scored as that). A template whose header before a reply
+        differs from its generation prompt (LLaVA-OneVision renders "assistant \n" before a reply but prompts with
+        "assistant\n") gets the text it renders after that header, behind the prompt the model is actually given.
+        """
         prompt = self._chat(messages, add_generation_prompt=True)
         special = self._special(prompt)
         head = self.tokenizer(prompt, add_special_tokens=special)["input_ids"]
+        header = None  # the rendered chat up to where a reply starts, found only when needed
         out = []
         for reply in replies:
             full = self._chat([*messages, assistant_turn(reply)], add_generation_prompt=False)
             ids = self.tokenizer(full, add_special_tokens=special)["input_ids"]
             if ids[: len(head)] != head:
-                raise ValueError(
-                    f"{self.info['lvlm']}: the chat template's assistant turn {reply!r} does not extend the prompt's "
-                    "tokens, so P(reply) is undefined for this model"
-                )
+                if header is None:
+                    a, b = (self._chat([*messages, assistant_turn(x)], add_generation_prompt=False) for x in "ab")
+                    header = os.path.commonprefix([a, b])
+                ids = self.tokenizer(prompt + full[len(header) :], add_special_tokens=special)["input_ids"]
+                if not full.startswith(header) or ids[: len(head)] != head:
+                    raise ValueError(
+                        f"{self.info['lvlm']}: the chat template's assistant turn {reply!r} does not continue the "
+                        "prompt, so P(reply) is undefined for this model"
+                    )
             tail = ids[len(head) :]
             stops = [i for i, t in enumerate(tail) if t in self.stop_ids]
             out.append(tail[: stops[0] + 1] if stops else tail + self.stop_ids[:1])
@@ -596,8 +628,88 @@ class LVLMBackend:
         # Reply token 0 is predicted by the prompt's last logits, token j > 0 by the reply's column j - 1.
         logits = torch.cat([last[rows][:, None], out.logits[:, :-1]], dim=1)  # (R, L, V)
         logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, reply[..., None]).squeeze(-1)  # (R, L)
-        p = (logp * reply_mask).sum(1).exp().cpu()  # (R,)
+        p = (logp.double() * reply_mask).sum(1).exp().cpu()  # (R,) float64: tiny probabilities stay above 0
         return list(p.split([len(rs) for rs in ids]))
+
+    @contextmanager
+    def _stock_images(self):
+        """The processor with its own image processor, not the per-image cache (for the self-check's plain path)."""
+        cached = self.processor.image_processor
+        self.processor.image_processor = getattr(cached, "inner", cached)
+        try:
+            yield
+        finally:
+            self.processor.image_processor = cached
+
+    @torch.inference_mode()
+    def plain(self, example: Example, replies: list[str]) -> tuple[str, list[float]]:
+        """The plain computation for one prompt alone, with none of run()'s sharing: the stock processor,
+        model.generate() for the answer, and one full forward over prompt + reply for each log P(reply)."""
+        messages = self.messages(*example)
+        with self._stock_images():
+            inputs = self.encode([example])
+        prompt_len = inputs["input_ids"].shape[1]
+        answer = self.model.generate(**inputs)[0, prompt_len:]
+        logps = []
+        for ids in self.reply_ids(messages, replies):
+            reply = torch.tensor([ids], device=self.model.device)  # (1, L)
+            # Per-token inputs (Qwen's mm_token_type_ids, Gemma3's token_type_ids) mark the reply as text: 0.
+            full = {
+                k: F.pad(v, (0, len(ids))) if k != "input_ids" and is_per_token(v, inputs) else v
+                for k, v in inputs.items()
+            }
+            full["input_ids"] = torch.cat([inputs["input_ids"], reply], dim=1)  # (1, T + L)
+            full["attention_mask"] = torch.ones_like(full["input_ids"])
+            logits = self.model(**full).logits[0, prompt_len - 1 : -1].float()  # (L, V)
+            logps.append(torch.log_softmax(logits, -1).gather(-1, reply[0, :, None]).sum().item())
+        return self.tokenizer.decode(answer, skip_special_tokens=True), logps
+
+    def check_examples(self, n: int = 8, max_shots: int = 4, seed: int = 0) -> list[Example]:
+        """n prompts of this data for the self-check: validation queries with 0..max_shots random train ICDs (never
+        of the query's image), so one batch mixes prompt lengths, image sizes and left padding."""
+        rng = random.Random(seed)
+        train, queries = self.items["train"], self.items.get("val") or self.items["train"]
+        examples = []
+        for i in range(n):
+            query = queries[rng.randrange(len(queries))]
+            others = [it for it in train if it["image"] != query["image"]]
+            examples.append((query, rng.sample(others, min(i % (max_shots + 1), len(others)))))
+        return examples
+
+    def self_check(self, examples: list[Example] | None = None) -> dict:
+        """Compare run() (batched, left-padded, one shared pass per prompt) with plain() on each prompt alone, for
+        the greedy answer and every credited reply (check_examples() when no examples are given).
+
+        Returns {"prompts", "answers_differ", "max_abs_logp_diff", "tolerance"} and raises ValueError (one line) when
+        an answer differs or a log P(reply) differs by more than the tolerance: 1e-3 nats in float32; in half
+        precision 0.1 nats, and one answer in four may flip (padding changes the kernels' rounding, which can swap
+        near-tied tokens).
+        """
+        examples = self.check_examples() if examples is None else examples
+        replies = [[r for r, _ in credited_replies(query["answers"])] for query, _ in examples]
+        half = self.model.dtype in (torch.float16, torch.bfloat16)
+        tolerance = 0.1 if half else 1e-3
+        answers, probs = self.run(examples, replies)
+        differ, worst = 0, 0.0
+        for example, rs, answer, p in zip(examples, replies, answers, probs):
+            plain_answer, plain_logps = self.plain(example, rs)
+            differ += answer != plain_answer
+            worst = max(
+                [worst] + [abs(math.log(q) - lp) if q > 0 else math.inf for q, lp in zip(p.tolist(), plain_logps)]
+            )
+        report = {
+            "prompts": len(examples),
+            "answers_differ": differ,
+            "max_abs_logp_diff": worst,
+            "tolerance": tolerance,
+        }
+        if worst > tolerance or differ > (len(examples) // 4 if half else 0):
+            raise ValueError(
+                f"{self.info['lvlm']}: the fast scoring path disagrees with plain transformers on {len(examples)} "
+                f"prompts of this data ({differ} answers differ, log P(reply) off by up to {worst:.3g} nats, "
+                f"tolerance {tolerance}); this model family is not supported exactly. --skip-self-check runs anyway"
+            )
+        return report
 
     def generate(self, examples: list[Example]) -> list[str]:
         """Raw greedy generations (new tokens only, special tokens dropped)."""

@@ -486,3 +486,36 @@ def test_load_lvlm_from_hub_cache_records_revision(assets, tmp_path):
     assert processor.tokenizer.padding_side == "left"
     if importlib.util.find_spec("torchvision") is None:
         assert type(processor).__name__ == "ImageOnlyQwen2_5_VLProcessor"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# self-check
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_self_check_passes_on_a_family_the_kit_scores_exactly(backend):
+    report = backend.self_check()
+    assert report["prompts"] == 8 and report["answers_differ"] == 0
+    assert report["max_abs_logp_diff"] < report["tolerance"] == 1e-3
+
+
+def test_self_check_stops_a_fast_path_that_disagrees(assets, items, monkeypatch):
+    """A fast path numbering left-padded rows from their pad slots (what a forward without position ids does) is
+    caught before any long run, in one line."""
+    b = LVLMBackend(str(assets["qwen"]), items, batch_size=4, max_new_tokens=4, device="cpu")
+    naive = lambda ids, kwargs: torch.arange(ids.shape[1]).expand(3, *ids.shape)  # noqa: E731
+    monkeypatch.setattr(b.model, "_prepare_position_ids_for_generation", naive)
+    with pytest.raises(ValueError, match=r"disagrees with plain transformers on 8 prompts .* --skip-self-check"):
+        b.self_check()
+
+
+def test_model_without_chat_template_is_one_line(assets, tmp_path):
+    folder = tmp_path / "no-template"
+    shutil.copytree(assets["qwen"], folder)
+    (folder / "chat_template.json").unlink()
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "chat_template"}))
+    for extra in folder.glob("chat_template.jinja"):
+        extra.unlink()
+    with pytest.raises(ValueError, match=r"has no chat template .*instruct or chat version"):
+        load_lvlm(str(folder), device="cpu")
