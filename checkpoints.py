@@ -1,5 +1,6 @@
-"""Epoch checkpoints and trained selectors on disk (what evaluate.py reads without the training loop).
+"""Epoch checkpoints and trained selectors on disk, read strictly (what evaluate.py reads without the training loop).
 
+A selector folder holds model.json (its SelectorConfig) and model.safetensors (`PointerSelector.save`).
 ckpt/epoch_NNN.safetensors holds the model, the optimizer state, every RNG state and the loop state (best so far,
 step, adaptive beta, ...), so a resumed run ends bit-identical to an uninterrupted one. safetensors holds tensors
 only (no pickle): the optimizer's non-tensor state and the loop state travel as one JSON string of metadata.
@@ -8,14 +9,14 @@ only (no pickle): the optimizer's non-tensor state and the loop state travel as 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from files import read_tensors, save_tensors
-from model import PointerSelector, SelectorConfig, load_state_strict
+from files import DataError, read_json, read_tensors, save_tensors
+from model import PointerSelector, SelectorConfig
 
 
 def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, Tensor], dict]:
@@ -115,9 +116,49 @@ def load_selector(source: Path) -> PointerSelector:
     """A selector from a run folder (model.json + model.safetensors) or an epoch checkpoint file."""
     source = Path(source)
     if source.is_dir():
-        return PointerSelector.load(source)
+        model = PointerSelector(read_config(source / "model.json"))
+        load_state_strict(model, read_tensors(source / "model.safetensors"), source / "model.safetensors")
+        return model
     if not source.is_file():
         raise FileNotFoundError(f"{source}: no such run folder or checkpoint")
     model = PointerSelector(SelectorConfig(**checkpoint_meta(source)["config"]))
     load_model_part(model, read_tensors(source), source)
     return model
+
+
+def read_config(path: Path) -> SelectorConfig:
+    """model.json: every field of SelectorConfig, each of its type (int, float or str), and nothing else."""
+    raw = read_json(path)
+    if not isinstance(raw, dict):
+        raise DataError(f"{path}: expected a JSON object of selector settings, got {type(raw).__name__}")
+    kinds = {f.name: type(f.default) for f in fields(SelectorConfig)}
+    if set(raw) != set(kinds):
+        missing, unknown = sorted(set(kinds) - set(raw)), sorted(set(raw) - set(kinds))
+        raise DataError(f"{path}: fields missing {missing}, unknown {unknown}; expected {sorted(kinds)}")
+    for name, kind in kinds.items():
+        value = raw[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
+            raise DataError(
+                f"{path}: field {name!r} must be {'a number' if kind is float else kind.__name__}, got {value!r}"
+            )
+    try:
+        return SelectorConfig(**raw)
+    except ValueError as e:
+        raise DataError(f"{path}: {e}") from None
+
+
+def load_state_strict(model: nn.Module, tensors: dict[str, Tensor], source: Path) -> None:
+    """load_state_dict that names every missing, unexpected or mis-shaped tensor instead of skipping it."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(tensors))
+    unexpected = sorted(set(tensors) - set(own))
+    shapes = [
+        f"{k}: {tuple(tensors[k].shape)} in file, {tuple(v.shape)} in model"
+        for k, v in own.items()
+        if k in tensors and tensors[k].shape != v.shape
+    ]
+    problems = [f"missing tensors {missing}"] * bool(missing) + [f"unexpected tensors {unexpected}"] * bool(unexpected)
+    problems += [f"shape mismatch {s}" for s in shapes]
+    if problems:
+        raise ValueError(f"{source}: does not match the selector architecture: " + "; ".join(problems))
+    model.load_state_dict(tensors, strict=True)

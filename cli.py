@@ -23,9 +23,8 @@ class CpuArgs:
     """The CPU thread count of a stage (every stage that computes with torch has it)."""
 
     threads: int = 1
-    """torch CPU threads. 1 (default) gives the same bytes on every machine and never collapses: on the 2-core
-    development CPU an epoch at 2 threads took 0.68-0.78x the time when the machine was idle but 1.7-1.8x with one
-    core busy elsewhere (README, Speed). Results may differ in the last bits between thread counts."""
+    """torch CPU threads. 1 (default) gives the same bytes on every machine and does not slow down when other
+    processes share the cores (docs/speed.md measures both); results may differ in the last bits between counts."""
 
 
 # Flags that name places, not settings: a resumed run compares what they hold (the data's digest, the --init

@@ -1,33 +1,32 @@
-"""The pointer selector and the RL math, shared by every stage (no CLI).
+"""The pointer selector and the RL math, shared by every stage (no CLI, no files read here: see checkpoints.py).
 
 `PointerSelector` picks S in-context demonstrations, one at a time, from a per-query candidate pool of K embeddings:
 the query attends over its pool (L cross-attention layers, residual + LayerNorm), query state and candidates are
 projected (near-identity init) and L2-normalised, step t is a softmax over the unchosen, unpadded pool of
 cosine / temperature, and the state absorbs each pick through a gate: g = sigma(W[s; c]), s <- norm(g*s + (1-g)*c).
 
-Departures from a textbook pointer network, on purpose:
-- each query and its pool are encoded ONCE and shared by all G sequences of its group (teacher forcing is
-  vectorised over queries x sequences, with a Python loop only over the S steps, whose state is sequential);
-- log-distributions keep -inf on chosen/padded candidates (their probability is exactly 0); every consumer here
-  (entropy, exact KL) masks before multiplying, so no NaN ever leaks into values or gradients.
-
-The RL math (`group_advantages`, `ppo_clip_loss`, `exact_kl`, `k3_kl`, `rce_weights`) are pure functions of tensors.
+Each query and its pool are encoded once and shared by all G sequences of its group: teacher forcing is vectorised
+over queries x sequences, with a Python loop only over the S steps, whose state is sequential. Log-distributions keep
+-inf on chosen and padded candidates (probability exactly 0); every consumer here masks before multiplying, so no NaN
+reaches values or gradients. The RL math (`group_advantages`, `ppo_clip_loss`, `exact_kl`, `k3_kl`, `rce_weights`)
+is pure functions of tensors.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal, NamedTuple, get_args, get_type_hints
+from typing import Literal, NamedTuple, get_args
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from files import atomic_write_text, read_tensors, save_tensors
+from files import atomic_write_text, save_tensors
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The selector
@@ -210,7 +209,7 @@ class PointerSelector(nn.Module):
     def greedy(self, query: Tensor, pool: Tensor, pool_mask: Tensor, steps: int) -> tuple[Tensor, Tensor]:
         """Argmax decoding: -> picks (B, S) and their summed log-prob (B,)."""
         _check_pool(query, pool, pool_mask, steps)
-        seqs, logp = in_chunks(lambda *b: self._decode(*b, steps, 1, None, None), query, pool, pool_mask)
+        seqs, logp = in_chunks(lambda *b: self._decode(*b, steps, 1, argmax), query, pool, pool_mask)
         return seqs[:, 0], logp[:, 0]
 
     @torch.no_grad()
@@ -231,9 +230,15 @@ class PointerSelector(nn.Module):
         if temperature <= 0:
             raise ValueError(f"sample: temperature must be > 0, got {temperature}")
         _check_pool(query, pool, pool_mask, steps)
-        return self._decode(query, pool, pool_mask, steps, num_samples, generator, temperature)
 
-    def _decode(self, query, pool, pool_mask, steps, num, generator, temperature) -> tuple[Tensor, Tensor]:
+        def draw(log_dist: Tensor) -> Tensor:  # (B, N, K) -> (B, N)
+            probs = (log_dist / temperature).softmax(-1).flatten(0, 1)  # (B*N, K)
+            return torch.multinomial(probs, 1, generator=generator).view(log_dist.shape[:2])
+
+        return self._decode(query, pool, pool_mask, steps, num_samples, draw)
+
+    def _decode(self, query, pool, pool_mask, steps: int, num: int, choose: Callable[[Tensor], Tensor]):
+        """`num` sequences per query, each step's pick chosen by `choose(log_dist (B, N, K)) -> (B, N)`."""
         B = query.shape[0]
         s, keys = self.encode(query, pool, pool_mask)
         s = s[:, None, :].expand(B, num, -1)  # (B, N, H)
@@ -241,17 +246,13 @@ class PointerSelector(nn.Module):
         picks, total = [], torch.zeros(B, num, device=query.device)
         for t in range(steps):
             log_dist = self.step_log_dist(s, keys, avail)  # (B, N, K)
-            if temperature is None:
-                pick = log_dist.argmax(-1)  # (B, N)
-            else:
-                probs = (log_dist / temperature).softmax(-1).flatten(0, 1)  # (B*N, K)
-                pick = torch.multinomial(probs, 1, generator=generator).view(B, num)
+            pick = choose(log_dist)  # (B, N)
             total = total + log_dist.gather(-1, pick[..., None])[..., 0]
             picks.append(pick)
             avail = avail.scatter(-1, pick[..., None], False)
             if t + 1 < steps:
                 s = self.advance(s, keys, pick)
-        return torch.stack(picks, -1), total
+        return torch.stack(picks, -1), total  # (B, N, S), (B, N)
 
     @torch.no_grad()
     def beam_search(
@@ -294,33 +295,30 @@ class PointerSelector(nn.Module):
         atomic_write_text(directory / "model.json", config + "\n")
 
     @classmethod
-    def load(cls, directory: str | os.PathLike, map_location: str = "cpu") -> PointerSelector:
-        """Strict load from a folder written by `save`: any missing, unexpected or mis-shaped tensor is an error."""
-        directory = Path(directory)
-        cfg = read_config(directory / "model.json")
-        model = cls(cfg)
-        load_state_strict(
-            model, read_tensors(directory / "model.safetensors", map_location), directory / "model.safetensors"
-        )
-        return model
+    def load(cls, directory: str | os.PathLike) -> PointerSelector:
+        """checkpoints.load_selector on a run folder (where selector files are read and checked)."""
+        from checkpoints import load_selector
+
+        return load_selector(Path(directory))
 
 
-# Decoding many queries in one call is slower than in slices: one call over 800 pools (800 x 64 x 512 floats, 105 MB)
-# streams every intermediate through memory, while slices of 64 stay in cache (greedy over 800 queries: 1.4x faster
-# in slices of 32-64 than in one call, 1 thread, `python bench.py --only decode`). Rows never interact, so the
-# slices give the same picks.
+def argmax(log_dist: Tensor) -> Tensor:
+    """Greedy choice of `_decode`: (B, N, K) -> (B, N)."""
+    return log_dist.argmax(-1)
+
+
+# Decoding works in slices of queries: one call over hundreds of pools streams every intermediate through memory, while
+# slices stay in cache (`python bench.py --only decode`). Rows never interact, so the slices give the same picks.
 DECODE_CHUNK = 64
 
 
-# Matrix products of fewer rows than this take other CPU kernels, whose rounding differs from the batched ones: on
-# the development CPU (AMD EPYC, MKL) a selector's outputs for a row had the same bits in every batch of 4 or more
-# rows, and other bits in batches of 1-3.
+# Matrix products of fewer rows than this may take other CPU kernels, which round differently: a slice this small joins
+# the one before, so each row gets the bits it gets in any larger batch.
 MIN_SLICE = 4
 
 
 def slices(n: int, size: int) -> list[slice]:
-    """Consecutive slices of `size` rows covering n; a last slice of fewer than MIN_SLICE rows joins the one before,
-    so each row is computed with the kernels of a batch."""
+    """Consecutive slices of `size` rows covering n; a last slice of fewer than MIN_SLICE rows joins the one before."""
     starts = list(range(0, n, size))
     if len(starts) > 1 and n - starts[-1] < MIN_SLICE:
         starts.pop()
@@ -366,8 +364,8 @@ def _check_pool(query: Tensor, pool: Tensor, pool_mask: Tensor, steps: int) -> N
 
 
 def all_finite(x: Tensor) -> bool:
-    """No NaN or inf in x. Its min and max are finite exactly then (NaN propagates through both); one reduction
-    pass, about 20x faster than isfinite(x).all(), which writes a bool per element first."""
+    """No NaN or inf in x: its min and max are finite exactly then (NaN propagates through both). One reduction pass,
+    where isfinite(x).all() writes a bool per element first."""
     if x.numel() == 0:
         return True
     return bool(torch.isfinite(torch.stack(torch.aminmax(x))).all())
@@ -403,60 +401,6 @@ def check_inputs(query: Tensor, pool: Tensor, pool_mask: Tensor, seqs: Tensor, s
         raise ValueError(
             f"query {b}, sequence {g}: candidate {int(seqs[b, g, t])} is picked twice: {seqs[b, g].tolist()}"
         )
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Selector files: model.json read strictly, weights loaded strictly (the file I/O itself is in files.py)
-
-
-def read_config(path: Path) -> SelectorConfig:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file (a selector folder holds model.json + model.safetensors)")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: expected a JSON object of selector settings, got {type(raw).__name__}")
-    known = {f.name for f in fields(SelectorConfig)}
-    if unknown := set(raw) - known:
-        raise ValueError(f"{path}: unknown config fields {sorted(unknown)}; expected a subset of {sorted(known)}")
-    for name, kind in get_type_hints(SelectorConfig).items():
-        value = raw.get(name)
-        if name in raw and not _is_a(value, kind):
-            want = "a string" if kind is not int and kind is not float else f"an {kind.__name__}"
-            want = "a number" if kind is float else want
-            raise ValueError(f"{path}: field {name!r} must be {want}, got {value!r}")
-    try:
-        return SelectorConfig(**raw)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
-
-
-def _is_a(value, kind) -> bool:
-    """JSON value check for SelectorConfig's field types: int (not bool), float (any number), str/Literal."""
-    if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, str)
-
-
-def load_state_strict(model: nn.Module, tensors: dict[str, Tensor], source: str | os.PathLike) -> None:
-    """load_state_dict that names every missing, unexpected or mis-shaped tensor instead of skipping it."""
-    own = model.state_dict()
-    missing = sorted(set(own) - set(tensors))
-    unexpected = sorted(set(tensors) - set(own))
-    shapes = [
-        f"{k}: {tuple(tensors[k].shape)} in file, {tuple(v.shape)} in model"
-        for k, v in own.items()
-        if k in tensors and tensors[k].shape != v.shape
-    ]
-    problems = [f"missing tensors {missing}"] * bool(missing) + [f"unexpected tensors {unexpected}"] * bool(unexpected)
-    problems += [f"shape mismatch {s}" for s in shapes]
-    if problems:
-        raise ValueError(f"{source}: does not match the selector architecture: " + "; ".join(problems))
-    model.load_state_dict(tensors, strict=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ from training import (
 SHOWN = ("train/loss", "train/tau")  # on the progress bar and the epoch line
 
 
-@help_first("data", "out")
+@help_first("data", "out", "init")
 @dataclass
 class Args(TrainArgs, SelectorConfig):
     """The selector's settings (--hidden, --num-layers, --num-heads, --dropout, --temperature, --pick-order) shape a

@@ -218,7 +218,7 @@ def test_load_names_missing_unexpected_and_misshaped_tensors(tmp_path):
     for name in ("gate.bias", "extra.weight", "in_proj.weight"):
         assert name in str(e.value)
     (tmp_path / "model.json").unlink()
-    with pytest.raises(FileNotFoundError, match="model.json"):
+    with pytest.raises(ValueError, match="model.json"):
         PointerSelector.load(tmp_path)
 
 
@@ -278,15 +278,16 @@ def test_pick_order_maps_picks_to_prompts_and_back(seed, S):
     assert all(torch.equal(nearest.to_prompt(picks[..., :k])[..., -1], picks[..., 0]) for k in range(1, S + 1))
 
 
-def test_pick_order_is_validated_and_old_model_files_load_as_prompt_order(tmp_path):
+def test_pick_order_is_validated_and_model_json_must_name_every_setting(tmp_path):
     with pytest.raises(ValueError, match="pick_order"):
         SelectorConfig(pick_order="backwards")
     model = make_model(0)
     model.save(tmp_path)
     raw = json.loads((tmp_path / "model.json").read_text())
-    del raw["pick_order"]  # a model.json written before the field existed
+    del raw["pick_order"]  # read as a default, it would silently change how the picks become a prompt
     (tmp_path / "model.json").write_text(json.dumps(raw))
-    assert PointerSelector.load(tmp_path).cfg.pick_order == "prompt"
+    with pytest.raises(ValueError, match=r"model\.json.*missing \['pick_order'\]"):
+        PointerSelector.load(tmp_path)
 
 
 @given(seeds, st.integers(1, 40), st.sampled_from([None, float("nan"), float("inf"), float("-inf")]))
@@ -307,7 +308,7 @@ def test_decoding_in_slices_picks_what_one_call_picks(seed, B, chunk):
     g = rng(seed)
     query, pool, mask = torch.randn(B, 6, generator=g), torch.randn(B, 5, 6, generator=g), torch.ones(B, 5).bool()
     net = PointerSelector(SelectorConfig(dim=6, hidden=8, num_heads=2)).eval()
-    whole = net._decode(query, pool, mask, 3, 1, None, None)
+    whole = net._decode(query, pool, mask, 3, 1, model.argmax)
     beams = net._beam(query, pool, mask, 3, 2)
     sizes = []
     real = model.in_chunks
