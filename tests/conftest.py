@@ -1,5 +1,6 @@
 """Shared test setup: the flat repo root on sys.path, hypothesis profiles (HYPOTHESIS_PROFILE=dev|ci, default ci),
-and session fixtures (a small simulated dataset; tiny offline real models and an OK-VQA-format dataset)."""
+and session fixtures (a small simulated dataset; tiny offline real models of every tested family and OK-VQA-format
+datasets)."""
 
 import os
 import sys
@@ -42,6 +43,29 @@ def assets(tmp_path_factory) -> dict:
         "text_lm": build_tiny_text_lm(root / "text-lm"),
         "okvqa": build_okvqa_fixture(root / "okvqa"),
     }
+
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "llava", "llava_next", "llava_onevision", "gemma3")
+
+
+@pytest.fixture(scope="session")
+def family_models(assets, tmp_path_factory) -> dict:
+    """A tiny random-weight checkpoint of each model family in FAMILIES (Qwen2.5-VL: assets["qwen"]), built once."""
+    import real_fixtures
+
+    root = tmp_path_factory.mktemp("families")
+    built = {
+        name: getattr(real_fixtures, f"build_tiny_{name}")(root / name) for name in FAMILIES if name != "qwen2_5_vl"
+    }
+    return built | {"qwen2_5_vl": assets["qwen"]}
+
+
+@pytest.fixture(scope="session")
+def mixed_okvqa(tmp_path_factory):
+    """The OK-VQA-format dataset with images of mixed sizes, modes and formats (wide, tall, tiny, L, P, CMYK)."""
+    from real_fixtures import build_okvqa_fixture
+
+    return build_okvqa_fixture(tmp_path_factory.mktemp("real") / "okvqa-mixed", mixed=True)
 
 
 @pytest.fixture(scope="module")

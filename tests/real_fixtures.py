@@ -814,9 +814,15 @@ def build_tiny_gemma3(folder: Path, seed: int = 0) -> Path:
         boi_token_index=ids["<start_of_image>"],
         eoi_token_index=ids["<end_of_image>"],
         image_token_index=ids["<image_soft_token>"],
+        # Untied (the real model ties them): a tied random head makes each position predict its own input token.
+        tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
     model = Gemma3ForConditionalGeneration(config)
+    # transformers initialises the image projection to zeros (a pretrained model's weights replace it): images would
+    # not matter at all.
+    with torch.no_grad():
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 32**-0.5)
     _sharpen_head(model)
     generation = {
         "do_sample": True,
