@@ -43,7 +43,7 @@ from training import (
     Split,
     TrainArgs,
     check_train_args,
-    greedy_picks,
+    greedy_icds,
     log_line,
     lr_factor,
     make_batch,
@@ -222,9 +222,15 @@ def sample_and_score(
     return Batch(query, pool_emb, pool_mask, seqs, ok, reward)
 
 
+def val_greedy(model: PointerSelector, ds: Dataset, split: Split) -> Tensor:
+    """The greedy demonstrations of the validation anchors, (V, S) train rows."""
+    g = ds.groups
+    return greedy_icds(model, ds, "train", g.queries[split.val], g.pools[split.val], ds.seq_len)
+
+
 def selection_change(policy: PointerSelector, ds: Dataset, split: Split, ref_greedy: Tensor) -> float:
-    """Share of validation anchors whose greedy picks differ from the reference's, ref_greedy (V, S)."""
-    return (greedy_picks(policy, ds, split.val) != ref_greedy).any(-1).double().mean().item()
+    """Share of validation anchors whose greedy demonstrations differ from the reference's, ref_greedy (V, S)."""
+    return (val_greedy(policy, ds, split) != ref_greedy).any(-1).double().mean().item()
 
 
 def main(args: Args) -> None:
@@ -264,7 +270,7 @@ def main(args: Args) -> None:
                 p.requires_grad_(False)
         params = [p for p in policy.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-        ref_greedy = greedy_picks(ref, ds, split.val)  # (V, S): selection change is measured against these
+        ref_greedy = val_greedy(ref, ds, split)  # (V, S): selection change is measured against these
         ref_cache = None if args.online else reference_dists(ref, ds, split, args.batch_size)  # (Q, G, S, K)
         # Online groups are drawn at --temperature, so the ratio, the KL and the entropy are those of that sampling
         # policy (as in TRL); offline groups were not drawn from the policy at all, so the plain policy is used.

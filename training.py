@@ -172,10 +172,12 @@ def make_batch(ds: Dataset, idx: Tensor, reward: Tensor, cfg: SelectorConfig) ->
 
 
 @torch.no_grad()
-def greedy_picks(model: PointerSelector, ds: Dataset, idx: Tensor) -> Tensor:
-    """Greedy pool positions (B, S) for the queries `idx`."""
-    b = make_batch(ds, idx, torch.zeros(len(ds.groups), 1), model.cfg)
-    return model.greedy(b.query, b.pool, b.pool_mask, ds.seq_len)[0]
+def greedy_icds(model: PointerSelector, ds: Dataset, split: str, rows: Tensor, pool: Tensor, k: int) -> Tensor:
+    """The selector's greedy demonstrations for the questions `rows` (n,) of `split`, from their pools (n, K) of train
+    rows (-1 = padding): (n, k) train rows in pick order."""
+    emb = ds.emb
+    picks, _ = model.eval().greedy(emb[split][rows], emb["train"][pool.clamp_min(0)], pool >= 0, k)  # (n, k)
+    return pool.gather(1, picks)
 
 
 @torch.no_grad()
@@ -190,9 +192,8 @@ def validate(model: PointerSelector, ds: Dataset, split: Split, backend=None, ma
     out = {"val/reward": float((w * b.reward).sum(-1).mean()), "select_metric": selection_metric(backend)}
     if backend is not None:
         n = max_queries or len(split.val)
-        picks = model.greedy(b.query[:n], b.pool[:n], b.pool_mask[:n], ds.seq_len)[0]  # (n, S) pick order
-        icds = ds.groups.pools[split.val[:n]].gather(1, picks)  # (n, S) train rows in pick order
-        queries = ds.groups.queries[split.val[:n]]
+        queries, pools = ds.groups.queries[split.val[:n]], ds.groups.pools[split.val[:n]]
+        icds = greedy_icds(model, ds, "train", queries, pools, ds.seq_len)  # (n, S) train rows in pick order
         accs = [
             100 * float(backend.score("train", queries, model.cfg.to_prompt(icds[:, :k]))["acc"].mean())
             for k in range(1, ds.seq_len + 1)
