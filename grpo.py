@@ -65,6 +65,18 @@ from training import (
 SHOWN = ("grpo/reward_mean", "grpo/kl_ref", "grpo/entropy")
 
 
+# Per-mode defaults of the flags left at None (docs/ablations.md measures them on the simulator).
+MODE_DEFAULTS = {
+    "offline": {"epochs": 10, "lr": 1e-4, "reward_mode": "hard_plus_soft", "kl_beta": 0.1},
+    "online": {"epochs": 30, "lr": 1e-3, "reward_mode": "hard_plus_gtprob", "kl_beta": 0.3},
+}
+
+
+def per_mode(name: str):
+    """--help's default of a flag left at None: its value in each mode."""
+    return default_is(" offline, ".join(str(MODE_DEFAULTS[mode][name]) for mode in ("offline", "online")) + " online")
+
+
 @help_first("init", "data", "out", "online", "kl_beta")
 @dataclass
 class Args(TrainArgs):
@@ -72,13 +84,13 @@ class Args(TrainArgs):
     """Starting selector (run folder or epoch checkpoint); also the frozen KL reference."""
     out: Annotated[Path | None, alias("--output-dir"), default_is("runs/grpo-<key flags>, e.g. runs/grpo-kl0.1")] = None
     """Run folder."""
-    epochs: Annotated[int | None, alias("--num-train-epochs"), default_is("10 offline, 30 online")] = None
+    epochs: Annotated[int | None, alias("--num-train-epochs"), per_mode("epochs")] = None
     """Passes over the training queries (an online epoch takes as many steps)."""
-    lr: Annotated[float | None, alias("--learning-rate"), default_is("1e-4 offline, 1e-3 online")] = None
+    lr: Annotated[float | None, alias("--learning-rate"), per_mode("lr")] = None
     """AdamW learning rate."""
-    reward_mode: Annotated[RewardMode | None, default_is("hard_plus_soft offline, hard_plus_gtprob online")] = None
-    """How a scored sequence becomes a reward (hard_plus_soft, hard_plus_gtprob, ...: see the README)."""
-    kl_beta: Annotated[float | None, alias("--beta"), default_is("0.1 offline, 0.3 online")] = None
+    reward_mode: Annotated[RewardMode | None, per_mode("reward_mode")] = None
+    """How a scored sequence becomes a reward (data.compute_reward)."""
+    kl_beta: Annotated[float | None, alias("--beta"), per_mode("kl_beta")] = None
     """Weight of the exact KL to the reference policy, used as given for the whole run (TRL's GRPOConfig defaults
     to 0.0: here the KL is what keeps the selector near its warm-up)."""
     kl_target: float | None = None
@@ -98,20 +110,13 @@ class Args(TrainArgs):
     online: bool = False
     """Sample fresh groups from the current policy each step and score them with the backend."""
     group_size: Annotated[int, alias("--num-generations")] = 16
-    """Online: distinct sequences sampled per query (TRL's num_generations defaults to 8; 8 cost 1.4 points here)."""
+    """Online: distinct sequences sampled per query (TRL's num_generations defaults to 8)."""
     temperature: float = 1.0
     """Online: sampling temperature."""
     queries: Literal["train", "anchors"] = "train"
     """Online: where each step's queries come from. train = any train question whose image is not a validation
     anchor's, each with a fresh pool from the dataset's sampler (the groups are scored anew anyway, so online GRPO
     need not be confined to the scored anchors); anchors = the scored anchor queries and their pools."""
-
-
-# Per-mode defaults of the flags left at None (measured on the simulator: README, "What moves the learning").
-MODE_DEFAULTS = {
-    "offline": {"epochs": 10, "lr": 1e-4, "reward_mode": "hard_plus_soft", "kl_beta": 0.1},
-    "online": {"epochs": 30, "lr": 1e-3, "reward_mode": "hard_plus_gtprob", "kl_beta": 0.3},
-}
 
 
 def resolve(args: Args) -> Args:
