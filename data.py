@@ -27,6 +27,7 @@ readable (> 0: the ICDs help) and comparable across queries.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -39,6 +40,7 @@ from torch import Tensor
 
 from files import DataError, read_json, read_jsonl, read_tensors
 from model import reward_spread
+from sim import SimConfig
 
 FORMAT_VERSION = 2  # 2: gt_prob at full precision, and each query's zero-shot gt_prob
 RewardMode = Literal[
@@ -103,15 +105,83 @@ def compute_reward(fields: dict[str, Tensor], args: RewardArgs) -> Tensor:
 # Reading and validating the folder
 
 
+# meta.json fields every dataset has, with their types; a wrong one is one line naming it, never a traceback later.
+META_FIELDS = {
+    "format_version": int,
+    "source": str,
+    "lvlm": str,
+    "sampler": str,
+    "pool_size": int,
+    "group_size": int,
+    "seq_len": int,
+    "num_queries": int,
+    "seed": int,
+    "complete": bool,
+    "settings": dict,
+}
+META_OPTIONAL = {"calibration": dict, "counts": dict, "sim_config": dict, "prompt_template": dict, "generation": dict}
+TYPE_NAMES = {
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    bool: "true or false",
+    dict: "an object",
+    list: "a list",
+}
+
+
+def _typed(value, kind: type, where: str):
+    """`value` if it has the JSON type `kind` (float: any number; a bool is never a number), else one DataError."""
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+    if not ok:
+        raise DataError(f"{where}: expected {TYPE_NAMES[kind]}, got {value!r:.80}")
+    return value
+
+
+def _finite(value, where: str, field: str = "") -> None:
+    """No NaN or infinity anywhere in a JSON document (json.loads accepts them)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise DataError(f"{where}: field '{field}' is {value}, expected a finite number")
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        _finite(v, where, f"{field}[{k}]" if isinstance(k, int) else f"{field}.{k}" if field else k)
+
+
 def read_meta(folder: Path) -> dict:
-    meta = read_json(folder / "meta.json")
+    path = folder / "meta.json"
+    meta = read_json(path)
     if not isinstance(meta, dict) or "format_version" not in meta:
-        raise DataError(f"{folder / 'meta.json'}: field 'format_version' is missing; is this an icl-select dataset?")
+        raise DataError(f"{path}: field 'format_version' is missing; is this an icl-select dataset?")
     if meta["format_version"] != FORMAT_VERSION:
         raise DataError(
-            f"{folder / 'meta.json'}: field 'format_version' is {meta['format_version']!r}, this kit reads version "
+            f"{path}: field 'format_version' is {meta['format_version']!r}, this kit reads version "
             f"{FORMAT_VERSION}; regenerate the folder with gen_rl_data.py"
         )
+    _finite(meta, str(path))
+    for key, kind in (META_FIELDS | {k: v for k, v in META_OPTIONAL.items() if k in meta}).items():
+        if key not in meta:
+            raise DataError(f"{path}: field '{key}' is missing")
+        _typed(meta[key], kind, f"{path}: field '{key}'")
+    for key in ("pool_size", "group_size", "seq_len", "num_queries"):
+        if meta[key] < 1:
+            raise DataError(f"{path}: field '{key}' is {meta[key]}, expected an integer >= 1")
+    for name, value in meta.get("calibration", {}).items():
+        _typed(value, float, f"{path}: field 'calibration.{name}'")
+    if "sim_config" in meta:
+        known = {f.name: f.default for f in dataclasses.fields(SimConfig)}
+        if unknown := sorted(meta["sim_config"].keys() - known.keys()):
+            raise DataError(f"{path}: field 'sim_config.{unknown[0]}' is not a simulator setting")
+        for name, default in known.items():
+            value = meta["sim_config"].get(name, default)
+            where = f"{path}: field 'sim_config.{name}'"
+            if isinstance(default, tuple):
+                for v in _typed(value, list, where):
+                    _typed(v, float, where)
+            else:
+                _typed(value, float if isinstance(default, float) else int, where)
     return meta
 
 
@@ -238,7 +308,7 @@ class Dataset:
 
     @property
     def seq_len(self) -> int:
-        return int(self.meta["seq_len"])
+        return self.meta["seq_len"]
 
     @property
     def is_sim(self) -> bool:
@@ -251,14 +321,11 @@ def load_dataset(folder: str | Path, allow_truncated: bool = False) -> Dataset:
     if not folder.is_dir():
         raise DataError(f"{folder}: no such dataset folder (build one with: python gen_rl_data.py --out {folder})")
     meta = read_meta(folder)
-    for key in ("seq_len", "pool_size", "source"):
-        if key not in meta:
-            raise DataError(f"{folder / 'meta.json'}: field '{key}' is missing")
     items = read_items(folder / "items.json")
     emb = read_embeddings(folder / "embeddings.safetensors", {k: len(v) for k, v in items.items()})
     n_train = len(items["train"])
     groups = parse_groups(
-        folder / "rl_data.jsonl", read_rl_data(folder / "rl_data.jsonl", allow_truncated), n_train, int(meta["seq_len"])
+        folder / "rl_data.jsonl", read_rl_data(folder / "rl_data.jsonl", allow_truncated), n_train, meta["seq_len"]
     )
     eval_pools = read_eval_pools(folder / "eval_pools.json", len(items["val"]), n_train)
     return Dataset(folder, meta, items, emb, groups, eval_pools)

@@ -63,6 +63,31 @@ def test_missing_files_and_versions(folder, tmp_path):
     expect(folder, r"eval_pools.json: missing file")
 
 
+@pytest.mark.parametrize(
+    "edit, pattern",
+    [
+        (lambda m: m.__setitem__("seq_len", "4"), r"meta.json: field 'seq_len': expected an integer, got '4'"),
+        (lambda m: m.__setitem__("pool_size", 0), r"meta.json: field 'pool_size' is 0, expected an integer >= 1"),
+        (lambda m: m.__setitem__("complete", "yes"), r"meta.json: field 'complete': expected true or false"),
+        (lambda m: m.pop("source"), r"meta.json: field 'source' is missing"),
+        (lambda m: m["sim_config"].__setitem__("band", float("nan")), r"meta.json: field 'sim_config.band' is nan"),
+        (lambda m: m["calibration"].__setitem__("random_1", float("inf")), r"field 'calibration.random_1' is inf"),
+        (lambda m: m["calibration"].__setitem__("random_1", "high"), r"field 'calibration.random_1': expected a num"),
+        (lambda m: m["sim_config"].__setitem__("num_train", 600.0), r"field 'sim_config.num_train': expected an int"),
+        (
+            lambda m: m["sim_config"].__setitem__("image_group_probs", 1),
+            r"'sim_config.image_group_probs': expected a l",
+        ),
+        (lambda m: m["sim_config"].__setitem__("typo", 1), r"field 'sim_config.typo' is not a simulator setting"),
+    ],
+)
+def test_bad_meta_fields(folder, edit, pattern):
+    meta = json.loads((folder / "meta.json").read_text())
+    edit(meta)
+    (folder / "meta.json").write_text(json.dumps(meta))
+    expect(folder, pattern)
+
+
 def test_truncated_last_line(folder):
     path = folder / "rl_data.jsonl"
     text = path.read_text()
