@@ -541,7 +541,9 @@ class Simulator:
             "prediction": [table[i][r] for i, r in zip(queries.tolist(), regime.tolist())],
             "acc": acc,
             "correct": acc > 0,
-            "gt_prob": torch.sigmoid(logit),
+            # float32 sigmoid rounds a batch's SIMD body and tail differently: computed in float64 and rounded, an
+            # answer does not depend on the batch it came in (the score cache relies on it)
+            "gt_prob": torch.sigmoid(logit.double()).float(),
             "rel": self._rel[split][queries, regime],
         }
 
