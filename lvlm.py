@@ -521,34 +521,43 @@ class LVLMBackend:
 
     def reply_ids(self, messages: list[dict], replies: list[str]) -> list[list[int]]:
         """Each reply's tokens as the chat template renders it as the assistant's turn after `messages`, up to and
-        including the first stop token (a template that ends the turn without one gets the model's first stop token).
+        including the first stop token.
 
         The tokens are those the rendered chat adds to the prompt's: spacing and merges are the template's and the
-        tokenizer's, never guessed (LLaVA's " black" is scored as that). A template whose header before a reply
-        differs from its generation prompt (LLaVA-OneVision renders "assistant \n" before a reply but prompts with
-        "assistant\n") gets the text it renders after that header, behind the prompt the model is actually given.
+        tokenizer's, never guessed (LLaVA's " black" is scored as that). Two template quirks: a header before a reply
+        that differs from the generation prompt (LLaVA-OneVision renders "assistant \n" before a reply but prompts
+        with "assistant\n") gets the text rendered after that header, behind the prompt the model is actually given;
+        a turn closed without a stop token (LLaVA-1.5 renders "ASSISTANT: black ") ends at the reply's last
+        character, followed by the model's first stop token, since what the template writes after it separates turns
+        and is never generated.
         """
         prompt = self._chat(messages, add_generation_prompt=True)
         special = self._special(prompt)
-        head = self.tokenizer(prompt, add_special_tokens=special)["input_ids"]
+
+        def tokens(text: str) -> list[int]:
+            return self.tokenizer(text, add_special_tokens=special)["input_ids"]
+
+        head = tokens(prompt)
         header = None  # the rendered chat up to where a reply starts, found only when needed
         out = []
         for reply in replies:
-            full = self._chat([*messages, assistant_turn(reply)], add_generation_prompt=False)
-            ids = self.tokenizer(full, add_special_tokens=special)["input_ids"]
+            text = self._chat([*messages, assistant_turn(reply)], add_generation_prompt=False)
+            ids = tokens(text)
             if ids[: len(head)] != head:
                 if header is None:
                     a, b = (self._chat([*messages, assistant_turn(x)], add_generation_prompt=False) for x in "ab")
                     header = os.path.commonprefix([a, b])
-                ids = self.tokenizer(prompt + full[len(header) :], add_special_tokens=special)["input_ids"]
-                if not full.startswith(header) or ids[: len(head)] != head:
-                    raise ValueError(
-                        f"{self.info['lvlm']}: the chat template's assistant turn {reply!r} does not continue the "
-                        "prompt, so P(reply) is undefined for this model"
-                    )
+                text = prompt + text[len(header) :]
+                ids = tokens(text)
+            end = text.rfind(reply) + len(reply)
+            if ids[: len(head)] != head or end < len(prompt) + len(reply):
+                raise ValueError(
+                    f"{self.info['lvlm']}: the chat template's assistant turn {reply!r} does not continue the "
+                    "prompt, so P(reply) is undefined for this model"
+                )
             tail = ids[len(head) :]
             stops = [i for i, t in enumerate(tail) if t in self.stop_ids]
-            out.append(tail[: stops[0] + 1] if stops else tail + self.stop_ids[:1])
+            out.append(tail[: stops[0] + 1] if stops else tokens(text[:end])[len(head) :] + self.stop_ids[:1])
         return out
 
     @torch.inference_mode()
