@@ -126,3 +126,15 @@ def test_bad_model_writes_nothing(assets, tmp_path):
     with pytest.raises((ValueError, FileNotFoundError), match="no-such-model"):
         generate(args)
     assert not out.exists()
+
+
+def test_selector_transfers_to_another_lvlm(data, family_models, tmp_path):
+    """A selector trained on Qwen2.5-VL's scores picks demonstrations that LLaVA-1.5 answers with (evaluate.py
+    --lvlm): the evaluation file names the evaluating model and the prompt layout its template gets."""
+    small = dict(data=data, epochs=1, batch_size=4, val_frac=0.25)
+    rce.main(rce.Args(out=tmp_path / "rce", hidden=32, num_heads=2, quality="all", **small))
+    llava = str(family_models["llava"])
+    evaluate.main(evaluate.Args(runs=[tmp_path / "rce"], data=data, shots=[1, 2], num_samples=[4], lvlm=llava))
+    doc = json.loads((tmp_path / "rce" / "eval" / "val.json").read_text())
+    assert doc["backend"] == llava and len(doc["results"]) == 8
+    assert doc["backend_info"]["prompt_template"]["style"] == "turn-per-demo" and doc["backend_info"]["prompt_note"]
