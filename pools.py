@@ -58,19 +58,6 @@ def exclusion_mask(query_image_ids: Tensor, train_image_ids: Tensor, query_rows:
     return same_image | own_row
 
 
-def _allowed_counts(query_image_ids: Tensor, train_image_ids: Tensor, query_rows: Tensor) -> Tensor:
-    """How many train rows each query may draw from, i.e. `(~exclusion_mask(...)).sum(1)` without the (Q, N) mask:
-    N minus the rows on the query's image, minus its own row when that row is on another image. Returns (Q,) long."""
-    sorted_ids = train_image_ids.sort().values  # (N,)
-    same_image = torch.searchsorted(sorted_ids, query_image_ids, right=True) - torch.searchsorted(
-        sorted_ids, query_image_ids
-    )  # (Q,)
-    allowed = train_image_ids.shape[0] - same_image  # (Q,)
-    own = query_rows >= 0  # (Q,)
-    allowed[own] -= (train_image_ids[query_rows[own]] != query_image_ids[own]).long()
-    return allowed
-
-
 def _check_allowed(allowed: Tensor, pool_size: int) -> None:
     """Fail, naming the first short query, unless every query has at least pool_size allowed rows. allowed (Q,)."""
     if pool_size < 1:
@@ -84,9 +71,33 @@ def _check_allowed(allowed: Tensor, pool_size: int) -> None:
         )
 
 
-def _top_allowed(sim: Tensor, exclude: Tensor, k: int) -> Tensor:
-    """The k allowed columns with the highest similarity per row, highest first. (Q, N), (Q, N) -> (Q, k)."""
-    return sim.masked_fill(exclude, float("-inf")).topk(k, dim=1, sorted=True).indices  # (Q, k)
+def _select(
+    sampler: str,
+    pool_size: int,
+    excluded: tuple[Tensor, Tensor],
+    shape: tuple[int, int],
+    generator: torch.Generator,
+    image_sim: Tensor | None = None,
+    text_sim: Tensor | None = None,
+) -> Tensor:
+    """The pools, given the excluded (query, train row) index pairs and the (Q, N) similarities, which it overwrites
+    (excluded rows set to -inf in place): callers pass matrices of their own. Returns (Q, K) long."""
+    if sampler == "random":
+        # Uniform random keys with excluded rows at +inf: the K smallest keys are a uniform K-subset of the allowed
+        # rows, and their key order is a uniform random order.
+        keys = torch.rand(shape, generator=generator, device=generator.device)  # (Q, N)
+        keys[excluded] = float("inf")
+        return keys.topk(pool_size, dim=1, largest=False).indices  # (Q, K)
+    first, second = (image_sim, text_sim) if sampler in ("image", "mix") else (text_sim, None)
+    n_first = pool_size // 2 if sampler == "mix" else pool_size
+    first[excluded] = float("-inf")
+    top = first.topk(n_first, dim=1).indices  # (Q, K) or (Q, K//2), most similar first
+    if second is None:
+        return top
+    # Mix: the rest by text, never a row already taken by image.
+    second[excluded] = float("-inf")
+    rest = second.scatter_(1, top, float("-inf")).topk(pool_size - n_first, dim=1).indices  # (Q, K - K//2)
+    return torch.cat([top, rest], dim=1)  # (Q, K)
 
 
 def build_pools(
@@ -112,21 +123,8 @@ def build_pools(
         if given[name].shape != exclude.shape:
             raise ValueError(f"{name} has shape {tuple(given[name].shape)}, expected {tuple(exclude.shape)}")
     _check_allowed((~exclude).sum(dim=1), pool_size)
-
-    if sampler == "random":
-        # Uniform random keys with excluded rows at +inf: the K smallest keys are a uniform K-subset of the allowed
-        # rows, and their key order is a uniform random order.
-        keys = torch.rand(exclude.shape, generator=generator, device=exclude.device)  # (Q, N)
-        return keys.masked_fill(exclude, float("inf")).topk(pool_size, dim=1, largest=False).indices  # (Q, K)
-    if sampler == "image":
-        return _top_allowed(image_sim, exclude, pool_size)  # (Q, K)
-    if sampler == "text":
-        return _top_allowed(text_sim, exclude, pool_size)  # (Q, K)
-    n_image = pool_size // 2
-    by_image = _top_allowed(image_sim, exclude, n_image)  # (Q, K//2)
-    taken = exclude.scatter(1, by_image, True)  # (Q, N)
-    by_text = _top_allowed(text_sim, taken, pool_size - n_image)  # (Q, K - K//2)
-    return torch.cat([by_image, by_text], dim=1)  # (Q, K)
+    sims = {name: given[name].clone() if name in needs else None for name in given}  # _select writes into them
+    return _select(sampler, pool_size, exclude.nonzero(as_tuple=True), exclude.shape, generator, **sims)
 
 
 def query_pools(
@@ -140,29 +138,49 @@ def query_pools(
     generator: torch.Generator,
     chunk: int | None = None,
 ) -> Tensor:
-    """One pool per query: rows `queries` of `split` -> (Q, K) train rows, by `build_pools` with the given sampler.
+    """One pool per query: rows `queries` of `split` -> (Q, K) train rows, as `build_pools` builds them from
+    `exclusion_mask` and the similarities of the views the sampler uses.
 
     emb: "<split>_image" / "<split>_text" (N, d) views, read only by the samplers that use them; image_ids: split ->
     (N,) image id per row; query_rows: the queries' own train rows, or -1 (see `exclusion_mask`).
 
-    Built `chunk` queries at a time (default: CHUNK_ELEMENTS // N), each chunk with its own exclusion mask and
-    similarities, so memory grows with the chunk, not with Q x N. A query's pool depends only on its own row of
-    those matrices, and a chunk's random keys are the next rows of the same generator stream, so the pools (and the
-    generator's state afterwards) equal one `build_pools` call on the whole (Q, N) matrices, whatever the chunk.
+    Built `chunk` queries at a time (default: CHUNK_ELEMENTS // N), so memory grows with the chunk, not with Q x N,
+    and without any (Q, N) mask: the excluded rows are looked up among the train rows sorted by image. A query's pool
+    depends only on its own row of the matrices, and a chunk's random keys are the next rows of the same generator
+    stream, so the pools (and the generator's state afterwards) equal one `build_pools` call on the whole (Q, N)
+    matrices, whatever the chunk.
     """
+    if sampler not in SAMPLERS:
+        raise ValueError(f"unknown sampler {sampler!r}; expected one of {SAMPLERS}")
     train_ids, query_ids = image_ids["train"], image_ids[split][queries]  # (N,), (Q,)
-    _check_allowed(_allowed_counts(query_ids, train_ids, query_rows), pool_size)  # every query, before any work
-    views = {"image": ("image",), "text": ("text",), "mix": ("image", "text")}.get(sampler, ())
+    num_train = train_ids.shape[0]
+    by_image = train_ids.argsort(stable=True)  # (N,) train rows grouped by image id
+    sorted_ids = train_ids[by_image]  # (N,)
+    first = torch.searchsorted(sorted_ids, query_ids)  # (Q,) a query's image rows are by_image[first : first+count]
+    count = torch.searchsorted(sorted_ids, query_ids, right=True) - first  # (Q,)
+    own = query_rows >= 0  # (Q,)
+    own_elsewhere = torch.zeros_like(own)
+    own_elsewhere[own] = train_ids[query_rows[own]] != query_ids[own]  # own row not already excluded by its image
+    _check_allowed(num_train - count - own_elsewhere.long(), pool_size)  # every query, before any work
+
+    views = {"image": ("image",), "text": ("text",), "mix": ("image", "text")}[sampler] if sampler != "random" else ()
     if chunk is None:
-        chunk = max(1, CHUNK_ELEMENTS // max(train_ids.shape[0], 1))
+        chunk = max(1, CHUNK_ELEMENTS // max(num_train, 1))
     # Near-equal chunks, so none is a sliver: BLAS multiplies matrices of 1-3 rows another way, and those
     # similarities can differ from the whole matrix's in the last bit (and flip a tie at the pool's edge).
     parts = torch.arange(queries.shape[0]).tensor_split(max(1, math.ceil(queries.shape[0] / chunk)))
     out = []
     for part in parts:
-        exclude = exclusion_mask(query_ids[part], train_ids, query_rows[part])  # (C, N)
+        n = count[part]  # (C,)
+        # Every (query, row) pair on the query's image: query i of the chunk repeated n[i] times, next to the
+        # n[i] rows from first[i] on.
+        at = torch.arange(int(n.sum())) - (n.cumsum(0) - n).repeat_interleave(n)  # (P,) position within the image
+        q_same = torch.arange(len(part)).repeat_interleave(n)  # (P,)
+        rows_same = by_image[first[part].repeat_interleave(n) + at]  # (P,)
+        q_own = own[part].nonzero()[:, 0]  # (O,)
+        excluded = (torch.cat([q_same, q_own]), torch.cat([rows_same, query_rows[part][q_own]]))
         sims = {f"{v}_sim": emb[f"{split}_{v}"][queries[part]] @ emb[f"train_{v}"].T for v in views}  # (C, N) each
-        out.append(build_pools(sampler, pool_size, exclude, generator, **sims))  # (C, K)
+        out.append(_select(sampler, pool_size, excluded, (len(part), num_train), generator, **sims))  # (C, K)
     return torch.cat(out)  # (Q, K)
 
 

@@ -291,16 +291,15 @@ def _whole_matrix_pools(sampler, pool_size, emb, image_ids, split, queries, quer
 
 @given(
     seed=seeds,
-    sampler=st.sampled_from(pools.SAMPLERS),
     split=st.sampled_from(["train", "val"]),
-    num_train=st.integers(1, 40),
+    num_train=st.integers(4, 40),
     num_images=st.integers(1, 12),
     num_queries=st.integers(0, 12),
     pool_size=st.integers(1, 8),
-    chunk=st.integers(1, 14),
+    chunk=st.integers(4, 14),
 )
 def test_chunked_query_pools_equal_whole_matrix_pools(
-    seed, sampler, split, num_train, num_images, num_queries, pool_size, chunk
+    seed, split, num_train, num_images, num_queries, pool_size, chunk
 ):
     # Embeddings with entries in {-1, 0, 1}: similarities are exact small integers, equal however the product is
     # blocked, and ties are common, so tie-breaking must not depend on the chunk either.
@@ -315,24 +314,26 @@ def test_chunked_query_pools_equal_whole_matrix_pools(
     other = torch.randint(num_train, (num_queries,), generator=g)
     own = torch.where((torch.rand(num_queries, generator=g) < 0.7) & (split == "train"), queries, other)
     query_rows = torch.where(torch.rand(num_queries, generator=g) < 0.7, own, -1)
-    try:
-        want = _whole_matrix_pools(sampler, pool_size, emb, image_ids, split, queries, query_rows, _gen(seed + 1))
-    except ValueError as e:
-        for c in (1, chunk):  # the first short query of all, not of its chunk
-            with pytest.raises(ValueError, match=str(e)):
-                pools.query_pools(sampler, pool_size, emb, image_ids, split, queries, query_rows, _gen(seed + 1), c)
-        return
-    for c in (1, 2, 3, chunk, None):
-        after_ref, after = _gen(seed + 1), _gen(seed + 1)
-        _whole_matrix_pools(sampler, pool_size, emb, image_ids, split, queries, query_rows, after_ref)
-        got = pools.query_pools(sampler, pool_size, emb, image_ids, split, queries, query_rows, after, c)
-        assert torch.equal(got, want), f"chunk={c}"
-        # The generator ends where the whole-matrix draw leaves it, so what is drawn next is unchanged too.
-        assert torch.equal(torch.rand(3, generator=after), torch.rand(3, generator=after_ref)), f"chunk={c}"
+    args = (emb, image_ids, split, queries, query_rows)
+    for sampler in pools.SAMPLERS:
+        try:
+            want = _whole_matrix_pools(sampler, pool_size, *args, _gen(seed + 1))
+        except ValueError as e:
+            for c in (1, chunk):  # the first short query of all, not of its chunk
+                with pytest.raises(ValueError, match=str(e)):
+                    pools.query_pools(sampler, pool_size, *args, _gen(seed + 1), c)
+            continue
+        for c in (1, 2, 3, chunk, None):
+            after_ref, after = _gen(seed + 1), _gen(seed + 1)
+            _whole_matrix_pools(sampler, pool_size, *args, after_ref)
+            got = pools.query_pools(sampler, pool_size, *args, after, c)
+            assert torch.equal(got, want), f"{sampler} chunk={c}"
+            # The generator ends where the whole-matrix draw leaves it, so what is drawn next is unchanged too.
+            assert torch.equal(torch.rand(3, generator=after), torch.rand(3, generator=after_ref)), f"chunk={c}"
 
 
 def test_query_pools_never_builds_a_queries_by_train_matrix(monkeypatch):
-    # Every (C, N) matrix belongs to one chunk: the exclusion mask and the similarities are built per chunk.
+    # Every (C, N) matrix belongs to one chunk, and no (Q, N) exclusion mask is made at all.
     n_train, n_queries, d = 1000, 50, 4
     g = _gen(0)
     emb = {f"train_{v}": torch.randn(n_train, d, generator=g) for v in ("image", "text")}
@@ -340,13 +341,14 @@ def test_query_pools_never_builds_a_queries_by_train_matrix(monkeypatch):
     rows = torch.randperm(n_train, generator=g)[:n_queries]
     seen = []
 
-    def spy(sampler, pool_size, exclude, generator, **sims):
-        seen.append(exclude.shape[0])
-        assert all(s.shape == exclude.shape for s in sims.values())
-        return build(sampler, pool_size, exclude, generator, **sims)
+    def spy(sampler, pool_size, excluded, shape, generator, **sims):
+        seen.append(shape[0])
+        assert all(s.shape == shape for s in sims.values())
+        return select(sampler, pool_size, excluded, shape, generator, **sims)
 
-    build = pools.build_pools
-    monkeypatch.setattr(pools, "build_pools", spy)
+    select = pools._select
+    monkeypatch.setattr(pools, "_select", spy)
+    monkeypatch.setattr(pools, "exclusion_mask", None)
     monkeypatch.setattr(pools, "CHUNK_ELEMENTS", 8 * n_train)
     for chunk, most in ((7, 7), (None, 8)):
         seen.clear()
