@@ -28,6 +28,7 @@ Usage:
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +45,7 @@ from backends import open_backend
 from checkpoints import checkpoints, load_selector
 from cli import CpuArgs, default_is, help_first, run_cli
 from data import DEFAULT_DATA, Dataset, data_digest, load_dataset
-from files import atomic_write_text, read_json, read_jsonl
+from files import DataError, atomic_write_text, full_disk_names, read_json, read_jsonl
 from locks import exclusive
 from model import PointerSelector
 from tables import accuracy_table
@@ -177,7 +178,7 @@ def score_all(
     """Score the questions `todo` at every shot, appending one line per question to this rank's partial file
     (which starts with `header`, the settings)."""
     bar = tqdm(total=len(todo), desc=desc, unit="question", dynamic_ncols=True)
-    with sharding.own_file(path, header) as f:
+    with full_disk_names(path), sharding.own_file(path, header) as f:
         for c in range(0, len(todo), batch):
             idx = torch.tensor(todo[c : c + batch])
             per_shot = [backend.score(split, rows[idx], icds[idx], gt_prob=False) for icds in icds_per_shot]
@@ -207,27 +208,34 @@ def partial_files(target: Path, seed: int) -> list[Path]:
 
 def read_partials(target: Path, seed: int, header: dict) -> dict[int, list[dict]]:
     """Questions already scored (question index -> its shots) by any rank, of this run or of an interrupted one with
-    the same settings."""
-    return {i: r["shots"] for i, r in sharding.done(partial_files(target, seed), "i", header).items()}
-
-
-def evaluate_one(
-    args: Args, ds: Dataset, digest: str, backend, target: Path, selector: Path | None, desc: str
-) -> dict | None:
-    """Evaluate one run, checkpoint or baseline into `target`, holding its lock (one writer per file); `digest` is
-    the dataset's content digest (data_digest), hashed once per process."""
-    with exclusive(target, sharding.init()[0]):
-        return evaluate_locked(args, ds, digest, backend, target, selector, desc)
+    the same settings; a malformed record stops the run with one line (its file was edited or damaged)."""
+    done = {}
+    for i, r in sharding.done(partial_files(target, seed), "i", header).items():
+        shots = r.get("shots")
+        ok = 0 <= i < header["n"] and isinstance(shots, list) and len(shots) == len(header["shots"])
+        for s in shots if ok else ():
+            score = s.get("score") if isinstance(s, dict) else None
+            ok &= isinstance(score, (int, float)) and not isinstance(score, bool) and 0 <= score <= 1
+            ok &= isinstance(s, dict) and isinstance(s.get("icds"), list) and isinstance(s.get("prediction"), str)
+        if not ok:
+            raise DataError(
+                f"{partial_path(target, seed, '*')}: question {i} has a malformed record (expected 'shots': one "
+                f"{{'icds', 'prediction', 'score' in [0, 1]}} per shot); delete these progress files to redo them"
+            )
+        done[i] = shots
+    return done
 
 
 def keep_other_settings(target: Path, header: dict, num_samples: list[int], digest: str) -> None:
-    """Never overwrite results made with other settings (compare.py pairs runs by their files): refuse instead."""
+    """Never overwrite results made with other settings (compare.py pairs runs by their files), nor a file that is
+    not an evaluation (written atomically, a finished one always parses): refuse instead."""
     if not target.is_file():
         return
-    try:
-        old = json.loads(target.read_text())
-    except json.JSONDecodeError:
-        return  # not a finished evaluation: nothing to keep
+    old = read_json(target)
+    if not isinstance(old, dict) or not isinstance(old.get("results"), list):
+        raise DataError(
+            f"{target}: not an evaluation file (expected an object with 'results'); it is kept: move it away"
+        )
     now = {**header, "num_samples": sorted(num_samples), "backend": header["lvlm"], "data_digest": digest}
     keys = ("split", "order", "shots", "seeds", "num_samples", "backend", "data_digest")
     if diff := [f"{k}: {old.get(k)!r} there, {now[k]!r} now" for k in keys if old.get(k, now[k]) != now[k]]:
@@ -241,45 +249,85 @@ def run_status(run: Path) -> str:
     """Which epoch a run's model.safetensors is and whether its training finished, from its own files."""
     if not (run / "metrics.jsonl").is_file():
         return "evaluating model.safetensors (no metrics.jsonl: its training history is unknown)"
-    records = [r for _, r in read_jsonl(run / "metrics.jsonl", truncated="skip") if r.get("kind") != "step"]
-    planned = read_json(run / "config.json")["args"]["epochs"] if (run / "config.json").is_file() else None
-    last = records[-1]["epoch"] if records else None
+    records = []
+    for line, r in read_jsonl(run / "metrics.jsonl", truncated="skip"):
+        if not isinstance(r, dict) or not isinstance(r.get("epoch", 0), int):
+            raise DataError(f"{run / 'metrics.jsonl'} line {line}: expected an object with an integer 'epoch'")
+        if r.get("kind") != "step":
+            records.append(r)
+    planned = None
+    if (run / "config.json").is_file():
+        config = read_json(run / "config.json")
+        flags = config.get("args") if isinstance(config, dict) else None
+        planned = flags.get("epochs") if isinstance(flags, dict) else None
+        if not isinstance(planned, int):
+            raise DataError(f"{run / 'config.json'}: field 'args.epochs': expected an integer, got {planned!r}")
+    last = records[-1].get("epoch") if records else None
     best = records[-1].get("best_epoch") if records else None
     done = "finished" if last is not None and last == planned else f"NOT finished: {last} of {planned} epochs trained"
     return f"evaluating model.safetensors = epoch {best} (the best on validation); training {done}"
 
 
-def evaluate_locked(
-    args: Args, ds: Dataset, digest: str, backend, target: Path, selector: Path | None, desc: str
-) -> dict | None:
-    """Evaluate one run or baseline; under torchrun every rank scores its share and rank 0 writes the file."""
-    rank, world = sharding.init()
-    n = max(args.num_samples)
-    split = args.split
-    rows, pool, items = questions(ds, split, n)
-    k = max(args.shots)
-    model = None if selector is None else load_selector(selector)
+@dataclass
+class Job:
+    """One evaluation file to write: a run's model or epoch checkpoint (`selector`, loaded as `model`), or a
+    baseline (both None)."""
+
+    target: Path
+    selector: Path | None
+    model: PointerSelector | None
+    desc: str
+
+
+def plan(args: Args, ds: Dataset) -> list[Job]:
+    """Every evaluation asked for, each selector loaded: a damaged one stops the command before any is written."""
+    if args.baseline is not None:
+        out = args.out or Path("runs") / f"baseline-{args.baseline}"
+        if out.exists() and (out / "model.safetensors").exists():
+            raise ValueError(f"{out} holds a trained selector; choose another --out for the baseline")
+        return [Job(out / "eval" / f"{args.split}.json", None, None, args.baseline)]
+    jobs = []
+    for run in args.runs:
+        jobs.append(Job(run / "eval" / f"{args.split}.json", run, load_selector(run), str(run)))
+        for e in args.epochs:
+            ckpt = run / "ckpt" / f"epoch_{e:03d}.safetensors"
+            jobs.append(
+                Job(run / "eval" / f"{args.split}-epoch{e:03d}.json", ckpt, load_selector(ckpt), f"{run} epoch {e}")
+            )
+    return jobs
+
+
+def job_header(args: Args, ds: Dataset, job: Job, lvlm: str) -> dict:
+    """The settings an evaluation file and its progress files are made with (a resumed one must match them)."""
     order = args.order
     if order == "auto":  # how the selector was trained to be read; RICES puts the most similar next to the query
         nearest = args.baseline in ("image-sim", "text-sim") or (
-            model is not None and model.cfg.pick_order == "nearest_first"
+            job.model is not None and job.model.cfg.pick_order == "nearest_first"
         )
         order = "reversed" if nearest else "selected"
     seeds = list(range(args.seed, args.seed + args.seeds)) if args.baseline == "random" else [args.seed]
-    header = {
-        "selector": str(selector),
+    return {
+        "selector": str(job.selector),
         "baseline": args.baseline,
-        "split": split,
+        "split": args.split,
         "order": order,
-        "n": n,
+        "n": max(args.num_samples),
         "shots": args.shots,
         "seeds": seeds,
         "data": str(ds.folder),
-        "lvlm": backend.describe()["lvlm"],
+        "lvlm": lvlm,
     }
-    keep_other_settings(target, header, args.num_samples, digest)
-    if rank == 0 and selector is not None and selector.is_dir():
-        print(f"{selector}: {run_status(selector)}", flush=True)
+
+
+def evaluate_job(args: Args, ds: Dataset, digest: str, backend, job: Job, header: dict) -> dict | None:
+    """Evaluate one run, checkpoint or baseline into job.target (its lock held by the caller); under torchrun every
+    rank scores its share and rank 0 writes the file. `digest` is the dataset's content digest (data_digest)."""
+    rank, world = sharding.init()
+    target, model, split, seeds, order = job.target, job.model, args.split, header["seeds"], header["order"]
+    n, k = header["n"], max(args.shots)
+    rows, pool, items = questions(ds, split, n)
+    if rank == 0 and job.selector is not None and job.selector.is_dir():
+        print(f"{job.selector}: {run_status(job.selector)}", flush=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     for seed in seeds:
         if model is not None:
@@ -293,7 +341,7 @@ def evaluate_locked(
         done = read_partials(target, seed, h)
         path = partial_path(target, seed, rank)
         todo = [i for i in sharding.share(n, rank, world) if i not in done]
-        bar = f"{desc} seed {seed}" if len(seeds) > 1 else desc
+        bar = f"{job.desc} seed {seed}" if len(seeds) > 1 else job.desc
         score_all(backend, split, rows, icds, args.batch_size, bar, todo, path, h)
     sharding.barrier(world)
     if rank != 0:
@@ -346,10 +394,23 @@ def reroot_images(ds: Dataset, root: Path) -> None:
 
 
 def preflight(args: Args, ds: Dataset) -> None:
-    """What can be checked without the LVLM, before it is loaded: the question count, and on real data every image
-    the evaluation may read (the questions' own and, unless zero-shot, their pools'), so that a bad file stops the
-    run at once with its name instead of failing a batch after the model has loaded."""
+    """What can be checked without the LVLM, before it is loaded: the question count, the shots against the pools
+    and a selector's picks, and on real data every image the evaluation may read (the questions' own and, unless
+    zero-shot, their pools'), so that a bad file stops the run at once with its name instead of failing a batch
+    after the model has loaded."""
     rows, pool, items = questions(ds, args.split, max(args.num_samples))
+    k = max(args.shots)
+    if args.runs and k > ds.seq_len:
+        raise ValueError(
+            f"--shots {k}: this selector makes {ds.seq_len} picks (the sequence length of {ds.folder}, which it is "
+            f"trained on); evaluate at most {ds.seq_len} shots"
+        )
+    smallest = int((pool >= 0).sum(1).min())
+    if args.baseline != "zero-shot" and k > smallest:
+        raise ValueError(
+            f"--shots {k}: the {args.split} pools of {ds.folder} hold {smallest} candidates, fewer than {k} "
+            "demonstrations"
+        )
     if ds.is_sim:
         return
     paths = [it["image"] for it in items]
@@ -364,31 +425,23 @@ def main(args: Args) -> None:
     if args.data_root is not None:
         reroot_images(ds, args.data_root)
     preflight(args, ds)
+    jobs = plan(args, ds)
     backend = open_backend(
         ds.meta, ds.items, ds.emb, args.lvlm, args.lvlm_batch_size, args.device, args.image_cache_mib
     )
-    jobs = []
-    if args.baseline is not None:
-        out = args.out or Path("runs") / f"baseline-{args.baseline}"
-        if out.exists() and (out / "model.safetensors").exists():
-            raise ValueError(f"{out} holds a trained selector; choose another --out for the baseline")
-        jobs.append((out / "eval" / f"{args.split}.json", None, f"{args.baseline}"))
-    for run in args.runs:
-        jobs.append((run / "eval" / f"{args.split}.json", run, str(run)))
-        for e in args.epochs:
-            jobs.append(
-                (
-                    run / "eval" / f"{args.split}-epoch{e:03d}.json",
-                    run / "ckpt" / f"epoch_{e:03d}.safetensors",
-                    f"{run} epoch {e}",
-                )
-            )
     digest = data_digest(ds.folder)
-    for target, selector, desc in jobs:
-        doc = evaluate_one(args, ds, digest, backend, target, selector, desc)
-        if doc is not None:  # rank 0 (or a single process)
-            label = " (simulated LVLM)" if ds.is_sim else f" ({doc['backend']})"
-            print(f"\n{desc}: {args.split} VQA accuracy (%){label} -> {target}\n{accuracy_table(doc)}")
+    rank = sharding.init()[0]
+    with contextlib.ExitStack() as locks:  # one writer per evaluation file, every file checked before any is written
+        for job in jobs:
+            locks.enter_context(exclusive(job.target, rank))
+        headers = [job_header(args, ds, job, backend.describe()["lvlm"]) for job in jobs]
+        for job, header in zip(jobs, headers):
+            keep_other_settings(job.target, header, args.num_samples, digest)
+        for job, header in zip(jobs, headers):
+            doc = evaluate_job(args, ds, digest, backend, job, header)
+            if doc is not None:  # rank 0 (or a single process)
+                label = " (simulated LVLM)" if ds.is_sim else f" ({doc['backend']})"
+                print(f"\n{job.desc}: {args.split} VQA accuracy (%){label} -> {job.target}\n{accuracy_table(doc)}")
     sharding.finish(sharding.init()[1])
 
 

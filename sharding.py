@@ -20,7 +20,7 @@ from typing import TextIO
 import torch
 import torch.distributed as dist
 
-from files import append_jsonl, atomic_write_text, read_jsonl
+from files import DataError, append_jsonl, atomic_write_text, read_jsonl
 
 
 def init() -> tuple[int, int]:
@@ -64,8 +64,10 @@ def done(paths: list[Path], key: str, header: dict | None = None) -> dict:
     for path in paths:
         if not path.exists() or (header is not None and not _starts_with(path, header)):
             continue
-        records = [r for _, r in read_jsonl(path, truncated="skip")]
-        out.update({r[key]: r for r in records[header is not None :]})
+        for line, r in read_jsonl(path, truncated="skip")[header is not None :]:
+            if not isinstance(r, dict) or not isinstance(r.get(key), int) or isinstance(r[key], bool):
+                raise DataError(f"{path} line {line}: expected an object with an integer '{key}'")
+            out[r[key]] = r
     return out
 
 

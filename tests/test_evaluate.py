@@ -1,6 +1,7 @@
 """evaluate.py on the simulator: file format, nested prefixes, baselines, orders, resume, errors."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -176,3 +177,91 @@ def test_says_which_epoch_it_evaluates_and_never_overwrites_other_settings(small
     (run / "eval" / "val.json").unlink()
     run_eval(data=small_data, runs=[run])
     assert "training NOT finished: 1 of 2 epochs trained" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def run(small_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "rce"
+    rce.main(rce.Args(data=small_data, out=out, epochs=1, batch_size=8, val_frac=0.25))
+    return out
+
+
+def copy_run(run, to):
+    shutil.copytree(run, to, ignore=shutil.ignore_patterns("eval"))
+    return to
+
+
+def test_shots_beyond_the_selector_or_the_pools_are_refused_up_front(small_data, run, tmp_path):
+    for shots in ([9], [1, 5]):
+        with pytest.raises(ValueError, match=rf"--shots {max(shots)}: this selector makes 4 picks"):
+            run_eval(data=small_data, runs=[run], shots=shots)
+    run_eval(data=small_data, runs=[copy_run(run, tmp_path / "r")], shots=[1, 2])  # a file with other settings
+    with pytest.raises(ValueError, match=r"--shots 5: this selector makes 4 picks"):
+        run_eval(data=small_data, runs=[tmp_path / "r"], shots=[1, 5])
+    small = tmp_path / "small-pools"
+    shutil.copytree(small_data, small)
+    doc = json.loads((small / "eval_pools.json").read_text())
+    (small / "eval_pools.json").write_text(json.dumps({**doc, "pools": [p[:3] for p in doc["pools"]]}))
+    for b in ("random", "image-sim", "oracle"):
+        with pytest.raises(ValueError, match=r"--shots 4: the val pools of .* hold 3 candidates, fewer than 4"):
+            run_eval(data=small, baseline=b, out=tmp_path / b)
+        assert not (tmp_path / b).exists()
+    run_eval(data=small, baseline="zero-shot", out=tmp_path / "zero-shot")  # needs no pool
+
+
+def test_every_run_is_checked_before_any_evaluation_is_written(small_data, run, tmp_path):
+    a, b = copy_run(run, tmp_path / "a"), copy_run(run, tmp_path / "b")
+    (b / "eval").mkdir()
+    (b / "eval" / "val.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"b/eval/val.json: not valid JSON"):
+        run_eval(data=small_data, runs=[a, b])
+    assert not (a / "eval" / "val.json").exists() and (b / "eval" / "val.json").read_text() == "{not json"
+    (b / "eval" / "val.json").write_text("[1, 2]")  # JSON, but no evaluation: kept as well
+    with pytest.raises(ValueError, match=r"b/eval/val.json: not an evaluation file"):
+        run_eval(data=small_data, runs=[a, b])
+    (b / "eval" / "val.json").unlink()
+    (b / "model.safetensors").write_bytes(b"\0" * 10)  # a damaged selector
+    with pytest.raises(ValueError, match=r"b/model.safetensors"):
+        run_eval(data=small_data, runs=[a, b])
+    assert not (a / "eval" / "val.json").exists()
+
+
+def test_damaged_progress_and_run_files_are_one_line(small_data, run, tmp_path, monkeypatch):
+    target = tmp_path / "r" / "eval" / "val.json"
+    real_open = evaluate.open_backend
+
+    def dying_backend(*a, **kw):
+        backend = real_open(*a, **kw)
+        real_score, calls = backend.score, []
+
+        def score(*args, **kw):
+            calls.append(1)
+            if len(calls) > 4:
+                raise KeyboardInterrupt
+            return real_score(*args, **kw)
+
+        backend.score = score
+        return backend
+
+    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
+        m.setattr(evaluate, "open_backend", dying_backend)
+        run_eval(data=small_data, baseline="random", out=tmp_path / "r", batch_size=20)
+    [partial] = target.parent.glob("*.partial.jsonl")
+    lines = partial.read_text().splitlines()
+    record = json.loads(lines[3])
+    record["shots"][1]["score"] = float("nan")
+    partial.write_text("\n".join([*lines[:3], json.dumps(record), *lines[4:]]) + "\n")
+    with pytest.raises(ValueError, match=r"val.json.seed0.rank\*.partial.jsonl: question 2 has a malformed record"):
+        run_eval(data=small_data, baseline="random", out=tmp_path / "r", batch_size=20)
+    partial.write_text("\n".join([*lines[:3], "[]", *lines[4:]]) + "\n")
+    with pytest.raises(ValueError, match=rf"{partial.name} line 4: expected an object with an integer 'i'"):
+        run_eval(data=small_data, baseline="random", out=tmp_path / "r", batch_size=20)
+    r = copy_run(run, tmp_path / "run")
+    (r / "metrics.jsonl").write_text((r / "metrics.jsonl").read_text() + "[1]\n")
+    with pytest.raises(ValueError, match=r"metrics.jsonl line \d+: expected an object with an integer 'epoch'"):
+        run_eval(data=small_data, runs=[r])
+    (r / "metrics.jsonl").write_text((run / "metrics.jsonl").read_text())
+    config = json.loads((r / "config.json").read_text())
+    (r / "config.json").write_text(json.dumps({**config, "args": {**config["args"], "epochs": "ten"}}))
+    with pytest.raises(ValueError, match=r"config.json: field 'args.epochs': expected an integer, got 'ten'"):
+        run_eval(data=small_data, runs=[r])
