@@ -343,7 +343,10 @@ def read_items(path: Path) -> dict[str, list[dict]]:
             for key in ("question_id", "image_id", "question", "answers"):
                 if not isinstance(it, dict) or key not in it:
                     raise DataError(f"{path}: field '{split}[{i}].{key}' is missing")
-            if not isinstance(it["answers"], list) or not it["answers"]:
+            _typed(it["image_id"], int, f"{path}: field '{split}[{i}].image_id'")  # pools compare image ids
+            _typed(it["question"], str, f"{path}: field '{split}[{i}].question'")
+            answers = it["answers"]
+            if not isinstance(answers, list) or not answers or not all(isinstance(a, str) for a in answers):
                 raise DataError(f"{path}: field '{split}[{i}].answers' must be a non-empty list of strings")
     return items
 

@@ -138,6 +138,27 @@ def test_embeddings_must_match_items(folder):
     expect(folder, r"tensor 'val' row 7 contains NaN or inf")
 
 
+@pytest.mark.parametrize(
+    "edit, pattern",
+    [
+        (
+            lambda it: it["train"][5].__setitem__("image_id", float("nan")),
+            r"field 'train\[5\].image_id': expected an int",
+        ),
+        (
+            lambda it: it["val"][2].__setitem__("answers", ["a", 3]),
+            r"field 'val\[2\].answers' must be a non-empty list",
+        ),
+        (lambda it: it["val"][0].__setitem__("question", None), r"field 'val\[0\].question': expected a string"),
+    ],
+)
+def test_bad_items(folder, edit, pattern):
+    items = json.loads((folder / "items.json").read_text())
+    edit(items)
+    (folder / "items.json").write_text(json.dumps(items))
+    expect(folder, pattern)
+
+
 def test_eval_pools_validated(folder):
     pools = json.loads((folder / "eval_pools.json").read_text())
     pools["pools"][5][0] = pools["pools"][5][1]
