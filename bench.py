@@ -8,6 +8,7 @@ Usage:
     python bench.py --only epochs --data data/sim
     python bench.py --only grpo --shapes 64,16,4 32,8,1 256,64,8   # offline GRPO epoch vs Lever-Plus's step
     python bench.py --only decode                                  # greedy decoding vs Lever-Plus's decoder
+    python bench.py --only pools --pool-whole-rows 50000          # pool building: time and peak memory by size
     python bench.py --only lvlm --lvlm Qwen/Qwen2.5-VL-3B-Instruct --vqa-root /data/okvqa --device cuda
 """
 
@@ -30,8 +31,8 @@ from model import DECODE_CHUNK, PointerSelector, SelectorConfig, slices
 
 @dataclass
 class Args:
-    only: Literal["all", "log-probs", "epochs", "grpo", "decode", "lvlm"] = "all"
-    """Which benchmark to run (all = the CPU ones; lvlm needs --lvlm and --vqa-root)."""
+    only: Literal["all", "log-probs", "epochs", "grpo", "decode", "pools", "lvlm"] = "all"
+    """Which benchmark to run (all = the CPU ones but pools, which takes long; lvlm needs --lvlm and --vqa-root)."""
     shapes: list[str] = field(default_factory=lambda: ["64,16,4"])
     """GRPO benchmark: pool size, group size, shots of each simulated dataset, e.g. 64,16,4 32,8,1 256,64,8."""
     reference_queries: int = 64
@@ -44,6 +45,15 @@ class Args:
     """torch threads for the log-prob benchmark (0 = torch's default)."""
     thread_counts: list[int] = field(default_factory=lambda: [1])
     """Epoch benchmark: the thread counts to compare, interleaved (e.g. 1 2)."""
+    pool_rows: list[int] = field(default_factory=lambda: [50_000, 200_000, 443_757])
+    """Pool benchmark: train rows of each synthetic dataset (443,757 = VQAv2's train questions)."""
+    pool_queries: int = 15_000
+    """Pool benchmark: anchor queries (train rows) that each get a pool of 64."""
+    pool_samplers: list[str] = field(default_factory=lambda: ["random", "image", "mix"])
+    """Pool benchmark: samplers to time (text costs what image does)."""
+    pool_whole_rows: int = 0
+    """Pool benchmark: at row counts up to this, also build the pools from the whole (queries, rows) exclusion mask
+    and similarities at once, and check that they equal the chunked ones (memory grows with queries x rows)."""
     data: Annotated[Path | None, default_is("a fresh simulated dataset")] = None
     """Dataset folder for the epoch benchmarks."""
     lvlm: str | None = None
@@ -256,6 +266,87 @@ def bench_grpo_epoch(repeats: int, shapes: list[tuple[int, int, int]], reference
         print(f"  {'':17s} ours as a fresh process, start-up included: {mmm(fresh)}")
 
 
+def proc_status_bytes(field: str) -> int:
+    """A memory figure of this process from /proc/self/status (Linux), e.g. VmRSS (resident) or VmHWM (its peak)."""
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
+    return int(line.split()[1]) * 1024  # kB
+
+
+def pool_build_run(rows: int, queries: int, sampler: str, whole: bool, repeats: int) -> dict:
+    """Run in a fresh process: unit-norm random embeddings (rows, 512) of the three views a dataset holds (fused,
+    image, text), then pools of 64 for `queries` train anchors, `repeats` times: by `pools.query_pools` (chunked),
+    or with `whole`, from the whole (queries, rows) exclusion mask and similarities at once by `pools.build_pools`.
+    Peak memory is the process's peak RSS while building (VmHWM, reset once the embeddings exist) minus its RSS
+    just before."""
+    import hashlib
+
+    import pools
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    emb = {}
+    for name in ("train", "train_image", "train_text"):
+        x = torch.randn(rows, 512, generator=g)  # (N, d), normalised in place: no second copy
+        emb[name] = x.div_(x.norm(dim=1, keepdim=True))
+    image_ids = {"train": torch.randint(rows * 10 // 54, (rows,), generator=g)}  # VQAv2: ~5.4 questions per image
+    anchors = torch.randperm(rows, generator=g)[:queries]  # (Q,)
+    views = {"random": (), "image": ("image",), "text": ("text",), "mix": ("image", "text")}[sampler]
+
+    def build() -> Tensor:
+        if not whole:
+            return pools.query_pools(sampler, 64, emb, image_ids, "train", anchors, anchors, torch.Generator())
+        exclude = pools.exclusion_mask(image_ids["train"][anchors], image_ids["train"], anchors)  # (Q, N)
+        sims = {f"{v}_sim": emb[f"train_{v}"][anchors] @ emb[f"train_{v}"].T for v in views}  # (Q, N) each
+        return pools.build_pools(sampler, 64, exclude, torch.Generator(), **sims)
+
+    before = proc_status_bytes("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    seconds = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        pool = build()
+        seconds.append(time.perf_counter() - t0)
+    return {
+        "seconds": seconds,
+        "emb_bytes": sum(x.nbytes for x in emb.values()),
+        "rss_before": before,
+        "extra_peak": proc_status_bytes("VmHWM") - before,
+        "digest": hashlib.sha1(pool.numpy().tobytes()).hexdigest(),
+    }
+
+
+def bench_pools(rows_list: list[int], queries: int, samplers: list[str], repeats: int, whole_rows: int) -> None:
+    """Pool building at each train-row count, each size, sampler and method in a fresh process (one thread) so
+    its peak memory is its own: chunked (`pools.query_pools`), and at sizes up to `whole_rows` also from the whole
+    matrices at once, with a check that both give the same pools."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    def run(*args) -> dict:
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
+            return ex.submit(pool_build_run, *args).result()
+
+    gib = 2**30
+    print(
+        f"pool building: {queries} train anchors, pools of 64, d=512, 1 thread ({repeats} repeats; min / median / max)"
+    )
+    print("peak = the building process's peak RSS (VmHWM) above its RSS once the embeddings exist")
+    for rows in rows_list:
+        for sampler in samplers:
+            digests = {}
+            for mode in ("chunked", "whole matrix") if rows <= whole_rows else ("chunked",):
+                r = run(rows, queries, sampler, mode == "whole matrix", repeats)
+                x, digests[mode] = r["seconds"], r["digest"]
+                print(
+                    f"  {rows:7d} rows {sampler:6s} {mode:12s} {min(x):7.1f} / {statistics.median(x):7.1f} / "
+                    f"{max(x):7.1f} s  peak +{r['extra_peak'] / gib:5.2f} GiB  (embeddings {r['emb_bytes'] / gib:.2f} "
+                    f"GiB, RSS before {r['rss_before'] / gib:.2f} GiB)",
+                    flush=True,
+                )
+            if len(digests) > 1:
+                print(f"  {'':7s} same pools chunked and whole: {len(set(digests.values())) == 1}", flush=True)
+
+
 @torch.no_grad()
 def reference_greedy(model: PointerSelector, query: Tensor, pool: Tensor, pool_mask: Tensor, steps: int) -> Tensor:
     """Greedy decoding as Lever-Plus's decoder does it, in batches of 32 queries: no input checks, taken candidates
@@ -428,6 +519,8 @@ def main(args: Args) -> None:
     if args.only in ("all", "grpo"):
         shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
         bench_grpo_epoch(args.repeats, shapes, args.reference_queries, args.grpo_epochs)
+    if args.only == "pools":
+        bench_pools(args.pool_rows, args.pool_queries, args.pool_samplers, args.repeats, args.pool_whole_rows)
     if args.only == "lvlm":
         bench_lvlm(args)
 

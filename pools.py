@@ -40,8 +40,8 @@ __all__ = [
 
 SAMPLERS: tuple[str, ...] = ("random", "image", "text", "mix")
 
-# Queries x train rows per chunk of `query_pools`: a few (C, N) float and bool matrices of this size (similarities,
-# random keys, masks) are alive at once, so this bounds the memory of pool building whatever Q and N are.
+# Queries x train rows per chunk of `query_pools`: its (C, N) float32 similarities or random keys (two matrices for
+# "mix", 128 MiB each) bound the memory of pool building whatever Q and N are.
 CHUNK_ELEMENTS = 2**25
 
 
@@ -163,7 +163,7 @@ def query_pools(
     own_elsewhere[own] = train_ids[query_rows[own]] != query_ids[own]  # own row not already excluded by its image
     _check_allowed(num_train - count - own_elsewhere.long(), pool_size)  # every query, before any work
 
-    views = {"image": ("image",), "text": ("text",), "mix": ("image", "text")}[sampler] if sampler != "random" else ()
+    views = {"random": (), "image": ("image",), "text": ("text",), "mix": ("image", "text")}[sampler]
     if chunk is None:
         chunk = max(1, CHUNK_ELEMENTS // max(num_train, 1))
     # Near-equal chunks, so none is a sliver: BLAS multiplies matrices of 1-3 rows another way, and those
