@@ -231,16 +231,16 @@ def test_bad_inputs_name_the_query_and_sequence():
     good = torch.tensor([[[0, 1], [1, 2]], [[0, 1], [2, 3]]])
     model.log_probs(q, pool, mask, good, smask)
     cases = {
-        "query 1, sequence 1: candidate 3 is picked twice": [[[0, 1], [1, 2]], [[0, 1], [3, 3]]],
-        "query 0, sequence 0: step 1 points to 5, outside": [[[0, 5], [1, 2]], [[0, 1], [2, 3]]],
-        "query 1, sequence 0: step 0 points to padded candidate 4": [[[0, 1], [1, 2]], [[4, 1], [2, 3]]],
+        r"query 1, sequence 1.*candidate 3": [[[0, 1], [1, 2]], [[0, 1], [3, 3]]],
+        r"query 0, sequence 0.*step 1.*5": [[[0, 5], [1, 2]], [[0, 1], [2, 3]]],
+        r"query 1, sequence 0.*step 0.*padded.*4": [[[0, 1], [1, 2]], [[4, 1], [2, 3]]],
     }
     for message, seqs in cases.items():
         with pytest.raises(ValueError, match=message):
             model.log_probs(q, pool, mask, torch.tensor(seqs), smask)
     small = mask.clone()
     small[0, 1:] = False
-    with pytest.raises(ValueError, match="query 0: its pool has 1 valid candidates, fewer than 2 steps"):
+    with pytest.raises(ValueError, match=r"query 0.*1 valid.*2 steps"):
         model.log_probs(q, pool, small, good, smask)
     with pytest.raises(ValueError, match="shape mismatch"):
         model.log_probs(q[:, :4], pool, mask, good, smask)
@@ -248,7 +248,7 @@ def test_bad_inputs_name_the_query_and_sequence():
         model.log_probs(q, pool, mask, good[:, :, 0], smask)
     with pytest.raises(ValueError, match="NaN"):
         model.log_probs(q, pool.clone().fill_(float("nan")), mask, good, smask)
-    with pytest.raises(ValueError, match="fewer than 6 steps"):
+    with pytest.raises(ValueError, match=r"6 steps"):
         model.greedy(q, pool, mask, 6)
     with pytest.raises(ValueError, match="divisible"):
         SelectorConfig(hidden=10, num_heads=4)

@@ -97,7 +97,7 @@ def test_rce_killed_mid_epoch_resumes_bit_identical(small_data, rce_run, tmp_pat
     rce.main(rce.Args(data=small_data, out=out, epochs=3, **FAST))
     assert (out / "model.safetensors").read_bytes() == (rce_run / "model.safetensors").read_bytes()
     assert (out / "metrics.jsonl").read_text() == (rce_run / "metrics.jsonl").read_text()
-    with pytest.raises(ValueError, match=r"holds a run started with other flags \(--lr: run has 0.0001, now 0.001\)"):
+    with pytest.raises(ValueError, match=r"mid.*--lr.*0\.0001.*0\.001"):
         rce.main(rce.Args(data=small_data, out=out, epochs=3, lr=1e-3, **FAST))
 
 
@@ -117,7 +117,7 @@ def test_rerunning_a_finished_run_changes_nothing_and_top1(small_data, rce_run, 
     before = {p: p.read_bytes() for p in rce_run.rglob("*") if p.is_file()}
     rce.main(rce.Args(data=small_data, out=rce_run, epochs=3, **FAST))
     assert {p: p.read_bytes() for p in rce_run.rglob("*") if p.is_file()} == before
-    assert "has finished all its epochs; nothing to train" in capsys.readouterr().err
+    assert "finished" in capsys.readouterr().err
     rce.main(rce.Args(data=small_data, out=tmp_path / "sup", epochs=1, top1=True, **FAST))
     reward = torch.tensor([[0.0, 2.0, 2.0, 1.0], [1.0, 0.0, 5.0, 0.0]])
     mask = torch.tensor([[True, True, True, True], [True, True, False, True]])
@@ -295,9 +295,9 @@ def test_default_out_names(small_data):
 @pytest.mark.parametrize(
     "change, pattern",
     [
-        (dict(kl_beta=-0.1), "--kl-beta must be >= 0"),
-        (dict(epsilon=0.0), "--epsilon and --epsilon-high must be > 0"),
-        (dict(val_frac=0.001), "leaves 0 for validation"),
+        (dict(kl_beta=-0.1), r"--kl-beta.*-0\.1"),
+        (dict(epsilon=0.0), r"--epsilon.*0\.0"),
+        (dict(val_frac=0.001), r"--val-frac 0\.001.*leaves 0"),
         (dict(init="missing-run"), "missing-run"),
         (dict(quality="high", require_positive=True, data="tiny"), "no training query passes|tiny"),
     ],
@@ -323,7 +323,7 @@ def test_init_architecture_mismatch_names_tensor(small_data, tmp_path):
     (tmp_path / "small" / "model.json").write_text(json.dumps(cfg | {"hidden": 64}))
     with pytest.raises(ValueError, match=r"in_proj.weight: \(32, 512\) in file, \(64, 512\) in model"):
         grpo.main(grpo.Args(data=small_data, init=tmp_path / "small", out=tmp_path / "o", epochs=1, **FAST))
-    with pytest.raises(ValueError, match="selector expects 16-d embeddings, the data has 512"):
+    with pytest.raises(ValueError, match=r"d16.*16.*512"):
         PointerSelector(SelectorConfig(dim=16, hidden=32, num_heads=2)).save(tmp_path / "d16")
         grpo.main(grpo.Args(data=small_data, init=tmp_path / "d16", out=tmp_path / "o", epochs=1, **FAST))
 
@@ -349,7 +349,7 @@ def test_nan_loss_stops_with_clear_message(small_data, rce_run, tmp_path, monkey
 
     monkeypatch.setattr(grpo, "exact_kl", poisoned)
     out = tmp_path / "nan"
-    with pytest.raises(ValueError, match=r"loss became nan at epoch 2.*last good checkpoint is .*epoch_001"):
+    with pytest.raises(ValueError, match=r"loss.*nan.*epoch 2.*epoch_001"):
         grpo.main(grpo.Args(data=small_data, init=rce_run, out=out, epochs=3, **FAST))
     assert (out / "ckpt" / "epoch_001.safetensors").is_file() and not (out / "ckpt" / "epoch_002.safetensors").exists()
 
@@ -384,7 +384,7 @@ def test_resume_identifies_the_data_by_content_and_survives_moved_folders(small_
     record = json.loads(lines[0])
     record["seqs"][0]["correct"] = 1 - record["seqs"][0]["correct"]
     (moved_data / "rl_data.jsonl").write_text("\n".join([json.dumps(record), *lines[1:]]) + "\n")
-    with pytest.raises(ValueError, match="the dataset changed since this run was started"):
+    with pytest.raises(ValueError, match=r"first.*dataset"):
         rce.main(rce.Args(data=moved_data, out=first, **args))
 
 
@@ -449,9 +449,7 @@ def test_keep_every_prunes_checkpoints_and_evaluate_names_the_epochs_kept(small_
     kept = sorted(int(p.stem[6:]) for p in (out / "ckpt").glob("epoch_*.safetensors"))
     assert kept == sorted({2, 4, 5, best})
     missing = next(e for e in (1, 3) if e not in kept)
-    with pytest.raises(
-        ValueError, match=rf"no checkpoint for epoch {missing} .* it has epochs \[{', '.join(map(str, kept))}\]"
-    ):
+    with pytest.raises(ValueError, match=rf"epoch {missing}.*\[{', '.join(map(str, kept))}\]"):
         evaluate.main(evaluate.Args(runs=[out], data=small_data, epochs=[missing], num_samples=[8]))
 
 
@@ -464,13 +462,13 @@ def test_resume_may_change_epochs_only_where_the_schedule_continues(small_data, 
     assert (part / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
     config = json.loads((part / "config.json").read_text())
     assert config["args"]["epochs"] == 3 and config["epochs_changed"] == [{"from": 2, "to": 3, "after_epoch": 2}]
-    with pytest.raises(ValueError, match="it has already trained 3 epochs"):
+    with pytest.raises(ValueError, match=r"--epochs 3.*trained 3.*--epochs 2"):
         grpo.main(grpo.Args(out=part, epochs=2, **common))
     cosine = tmp_path / "cos"
     grpo.main(grpo.Args(out=cosine, epochs=1, lr_schedule="cosine", **common))
-    with pytest.raises(ValueError, match="--lr-schedule cosine decays over all steps"):
+    with pytest.raises(ValueError, match=r"--lr-schedule cosine.*--epochs 2"):
         grpo.main(grpo.Args(out=cosine, epochs=2, lr_schedule="cosine", **common))
-    with pytest.raises(ValueError, match="RCE anneals tau over all steps of the run"):
+    with pytest.raises(ValueError, match=r"--epochs 3.*tau.*--epochs 4"):
         rce.main(rce.Args(data=small_data, out=rce_run, epochs=4, **FAST))
 
 
@@ -541,6 +539,6 @@ def test_report_to_a_missing_package_stops_before_any_work(small_data, tmp_path,
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    with pytest.raises(ValueError, match="--report-to wandb needs the wandb package: pip install wandb"):
+    with pytest.raises(ValueError, match=r"--report-to wandb.*pip install wandb"):
         rce.main(rce.Args(data=small_data, out=tmp_path / "w", report_to="wandb", **FAST))
     assert not (tmp_path / "w").exists()
