@@ -170,6 +170,14 @@ def read_meta(folder: Path) -> dict:
             raise DataError(f"{path}: field '{key}' is {meta[key]}, expected an integer >= 1")
     for name, value in meta.get("calibration", {}).items():
         _typed(value, float, f"{path}: field 'calibration.{name}'")
+    if meta["source"] != "sim":  # what backends.open_backend rebuilds the real LVLM's prompts from
+        for group, key, kind in (
+            ("prompt_template", "icd", str),
+            ("prompt_template", "query", str),
+            ("generation", "max_new_tokens", int),
+        ):
+            value = meta.get(group, {}).get(key)
+            _typed(value, kind, f"{path}: field '{group}.{key}'")
     if "sim_config" in meta:
         known = {f.name: f.default for f in dataclasses.fields(SimConfig)}
         if unknown := sorted(meta["sim_config"].keys() - known.keys()):

@@ -79,6 +79,7 @@ def test_missing_files_and_versions(folder, tmp_path):
             r"'sim_config.image_group_probs': expected a l",
         ),
         (lambda m: m["sim_config"].__setitem__("typo", 1), r"field 'sim_config.typo' is not a simulator setting"),
+        (lambda m: m.__setitem__("source", "okvqa"), r"field 'prompt_template.icd': expected a string, got None"),
     ],
 )
 def test_bad_meta_fields(folder, edit, pattern):
