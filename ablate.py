@@ -28,7 +28,7 @@ import gen_rl_data
 import grpo
 import rce
 from cli import SIDE_ARGS, run_cli
-from compare import bootstrap_ci, gap_share, paired, per_question
+from compare import bootstrap_ci, gap_share, paired, per_question, read_args, read_eval
 from tables import md_table
 from training import flag_values
 
@@ -107,7 +107,7 @@ def build(args: Args, seed: int, names: list[str]) -> None:
         else:
             run_args = grpo.resolve(grpo.Args(**common, **{**flags, "init": root / slug(flags.get("init", "rce"))}))
         if (run / "config.json").is_file():  # a cached run must have been made with exactly these flags
-            then = json.loads((run / "config.json").read_text())["args"]
+            then = read_args(run / "config.json")
             now = flag_values(run_args)
             if diff := sorted(k for k in now if k not in ("out", *SIDE_ARGS) and now[k] != then.get(k)):
                 raise ValueError(f"{run} was made with other flags ({', '.join(diff)}): delete it to rebuild it")
@@ -130,7 +130,7 @@ def order(names: list[str]) -> list[str]:
 
 def scores(args: Args, seed: int, name: str) -> dict | None:
     path = args.out / f"seed{seed}" / slug(name) / "eval" / "val.json"
-    return per_question(json.loads(path.read_text()), 800) if path.is_file() else None
+    return per_question(read_eval(path), 800) if path.is_file() else None
 
 
 def delta(pairs: list[tuple[dict, dict]], resamples: int, rng: np.random.Generator) -> str:

@@ -1,24 +1,26 @@
-"""Stage 5: Markdown tables over run folders: accuracy, deltas with paired significance, training curves.
+"""Stage 5: one Markdown report over run folders, read top-down: which run won, by how much, and whether it is noise.
 
-First, at a glance: one runs x shots table at the largest common n, each cell with its delta to the baseline run
-(significance-marked), and the training flags that differ between runs. Then, for runs with eval/<split>.json: a
-samples x shots accuracy table per run; signed deltas against a baseline run
-per (n, shot) with improved/worse/flat counts; at the largest n, per shot, a paired bootstrap 95% CI of the delta
-and an exact sign-test p-value over the same questions. One verdict rule everywhere: significant only when the CI
-excludes 0 and the sign test passes Holm's correction over all cells of the pair (at n=800 an accuracy's standard
-error is ~1.8 points, so +0.07 is noise). Runs are paired only on the same dataset content (digest) and questions.
-The identical-selection rate of every pair of runs.
-For runs with metrics.jsonl: a per-epoch training table and, across runs, a curve summary per metric (initial,
-final, mean, change %, min and its epoch). Per-epoch accuracy tables when eval/<split>-epochNNN.json exist.
+At a glance: a runs x shots table of VQA accuracy at the largest question count every run has, each cell with its
+delta to the reference run (the RCE run by default) and a significance mark, the average likewise, the best run
+and every unfinished run marked. Then the trained runs (flags that differ, epochs trained, the selected epoch),
+paired deltas with 95% CIs against the reference and between trained runs, the share of the room to the simulator's
+ceilings, how often runs pick the same ICDs, and what moved during training. Tables and rows that say nothing
+(constant curves, pairs that never pick alike, baselines' share of a room they are below) are left out.
+
+One verdict rule, stated once in the report: a delta is significant only when its paired bootstrap 95% CI excludes 0
+and its exact sign-test p-value passes Holm's correction over the pair's cells (every shot and their average). Runs
+are paired only on the same dataset content (digest) and questions. Deltas come from unrounded accuracies, so every
+table agrees with the glance table.
+
+With --out, the report goes to that file and only the glance table and the file's path are printed.
 
 Usage:
     python compare.py runs/*
-    python compare.py runs/* --baseline runs/rce --out report.md --plot plots/
+    python compare.py runs/* --baseline runs/rce --out runs/report.md --plot runs/plots
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import sys
@@ -31,8 +33,8 @@ import numpy as np
 import tyro
 
 from cli import SIDE_ARGS, default_is, run_cli
-from files import atomic_write_text, read_jsonl
-from tables import accuracy_table, md_table
+from files import DataError, atomic_write_text, read_json, read_jsonl
+from tables import md_table
 
 
 @dataclass
@@ -42,68 +44,219 @@ class Args:
     baseline: Annotated[
         str | None, default_is("the RCE run if one is given, else the random baseline, else the first run")
     ] = None
-    """Run to compare against (its path, in any spelling, or folder name)."""
+    """Reference run that deltas are taken against (its path, in any spelling, or folder name)."""
     split: Literal["val", "train"] = "val"
     """Which evaluation file to read (eval/<split>.json)."""
     out: Path | None = None
-    """Also write the Markdown to this file."""
+    """Write the report to this file and print only the glance table and the file's path."""
     plot: Path | None = None
-    """Write the figures into this folder: accuracy vs shots with CIs, validation accuracy per epoch, KL and
-    selection change per epoch (one colour per run in every file)."""
+    """Write the figures into this folder: accuracy vs shots and paired deltas to the reference with their CIs,
+    validation accuracy per epoch, KL and selection change per epoch (one colour per run in every file)."""
     bootstrap: int = 10000
     """Bootstrap resamples for the confidence intervals."""
     seed: int = 0
     """Seed of the bootstrap."""
 
 
-TRAIN_COLUMNS = (
-    "train/loss",
-    "val/reward",
-    "val/acc",
-    "grpo/ppo_loss",
-    "grpo/kl_ref",
-    "grpo/kl_share",
-    "grpo/kl_grad_share",
-    "grpo/approx_kl_old",
-    "grpo/ratio_mean",
-    "grpo/adv_std",
-    "grpo/adv_abs_max",
-    "grpo/clip_frac_low",
-    "grpo/clip_frac_high",
-    "grpo/entropy",
-    "grpo/beta",
-    "grpo/selection_change",
-    "grpo/zero_std_frac",
-    "train/tau",
+# The training metrics compare.py reports, in report order, with the words a reader needs (tables, plot axes).
+TRAIN_COLUMNS = {
+    "val/acc": "validation accuracy (%)",
+    "val/reward": "validation reward",
+    "train/loss": "training loss",
+    "train/tau": "RCE temperature",
+    "grpo/ppo_loss": "PPO loss",
+    "grpo/kl_ref": "KL to the reference (nats)",
+    "grpo/kl_share": "KL share of the loss",
+    "grpo/kl_grad_share": "KL share of the gradient",
+    "grpo/approx_kl_old": "approx. KL to the old policy",
+    "grpo/ratio_mean": "mean PPO ratio",
+    "grpo/adv_std": "advantage std",
+    "grpo/adv_abs_max": "largest |advantage|",
+    "grpo/clip_frac_low": "clipped share (low)",
+    "grpo/clip_frac_high": "clipped share (high)",
+    "grpo/entropy": "policy entropy (nats per pick)",
+    "grpo/beta": "KL weight beta",
+    "grpo/selection_change": "validation queries picked differently from the reference",
+    "grpo/zero_std_frac": "groups with one reward for all",
+}
+CEILINGS = ("oracle", "observable")
+VAL_NOTE = (
+    "Validation accuracy and reward are measured on held-out train anchors (train questions kept out of training), "
+    "a different question set from the test questions of the tables above; the selected epoch is the one that scored "
+    "best there, so its validation score is biased upwards and is no estimate of test accuracy."
 )
 
 
-@dataclass
+# ----------------------------------------------------------------------------------------------------------------------
+# Reading run folders: every field the report uses is checked, and a bad one is one line naming file, line and field
+
+
+@dataclass(eq=False)  # runs are compared by identity (and hashed so)
 class Run:
     path: Path
     name: str
     eval: dict | None
-    epochs: list[dict]  # metrics.jsonl epoch records
+    epochs: list[dict]  # metrics.jsonl epoch records, epoch 0 = the starting weights
     epoch_evals: dict[int, dict]
+    args: dict | None  # config.json "args" (None without config.json)
+
+    @property
+    def phase(self) -> str | None:
+        """ "rce" / "grpo" for a training run, None for a baseline."""
+        return self.epochs[0].get("phase") if self.epochs else None
+
+    @property
+    def ceiling(self) -> bool:
+        return self.eval is not None and self.eval.get("baseline") in CEILINGS
+
+    @property
+    def selected(self) -> int | None:
+        """The epoch model.safetensors holds (the best on validation), as the last epoch record says."""
+        return self.epochs[-1].get("best_epoch") if self.epochs else None
+
+    @property
+    def unfinished(self) -> str | None:
+        """'8 of 30 epochs' for a run whose training stopped before its last epoch, else None."""
+        planned = (self.args or {}).get("epochs")
+        trained = self.epochs[-1]["epoch"] if self.epochs else 0
+        return f"{trained} of {planned} epochs" if planned is not None and trained < planned else None
+
+    def kind(self) -> str:
+        if self.eval is not None and self.eval.get("baseline"):
+            return "simulator ceiling" if self.ceiling else "baseline"
+        stage = {"rce": "RCE", "grpo": "GRPO " + ("online" if (self.args or {}).get("online") else "offline")}
+        what = stage.get(self.phase, "selector")
+        if self.unfinished:
+            return f"{what}, UNFINISHED: {self.unfinished}"
+        done = self.epochs[-1]["epoch"] if self.epochs else 0
+        return f"{what}, {done} epoch{'s' * (done != 1)}" if self.epochs else what
+
+
+def bad(where: str, expected: str, got) -> DataError:
+    return DataError(f"{where}: expected {expected}, got {got!r}")
+
+
+def is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def number(x, where: str, lo: float = -math.inf, hi: float = math.inf) -> float:
+    """x as a float if it is a finite number in [lo, hi]; NaN and infinities (which JSON readers accept) are not."""
+    if not is_number(x) or not math.isfinite(x) or not lo <= x <= hi:
+        span = "" if (lo, hi) == (-math.inf, math.inf) else f" in [{lo:g}, {hi:g}]"
+        raise bad(where, f"a finite number{span}", x)
+    return float(x)
+
+
+def count(x, where: str, lo: int = 0) -> int:
+    if not isinstance(x, int) or isinstance(x, bool) or x < lo:
+        raise bad(where, f"an integer >= {lo}", x)
+    return x
+
+
+def read_eval(path: Path) -> dict:
+    """An evaluation file (evaluate.py's eval/<split>.json), every field compare.py reads checked."""
+    doc = read_json(path)
+
+    def at(name: str) -> str:
+        return f"{path}: field {name!r}"
+
+    if not isinstance(doc, dict):
+        raise bad(str(path), "a JSON object", type(doc).__name__)
+    shots = doc.get("shots")
+    if not isinstance(shots, list) or not shots:
+        raise bad(at("shots"), "a non-empty list of shot counts", shots)
+    for i, s in enumerate(shots):
+        count(s, at(f"shots[{i}]"))
+    results = doc.get("results")
+    if not isinstance(results, list):
+        raise bad(at("results"), "a list", type(results).__name__)
+    per_shot = dict.fromkeys(shots, 0)
+    for i, r in enumerate(results):
+        if not isinstance(r, dict):
+            raise bad(at(f"results[{i}]"), "an object", r)
+        if not isinstance(r.get("question_id"), (int, str)) or isinstance(r.get("question_id"), bool):
+            raise bad(at(f"results[{i}].question_id"), "an integer or a string", r.get("question_id"))
+        if r.get("shot") not in per_shot:
+            raise bad(at(f"results[{i}].shot"), f"one of the file's shots {shots}", r.get("shot"))
+        number(r.get("score"), at(f"results[{i}].score"), 0, 1)
+        icds = r.get("icds", [])
+        if not isinstance(icds, list) or not all(isinstance(j, int) and not isinstance(j, bool) for j in icds):
+            raise bad(at(f"results[{i}].icds"), "a list of integers", icds)
+        per_shot[r["shot"]] += 1
+    summary = doc.get("summary")
+    if not isinstance(summary, dict) or not summary:
+        raise bad(at("summary"), "a non-empty object", summary)
+    for n, row in summary.items():
+        if not n.isdigit() or int(n) < 1:
+            raise bad(at(f"summary.{n}"), "a question count as key", n)
+        if not isinstance(row, dict) or sorted(row) != sorted(map(str, shots)):
+            raise bad(at(f"summary.{n}"), f"an object with the keys {[str(s) for s in shots]}", row)
+        for s, v in row.items():
+            number(v, at(f"summary.{n}.{s}"), 0, 100)
+        if short := [s for s, c in per_shot.items() if c < int(n)]:
+            raise bad(
+                at(f"summary.{n}"), f"at least {n} results at every shot", f"{per_shot[short[0]]} at shot {short[0]}"
+            )
+    for key in ("baseline", "data_digest", "split", "backend"):
+        if doc.get(key) is not None and not isinstance(doc[key], str):
+            raise bad(at(key), "a string", doc[key])
+    if not isinstance(doc.get("simulation", False), bool):
+        raise bad(at("simulation"), "true or false", doc["simulation"])
+    return doc
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """metrics.jsonl's epoch records (step records left out), ascending epochs, every number finite."""
+    records = []
+    for line, r in read_jsonl(path, truncated="warn"):
+        where = f"{path} line {line}"
+        if not isinstance(r, dict):
+            raise bad(where, "a JSON object", r)
+        if r.get("kind") == "step":
+            continue
+        epoch = count(r.get("epoch"), f"{where}: field 'epoch'")
+        if records and epoch <= records[-1]["epoch"]:
+            raise bad(f"{where}: field 'epoch'", f"an epoch after {records[-1]['epoch']}", epoch)
+        for k, v in r.items():
+            if k in TRAIN_COLUMNS or is_number(v):
+                number(v, f"{where}: field {k!r}")
+        if r.get("best_epoch") is not None:
+            count(r["best_epoch"], f"{where}: field 'best_epoch'", 1)
+        records.append(r)
+    return records
+
+
+def read_args(path: Path) -> dict:
+    """config.json's recorded flags."""
+    config = read_json(path)
+    if not isinstance(config, dict) or not isinstance(config.get("args"), dict):
+        raise bad(f"{path}: field 'args'", "an object of the run's flags", (config or {}).get("args"))
+    if "epochs" in config["args"]:
+        count(config["args"]["epochs"], f"{path}: field 'args.epochs'", 1)
+    return config["args"]
 
 
 def read_run(path: Path, split: str) -> Run | None:
-    """A run folder's evaluations and metrics; None (with a warning) if it holds neither."""
-    ev = path / "eval" / f"{split}.json"
-    metrics = path / "metrics.jsonl"
+    """A run folder's evaluations, metrics and flags; None (with a warning) if it holds neither."""
+    ev, metrics, config = path / "eval" / f"{split}.json", path / "metrics.jsonl", path / "config.json"
     if path.is_file():  # `runs/*` also matches files such as the runs/report.md that run.sh writes: not runs
         return None
     if not path.is_dir() or not (ev.is_file() or metrics.is_file()):
         print(f"warning: {path} is not a run folder (no eval/{split}.json, no metrics.jsonl); skipped", file=sys.stderr)
         return None
-    epochs = (
-        [r for _, r in read_jsonl(metrics, truncated="skip") if r.get("kind") != "step"] if metrics.is_file() else []
-    )
     epoch_evals = {}
     for f in sorted(path.glob(f"eval/{split}-epoch*.json")):
         if m := re.fullmatch(rf"{re.escape(split)}-epoch(\d+)\.json", f.name):
-            epoch_evals[int(m.group(1))] = json.loads(f.read_text())
-    return Run(path, path.name, json.loads(ev.read_text()) if ev.is_file() else None, epochs, epoch_evals)
+            epoch_evals[int(m.group(1))] = read_eval(f)
+    return Run(
+        path,
+        path.name,
+        read_eval(ev) if ev.is_file() else None,
+        read_metrics(metrics) if metrics.is_file() else [],
+        epoch_evals,
+        read_args(config) if config.is_file() else None,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -114,6 +267,18 @@ def scores(doc: dict, shot: int, n: int) -> dict:
     """question_id -> score for one shot, first n questions of the fixed order."""
     rows = [r for r in doc["results"] if r["shot"] == shot][:n]
     return {r["question_id"]: r["score"] for r in rows}
+
+
+def per_question(doc: dict, n: int, shots: list[int] | None = None) -> dict:
+    """question_id -> mean score over `shots` (default: every evaluated shot), first n questions."""
+    per_shot = [scores(doc, s, n) for s in shots or doc["shots"]]
+    return {q: sum(d[q] for d in per_shot) / len(per_shot) for q in per_shot[0]}
+
+
+def accuracy(doc: dict, shot: int | str, n: int) -> float:
+    """VQA accuracy (%) at one shot ("avg": averaged over the file's shots), unrounded, first n questions."""
+    per_q = per_question(doc, n) if shot == "avg" else scores(doc, shot, n)
+    return 100 * float(np.mean(list(per_q.values())))
 
 
 def paired(a: dict, b: dict) -> np.ndarray:
@@ -149,19 +314,17 @@ def holm(pvalues: list[float], alpha: float = 0.05) -> list[bool]:
     return reject
 
 
-def verdict_rule(cells: int) -> str:
-    return (
-        "A delta is significant (\\*) only when both tests agree: its paired bootstrap 95% CI excludes 0, and its "
-        f"exact sign-test p-value passes Holm's correction at 5% over the {cells} cells compared for this pair."
-    )
+@dataclass
+class Cell:
+    """One paired comparison (one shot, or the average over shots): points, 95% CI, sign-test p, verdict."""
 
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Tables
-
-
-def signed(x: float) -> str:
-    return f"{x:+.2f}"
+    delta: float
+    lo: float
+    hi: float
+    p: float
+    better: int  # questions
+    worse: int
+    significant: bool = False
 
 
 def not_comparable(a: dict, b: dict) -> str | None:
@@ -179,84 +342,18 @@ def not_comparable(a: dict, b: dict) -> str | None:
     return None
 
 
-def pair_stats(base: Run, run: Run, args: Args, rng: np.random.Generator) -> tuple[dict, dict]:
-    """Every (n, shot) cell of run vs base: (per-question differences, CI low, CI high, sign-test p), and its verdict
-    (better / worse / within noise) under the one rule: the CI excludes 0 and Holm over the pair's cells passes."""
-    a, b = base.eval, run.eval
-    shots = [s for s in a["shots"] if s in b["shots"]]
-    ns = [n for n in a["summary"] if n in b["summary"]]
+def pair_cells(a: dict, b: dict, shots: list[int], n: int, resamples: int, rng: np.random.Generator) -> dict:
+    """b - a at every shot and on the average over shots (first n questions), under the one verdict rule: the CI
+    excludes 0 and the sign test passes Holm's correction over these cells."""
+    diffs = {s: paired(scores(a, s, n), scores(b, s, n)) for s in shots}
+    diffs["avg"] = paired(per_question(a, n, shots), per_question(b, n, shots))
     cells = {}
-    for n in ns:
-        for s in shots:
-            d = paired(scores(a, s, int(n)), scores(b, s, int(n)))
-            cells[n, s] = (d, *bootstrap_ci(100 * d, args.bootstrap, rng), sign_test(d))
-    keys = list(cells)
-    holm_ok = dict(zip(keys, holm([cells[k][3] for k in keys])))
-    verdict = {}
-    for k, (_, lo, hi, _) in cells.items():
-        sure = holm_ok[k] and (lo > 0 or hi < 0)
-        verdict[k] = "within noise" if not sure else ("better" if lo > 0 else "worse")
-    return cells, verdict
-
-
-def delta_section(base: Run, run: Run, stats: tuple[dict, dict]) -> str:
-    a, b = base.eval, run.eval
-    title = f"### {run.name} vs {base.name}"
-    if why := not_comparable(a, b):
-        return f"{title}\n\nNot compared: {why}."
-    cells, verdict = stats
-    shots = [s for s in a["shots"] if s in b["shots"]]
-    ns = [n for n in a["summary"] if n in b["summary"]]
-    rows = []
-    for n in ns:
-        deltas = [b["summary"][n][str(s)] - a["summary"][n][str(s)] for s in shots]
-        marks = ["*" if verdict[n, s] != "within noise" else "" for s in shots]
-        rows.append([n, *[signed(x) + m for x, m in zip(deltas, marks)], signed(sum(deltas) / len(deltas))])
-    counts = {v: sum(x == v for x in verdict.values()) for v in ("better", "worse", "within noise")}
-    out = [
-        title,
-        "",
-        md_table(["n"] + [f"shot {s}" for s in shots] + ["avg"], rows),
-        "",
-        f"{verdict_rule(len(cells))} Cells better / worse / within noise: "
-        f"{counts['better']} / {counts['worse']} / {counts['within noise']}",
-        "",
-    ]
-    n = max(ns, key=int)
-    sig_rows = []
-    for s in shots:
-        d, lo, hi, p = cells[n, s]
-        if len(d):
-            sig = "significant" if verdict[n, s] != "within noise" else "n.s."
-            counts_qs = f"{int((d > 0).sum())} / {int((d < 0).sum())}"
-            sig_rows.append([str(s), signed(100 * d.mean()), f"[{lo:+.2f}, {hi:+.2f}]", f"{p:.3g}", counts_qs, sig])
-    common = max(len(cells[n, s][0]) for s in shots)
-    out += [
-        f"Paired significance at n = {n} ({common} common questions):",
-        "",
-        md_table(
-            ["shot", "delta", "95% CI (bootstrap)", "sign-test p", "better / worse questions", "verdict"], sig_rows
-        ),
-        "",
-        verdict_rule(len(cells)),
-    ]
-    return "\n".join(out)
-
-
-def phase(run: Run) -> str | None:
-    """ "rce" / "grpo" for a training run (from metrics.jsonl), None for a baseline."""
-    return run.epochs[0].get("phase") if run.epochs else None
-
-
-def per_question(doc: dict, n: int) -> dict:
-    """question_id -> mean score over the evaluated shots, first n questions."""
-    per_shot = [scores(doc, s, n) for s in doc["shots"]]
-    return {q: sum(d[q] for d in per_shot) / len(per_shot) for q in per_shot[0]}
-
-
-def common_n(runs: list[Run]) -> int:
-    """The largest question count every run's evaluation summarises."""
-    return min(max(map(int, r.eval["summary"])) for r in runs)
+    for k, d in diffs.items():
+        lo, hi = bootstrap_ci(100 * d, resamples, rng)
+        cells[k] = Cell(100 * float(d.mean()), lo, hi, sign_test(d), int((d > 0).sum()), int((d < 0).sum()))
+    for c, ok in zip(cells.values(), holm([c.p for c in cells.values()])):
+        c.significant = ok and (c.lo > 0 or c.hi < 0)
+    return cells
 
 
 def gap_share(a: dict, b: dict, top: dict, resamples: int, rng: np.random.Generator) -> tuple[float, float, float]:
@@ -270,284 +367,450 @@ def gap_share(a: dict, b: dict, top: dict, resamples: int, rng: np.random.Genera
     return float(share), float(lo), float(hi)
 
 
-def gap_section(evaluated: list[Run], args: Args, rng: np.random.Generator) -> str | None:
-    """How much of the room above the RCE run each run takes, against the simulator's two ceilings.
-
-    share = (acc(run) - acc(RCE)) / (acc(ceiling) - acc(RCE)), accuracy averaged over shots at the largest common n;
-    95% CI by a paired bootstrap over questions (the three runs answer the same questions).
-    """
-    ceilings = {r.eval.get("baseline"): r for r in evaluated if r.eval.get("baseline") in ("oracle", "observable")}
-    start = next((r for r in evaluated if phase(r) == "rce"), None)
-    if start is None or not ceilings:
-        return None
-    others = [r for r in evaluated if r is not start and r not in ceilings.values()]
-    names = [c for c in ("oracle", "observable") if c in ceilings]
-    n = common_n([start, *others, *ceilings.values()])
-    rows = []
-    for run in others:
-        cells = []
-        for c in names:
-            trio = (start, run, ceilings[c])
-            if any(not_comparable(start.eval, r.eval) for r in trio[1:]):
-                cells.append("not comparable")
-                continue
-            share, lo, hi = gap_share(*(per_question(r.eval, n) for r in trio), args.bootstrap, rng)
-            cells.append(f"{100 * share:.0f}% [{100 * lo:.0f}, {100 * hi:.0f}]")
-        rows.append([run.name, f"{100 * np.mean(list(per_question(run.eval, n).values())):.2f}", *cells])
-    header = ["run", f"avg acc (n={n})"] + [f"share of the {start.name} -> {c} gap closed" for c in names]
-    note = (
-        f"Share of the room between the RCE run ({start.name}) and each simulator ceiling that a run takes, accuracy "
-        "averaged over shots; [95% CI] by a paired bootstrap over questions. oracle searches the planted answer "
-        "model; observable searches the same way with the latents that probes read off the embeddings (an estimate "
-        "of what embeddings reveal, not a bound)."
-    )
-    return md_table(header, rows) + "\n\n" + note
+def common_n(runs: list[Run]) -> int:
+    """The largest question count every run's evaluation summarises."""
+    return min(max(map(int, r.eval["summary"])) for r in runs)
 
 
-def selection_table(runs: list[Run]) -> str:
-    """Share of common questions where two runs chose exactly the same ICDs, per shot (largest common n)."""
-    rows = []
-    shots = sorted({s for r in runs for s in r.eval["shots"]})
-    for a, b in combinations(runs, 2):
-        cells = []
-        for s in shots:
-            # A multi-seed random baseline has no single selection (its results hold per_seed picks): "-".
-            ia = {r["question_id"]: r["icds"] for r in a.eval["results"] if r["shot"] == s and "icds" in r}
-            ib = {r["question_id"]: r["icds"] for r in b.eval["results"] if r["shot"] == s and "icds" in r}
-            common = [q for q in ia if q in ib]
-            cells.append(f"{100 * sum(ia[q] == ib[q] for q in common) / len(common):.1f}%" if common else "-")
-        rows.append([f"{a.name} / {b.name}"] + cells)
-    return md_table(["runs"] + [f"shot {s}" for s in shots], rows)
+# ----------------------------------------------------------------------------------------------------------------------
+# The comparison: one question count, one reference, the pairs that say something
 
 
-def fmt(x) -> str:
-    return f"{x:.4g}" if isinstance(x, (int, float)) else "-"
+@dataclass
+class Comparison:
+    evaluated: list[Run]
+    base: Run
+    n: int
+    shots: list[int]
+    acc: dict[str, dict]  # run name -> {shot or "avg": accuracy (%)}
+    pairs: list[tuple[Run, Run, dict]]  # (run, against, cells): against the reference first, then trained vs trained
+    apart: dict[str, str]  # run name -> why it cannot be paired with the reference
+    questions: str  # what the evaluation questions are, in words
+
+    def cells(self, run: Run) -> dict | None:
+        return next((c for r, a, c in self.pairs if r is run and a is self.base), None)
+
+    def best(self) -> list[Run]:
+        """The runs with the highest average accuracy, the simulator's ceilings aside."""
+        real = [r for r in self.evaluated if not r.ceiling]
+        top = max((self.acc[r.name]["avg"] for r in real), default=None)
+        return [r for r in real if self.acc[r.name]["avg"] == top]
 
 
-def training_table(run: Run) -> str:
-    cols = [c for c in TRAIN_COLUMNS if any(c in r for r in run.epochs)]
-    rows = [[str(r["epoch"])] + [fmt(r.get(c)) for c in cols] for r in run.epochs]
-    return md_table(["epoch"] + cols, rows)
-
-
-def curve_summary(runs: list[Run]) -> str:
-    """Per metric and run: initial (epoch 0, the starting policy, where logged), final, mean, change %, min."""
-    rows = []
-    for c in TRAIN_COLUMNS:
-        for run in runs:
-            pts = [(r["epoch"], r[c]) for r in run.epochs if c in r]
-            if not pts:
-                continue
-            vals = [v for _, v in pts]
-            first, last = vals[0], vals[-1]
-            change = f"{100 * (last - first) / abs(first):+.1f}%" if first else "-"
-            e_min, v_min = min(pts, key=lambda p: p[1])
-            rows.append(
-                [
-                    c,
-                    run.name,
-                    fmt(first),
-                    fmt(last),
-                    fmt(sum(vals) / len(vals)),
-                    change,
-                    f"{fmt(v_min)} (epoch {e_min})",
-                ]
-            )
-    return md_table(["metric", "run", "initial", "final", "mean", "change", "min (epoch)"], rows)
-
-
-def epoch_accuracy_table(run: Run) -> str:
-    docs = dict(sorted(run.epoch_evals.items()))
-    n = max(next(iter(docs.values()))["summary"], key=int)
-    shots = next(iter(docs.values()))["shots"]
-    rows = []
-    for e, doc in [*docs.items(), ("selected", run.eval)]:
-        if doc is None or n not in doc["summary"]:
-            continue
-        vals = [doc["summary"][n][str(s)] for s in shots]
-        rows.append([str(e)] + [f"{v:.2f}" for v in vals] + [f"{sum(vals) / len(vals):.2f}"])
-    return f"n = {n}\n\n" + md_table(["epoch"] + [f"shot {s}" for s in shots] + ["avg"], rows)
-
-
-def write_plots(runs: list[Run], folder: Path, bootstrap: int, seed: int) -> list[Path]:
-    """The three figures a researcher opens, one colour per run in every file, constant series left out:
-    accuracy vs shots with 95% CIs (largest common n), validation accuracy per epoch, and the KL to the reference
-    and the share of changed selections per epoch (GRPO runs)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    folder.mkdir(parents=True, exist_ok=True)
-    colour = {str(r.path): plt.get_cmap("tab10")(i % 10) for i, r in enumerate(runs)}
-    rng, written = np.random.default_rng(seed), []
-
-    def save(fig, name: str) -> None:
-        fig.tight_layout()
-        fig.savefig(folder / name, dpi=110)
-        plt.close(fig)
-        written.append(folder / name)
-
-    evaluated = [r for r in runs if r.eval is not None]
-    if evaluated:
-        n = common_n(evaluated)
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for r in evaluated:
-            shots = r.eval["shots"]
-            means, errs = [], [[], []]
-            for s in shots:
-                x = 100 * np.array(list(scores(r.eval, s, n).values()))
-                lo, hi = bootstrap_ci(x, bootstrap, rng)
-                means.append(x.mean())
-                errs[0].append(x.mean() - lo)
-                errs[1].append(hi - x.mean())
-            ax.errorbar(shots, means, yerr=errs, marker="o", capsize=3, label=r.name, color=colour[str(r.path)])
-        ax.set(
-            title=f"VQA accuracy vs shots (first {n} questions, 95% CI)", xlabel="shots (ICDs)", ylabel="VQA acc. (%)"
-        )
-        ax.set_xticks(sorted({s for r in evaluated for s in r.eval["shots"]}))
-        ax.legend(fontsize=7, loc="best")
-        save(fig, "accuracy_vs_shots.png")
-
-    def curves(metric: str) -> list[tuple[Run, list]]:
-        out = []
-        for r in runs:
-            pts = [(e["epoch"], e[metric]) for e in r.epochs if e.get(metric) is not None]
-            if len({round(v, 12) for _, v in pts}) > 1:  # a constant series says nothing: left out
-                out.append((r, pts))
-        return out
-
-    panels = [(m, label) for m, label in (("val/acc", "greedy accuracy on validation anchors (%)"),) if curves(m)]
-    panels += [
-        (m, label)
-        for m, label in (
-            ("grpo/kl_ref", "KL to the reference (nats)"),
-            ("grpo/selection_change", "selections changed vs reference"),
-        )
-        if curves(m)
-    ]
-    for group, name in ((panels[:1], "val_acc_per_epoch.png"), (panels[1:], "kl_and_selection_per_epoch.png")):
-        if not group:
-            continue
-        fig, axes = plt.subplots(1, len(group), figsize=(6 * len(group), 4.2), squeeze=False)
-        for ax, (metric, label) in zip(axes[0], group):
-            for r, pts in curves(metric):
-                ax.plot(*zip(*pts), marker="o", markersize=3, label=r.name, color=colour[str(r.path)])
-            ax.set(title=label, xlabel="epoch", ylabel=metric)
-            ax.legend(fontsize=7, loc="best")
-        save(fig, name)
-    return written
-
-
-def summary_section(evaluated: list[Run], base: Run, stats: dict) -> str:
-    """Runs x shots at the largest n every run has, each cell with its delta to the baseline (* = significant)."""
-    n = str(common_n(evaluated))
-    shots = sorted({s for r in evaluated for s in r.eval["shots"]})
-    rows = []
-    for r in evaluated:
-        cells = []
-        for s in shots:
-            value = r.eval["summary"].get(n, {}).get(str(s))
-            cell = "-" if value is None else f"{value:.2f}"
-            pair = stats.get(str(r.path))
-            if pair and value is not None and str(s) in base.eval["summary"].get(n, {}):
-                mark = "*" if pair[1].get((n, s), "within noise") != "within noise" else ""
-                cell += f" ({signed(value - base.eval['summary'][n][str(s)])}{mark})"
-            cells.append(cell)
-        known = [r.eval["summary"].get(n, {}).get(str(s)) for s in shots]
-        avg = f"{np.mean(known):.2f}" if None not in known else "-"
-        rows.append([r.name + (" (baseline)" if r is base else ""), *cells, avg])
-    table = md_table(["run"] + [f"shot {s}" for s in shots] + ["avg"], rows)
-    return (
-        f"## At a glance: VQA accuracy (%) at n = {n}, (delta to {base.name})\n\n{table}\n\n"
-        "\\* significant under the rule stated with the deltas below."
-    )
-
-
-def flags_section(runs: list[Run]) -> list[str]:
-    """The training flags that differ between runs (a 2-epoch run must not sit silently beside a 10-epoch one)."""
-    flags = {}
-    for r in runs:
-        if (r.path / "config.json").is_file():
-            args = json.loads((r.path / "config.json").read_text()).get("args", {})
-            flags[r.name] = {
-                "stage": phase(r) or "?",
-                **{k: v for k, v in args.items() if k not in ("out", *SIDE_ARGS)},
-            }
-    if len(flags) < 2:
-        return []
-    keys = sorted({k for f in flags.values() for k in f}, key=lambda k: (k != "stage", k))
-    # A flag only one stage has (RCE's tau, GRPO's epsilon) is not a difference; one that two runs set apart is.
-    differ = [k for k in keys if len({json.dumps(f[k]) for f in flags.values() if k in f}) > 1]
-    if not differ:
-        return []
-    rows = [[name, *[str(f.get(k, "-")) for k in differ]] for name, f in flags.items()]
-    return ["## Flags that differ between the trained runs", "", md_table(["run", *differ], rows), ""]
-
-
-def default_baseline(evaluated: list[Run]) -> Run:
-    """What deltas are taken against when --baseline is not given: the RCE warm-up (what GRPO must beat), else the
-    random baseline, else the first evaluated run; never whatever a glob happens to list first."""
-    rce = [r for r in evaluated if phase(r) == "rce"]
+def reference(evaluated: list[Run], want: str | None) -> Run:
+    """--baseline if given; else the RCE warm-up (what GRPO must beat), else the random baseline, else the first
+    evaluated run; never whatever a glob happens to list first."""
+    if want is not None:
+        match = [r for r in evaluated if r.name == want or r.path.resolve() == Path(want).resolve()]
+        if not match:
+            raise ValueError(f"--baseline {want}: not among the evaluated runs {[r.name for r in evaluated]}")
+        return match[0]
+    rce = [r for r in evaluated if r.phase == "rce"]
     random = [r for r in evaluated if r.eval.get("baseline") == "random"]
     return (rce or random or evaluated)[0]
 
 
-def report(args: Args) -> str:
+def compare(runs: list[Run], args: Args) -> Comparison | None:
+    evaluated = [r for r in runs if r.eval is not None]
+    if not evaluated:
+        return None
+    if len({r.name for r in evaluated}) < len(evaluated):
+        raise ValueError(f"two evaluated runs share a folder name: {sorted(r.name for r in evaluated)}")
+    base = reference(evaluated, args.baseline)
+    n = common_n(evaluated)
+    shots = sorted(set.intersection(*(set(r.eval["shots"]) for r in evaluated)))
+    if not shots:
+        raise ValueError(f"no shot count is evaluated in every run: {[(r.name, r.eval['shots']) for r in evaluated]}")
+    acc = {r.name: {s: accuracy(r.eval, s, n) for s in shots} for r in evaluated}
+    for r in evaluated:
+        acc[r.name]["avg"] = float(np.mean([acc[r.name][s] for s in shots]))
+    rng = np.random.default_rng(args.seed)
+    apart = {r.name: why for r in evaluated if r is not base and (why := not_comparable(base.eval, r.eval))}
+    pairs = [(r, base) for r in evaluated if r is not base and r.name not in apart]
+    trained = [r for r in evaluated if r.phase is not None and r is not base]
+    pairs += [(b, a) for a, b in combinations(trained, 2) if not not_comparable(a.eval, b.eval)]
+    pairs = [(b, a, pair_cells(a.eval, b.eval, shots, n, args.bootstrap, rng)) for b, a in pairs]
+    questions = "test questions (val split)" if args.split == "val" else "questions of the train split"
+    return Comparison(evaluated, base, n, shots, acc, pairs, apart, questions)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Figures
+
+
+def styles(runs: list[Run], best: list[Run]) -> dict[str, dict]:
+    """Matplotlib line styles per run name, the same in every figure: trained runs in solid colours (the best one
+    thickest), baselines dashed in greys, the simulator's ceilings in black."""
+    import matplotlib.pyplot as plt
+
+    colours = [plt.get_cmap("tab10")(i) for i in (0, 3, 2, 1, 4, 5, 6, 8, 9)]  # tab10 without its grey
+    greys, marks = ["0.3", "0.5", "0.65", "0.4"], ["s", "^", "v", "D", "P", "X"]
+    ceiling = {"oracle": dict(linestyle=":", marker="x"), "observable": dict(linestyle="-.", marker="+")}
+    out, t, b = {}, 0, 0
+    for r in runs:
+        if r.ceiling:
+            out[r.name] = dict(color="black", linewidth=1.2, markersize=6, **ceiling[r.eval["baseline"]])
+        elif r.phase is None:
+            out[r.name] = dict(color=greys[b % 4], linestyle="--", marker=marks[b % 6], linewidth=1.2, markersize=5)
+            b += 1
+        else:
+            out[r.name] = dict(color=colours[t % len(colours)], linestyle="-", marker="o", linewidth=1.8)
+            t += 1
+        if r in best:
+            out[r.name].update(linewidth=3.0, zorder=5)
+    return out
+
+
+def write_plots(runs: list[Run], c: Comparison | None, folder: Path) -> list[Path]:
+    """The figures a researcher opens, one style per run in every file, constant series left out: accuracy vs shots
+    beside the paired deltas to the reference with their paired 95% CIs (trained runs and the strongest baseline);
+    validation accuracy per epoch; the KL to the reference and the share of validation queries whose picks a GRPO
+    run left as the reference's, per epoch. The selected epoch is starred."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    folder.mkdir(parents=True, exist_ok=True)
+    style = styles(runs, c.best() if c else [])
+    written = []
+    shots_label = "shots (ICDs in the prompt)"
+
+    def save(fig, name: str, handles: list) -> None:
+        # The legend sits under the panels, never over the data.
+        ncol = min(len(handles), max(2, int(fig.get_figwidth() / 2.6)))
+        fig.legend(handles=handles, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
+        fig.tight_layout(rect=(0, 0.045 * math.ceil(len(handles) / ncol) + 0.01, 1, 1))
+        fig.savefig(folder / name, dpi=150)
+        plt.close(fig)
+        written.append(folder / name)
+
+    def handle(r: Run) -> Line2D:
+        label = r.name + (" (reference)" if c and r is c.base else "") + (" (unfinished)" if r.unfinished else "")
+        return Line2D([], [], label=label, **style[r.name])
+
+    if c is not None:
+        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.6))
+        for r in c.evaluated:
+            left.plot(c.shots, [c.acc[r.name][s] for s in c.shots], **style[r.name])
+        left.set(title=f"VQA accuracy, first {c.n} {c.questions}", xlabel=shots_label, ylabel="VQA accuracy (%)")
+        against = {r: cells for r, a, cells in c.pairs if a is c.base and not r.ceiling}
+        baselines = [r for r in against if r.phase is None]
+        strongest = max(baselines, key=lambda r: c.acc[r.name]["avg"], default=None)
+        shown = [r for r in against if r.phase is not None or r is strongest]
+        for i, r in enumerate(shown):
+            cells, s = against[r], style[r.name]
+            x = np.array(c.shots) + (i - (len(shown) - 1) / 2) * 0.5 / len(shown)  # side by side, not on top
+            y = np.array([cells[k].delta for k in c.shots])
+            err = [y - [cells[k].lo for k in c.shots], [cells[k].hi for k in c.shots] - y]
+            line = dict(color=s["color"], linestyle=s["linestyle"], linewidth=s["linewidth"] * 0.7)
+            right.errorbar(x, y, yerr=err, capsize=2, **line)
+            for xi, k in zip(x, c.shots):  # filled: significant under the report's rule; hollow: within noise
+                face = s["color"] if cells[k].significant else "white"
+                right.plot(xi, cells[k].delta, marker=s["marker"], color=s["color"], markerfacecolor=face, zorder=6)
+        right.axhline(0, color=style[c.base.name]["color"], linewidth=1.2)
+        right.set(title=f"Paired delta to {c.base.name}, 95% CI (filled: significant)", xlabel=shots_label)
+        right.set(ylabel=f"accuracy minus {c.base.name} (points)")
+        for ax in (left, right):
+            ax.set_xticks(c.shots)
+        save(fig, "accuracy_vs_shots.png", [handle(r) for r in c.evaluated])
+
+    def curve(r: Run, key: str) -> dict[int, float]:
+        pts = {e["epoch"]: e[key] for e in r.epochs if key in e}
+        if key == "grpo/selection_change":  # as the share of queries still picked as the reference picks them
+            pts = {e: 100 * (1 - v) for e, v in pts.items() if e > 0}  # (epoch 0 is the reference: 100%)
+        return pts if len(pts) > 1 and moves(list(pts.values())) else {}  # a flat series says nothing
+
+    panels = {
+        "val/acc": (
+            "validation accuracy (%)",
+            "Validation accuracy per epoch\n(held-out train anchors, not test questions)",
+        ),
+        "grpo/kl_ref": ("KL to the reference (nats)", "KL to the reference policy"),
+        "grpo/selection_change": (
+            "validation queries (%)",
+            "Validation queries whose picks\nare still the reference's",
+        ),
+    }
+    for keys, file in (
+        (("val/acc",), "val_acc_per_epoch.png"),
+        (("grpo/kl_ref", "grpo/selection_change"), "kl_and_selection_per_epoch.png"),
+    ):
+        keys = [k for k in keys if any(curve(r, k) for r in runs)]
+        if not keys:
+            continue
+        fig, axes = plt.subplots(1, len(keys), figsize=(6 * len(keys), 4.4), squeeze=False)
+        shown = []
+        for ax, key in zip(axes[0], keys):
+            for r in runs:
+                if not (pts := curve(r, key)):
+                    continue
+                s = style[r.name] | dict(marker="o", markersize=2.5)
+                ax.plot(list(pts), list(pts.values()), **s)
+                if r.selected in pts:
+                    star = dict(marker="*", markersize=14, markeredgecolor="black", linestyle="none", zorder=7)
+                    ax.plot(r.selected, pts[r.selected], color=s["color"], **star)
+                shown += [r] if r not in shown else []
+            ylabel, title = panels[key]
+            ax.set(xlabel="epoch (0 = starting weights)", ylabel=ylabel)
+            ax.set_title(title, fontsize=10)
+        star = dict(marker="*", markersize=11, color="white", markeredgecolor="black", linestyle="none")
+        save(fig, file, [handle(r) for r in shown] + [Line2D([], [], label="selected epoch", **star)])
+    return written
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Report sections
+
+
+def signed(x: float) -> str:
+    return f"{x:+.2f}"
+
+
+def rule(cells: int) -> str:
+    return (
+        "\\* significant: the paired bootstrap 95% CI over questions excludes 0 and the exact sign-test p-value "
+        f"passes Holm's correction at 5% over the pair's {cells} cells (each shot and the average)."
+    )
+
+
+def glance_section(c: Comparison) -> str:
+    best = c.best()
+    rows = []
+    for r in c.evaluated:
+        cells = c.cells(r)
+        row = []
+        for k in [*c.shots, "avg"]:
+            text = f"{c.acc[r.name][k]:.2f}"
+            if cells is not None:
+                text += f" ({signed(cells[k].delta)}{'*' if cells[k].significant else ''})"
+            row.append(f"**{text}**" if r in best and k == "avg" else text)
+        name = f"**{r.name}** (best)" if r in best else r.name
+        name += " (reference)" if r is c.base else ""
+        rows.append([name, r.kind(), *row])
+    header = ["run", "what", *[f"{s}-shot" for s in c.shots], "avg"]
+    notes = [
+        f"Each cell: VQA accuracy (%) on the first {c.n} {c.questions}, the largest count every run has, and "
+        f"in brackets its delta in points to {c.base.name}. {rule(len(c.shots) + 1)} Best: the highest average, "
+        "simulator ceilings aside."
+    ]
+    notes += [f"Not paired with {c.base.name}: {name} ({why})." for name, why in c.apart.items()]
+    notes += [
+        f"**Unfinished:** {r.name} trained {r.unfinished}; its model is epoch {r.selected}, the best of those."
+        for r in c.evaluated
+        if r.unfinished
+    ]
+    return f"## At a glance\n\n{md_table(header, rows)}\n\n" + "\n".join(notes)
+
+
+def trained_section(runs: list[Run]) -> list[str]:
+    """Each trained run's stage, epochs trained, selected epoch and the flags that differ between runs (a 2-epoch run
+    must not sit silently beside a 10-epoch one)."""
+    trained = [r for r in runs if r.epochs]
+    if not trained:
+        return []
+    flags = {r.name: {k: v for k, v in (r.args or {}).items() if k not in ("out", "epochs", *SIDE_ARGS)} for r in runs}
+    keys = sorted({k for r in trained for k in flags[r.name]})
+    # A flag only one stage has (RCE's tau, GRPO's epsilon) is not a difference; one that two runs set apart is.
+    differ = [k for k in keys if len({repr(flags[r.name][k]) for r in trained if k in flags[r.name]}) > 1]
+    rows = []
+    for r in trained:
+        done = f"UNFINISHED: {r.unfinished}" if r.unfinished else f"{r.epochs[-1]['epoch']}"
+        rows.append(
+            [r.name, r.kind().split(",")[0], done, str(r.selected), *[str(flags[r.name].get(k, "-")) for k in differ]]
+        )
+    header = ["run", "stage", "epochs trained", "selected epoch", *differ]
+    notes = "Selected epoch: the one model.safetensors holds, the best on validation (see Training)."
+    return ["## Trained runs", "", md_table(header, rows), "", notes, ""]
+
+
+def delta_cell(x: Cell) -> str:
+    return f"{signed(x.delta)}{'*' if x.significant else ''} [{signed(x.lo)}, {signed(x.hi)}] p={x.p:.2g}"
+
+
+def deltas_section(c: Comparison) -> list[str]:
+    if not c.pairs:
+        return []
+    rows = [[r.name, a.name, *[delta_cell(cells[k]) for k in [*c.shots, "avg"]]] for r, a, cells in c.pairs]
+    header = ["run", "minus", *[f"{s}-shot" for s in c.shots], "avg"]
+    return [
+        f"## Paired deltas (points, first {c.n} questions)",
+        "",
+        md_table(header, rows),
+        "",
+        f"Each cell: mean per-question difference [paired bootstrap 95% CI] and the exact sign-test p-value. "
+        f"{rule(len(c.shots) + 1)}",
+        "",
+    ]
+
+
+def gap_section(c: Comparison, args: Args) -> list[str]:
+    """How much of the room above the RCE run each trained run takes, against the simulator's two ceilings.
+
+    share = (acc(run) - acc(RCE)) / (acc(ceiling) - acc(RCE)), accuracy averaged over shots; 95% CI by a paired
+    bootstrap over questions (the three runs answer the same questions). Baselines below RCE are left out: a share
+    of a room they are under says nothing."""
+    ceilings = {r.eval["baseline"]: r for r in c.evaluated if r.ceiling}
+    start = next((r for r in c.evaluated if r.phase == "rce"), None)
+    runs = [r for r in c.evaluated if r.phase is not None and r is not start]
+    if start is None or not ceilings or not runs:
+        return []
+    rng = np.random.default_rng(args.seed)
+    names = [k for k in CEILINGS if k in ceilings]
+    rows = []
+    for run in runs:
+        cells = []
+        for k in names:
+            trio = (start, run, ceilings[k])
+            if any(not_comparable(start.eval, r.eval) for r in trio[1:]):
+                cells.append("not comparable")
+                continue
+            share, lo, hi = gap_share(*(per_question(r.eval, c.n, c.shots) for r in trio), args.bootstrap, rng)
+            cells.append(f"{100 * share:.0f}% [{100 * lo:.0f}, {100 * hi:.0f}]")
+        rows.append([run.name, *cells])
+    header = ["run"] + [f"share of the room {start.name} -> {k} ({c.acc[ceilings[k].name]['avg']:.2f})" for k in names]
+    note = (
+        f"Share of the room between {start.name} ({c.acc[start.name]['avg']:.2f}) and each simulator ceiling that a "
+        "run takes, accuracy averaged over shots; [95% CI] by a paired bootstrap over questions. oracle searches the "
+        "planted answer model; observable searches the same way with the latents that probes read off the embeddings "
+        "(an estimate of what embeddings reveal, not a bound)."
+    )
+    return ["## Room taken (simulator ceilings)", "", md_table(header, rows), "", note, ""]
+
+
+def picks(doc: dict, shot: int, n: int) -> dict:
+    """question_id -> the ICDs one run chose at one shot (first n questions)."""
+    return {r["question_id"]: r["icds"] for r in [r for r in doc["results"] if r["shot"] == shot][:n] if "icds" in r}
+
+
+def selection_section(c: Comparison) -> list[str]:
+    """How often two trained runs pick exactly the same ICDs (GRPO that changes nothing shows here)."""
+    rows = []
+    for a, b in combinations([r for r in c.evaluated if r.phase is not None], 2):
+        if not_comparable(a.eval, b.eval):
+            continue
+        shares = []
+        for s in c.shots:
+            pa, pb = picks(a.eval, s, c.n), picks(b.eval, s, c.n)
+            common = [q for q in pa if q in pb]
+            shares.append(f"{100 * sum(pa[q] == pb[q] for q in common) / len(common):.1f}%" if common else "-")
+        rows.append([f"{b.name} / {a.name}", *shares])
+    if not rows:
+        return []
+    note = f"Share of the first {c.n} questions on which two trained runs chose exactly the same ICDs."
+    return ["## Same ICDs chosen", "", md_table(["runs", *[f"{s}-shot" for s in c.shots]], rows), "", note, ""]
+
+
+def moves(values: list[float]) -> bool:
+    """Whether a curve moves by more than 1% of its largest magnitude (and more than rounding noise)."""
+    return max(values) - min(values) > max(1e-6, 0.01 * max(map(abs, values)))
+
+
+def fmt(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def curve_section(runs: list[Run]) -> list[str]:
+    """Per metric and trained run: the start (epoch 0), the selected epoch, the last epoch and the change; metrics
+    that barely move are left out."""
+    rows = []
+    for key, label in TRAIN_COLUMNS.items():
+        for r in runs:
+            pts = {e["epoch"]: e[key] for e in r.epochs if key in e}
+            if len(pts) < 2 or not moves(list(pts.values())):
+                continue
+            first, last = next(iter(pts.items())), list(pts.items())[-1]
+            sel = f"{fmt(pts[r.selected])} (epoch {r.selected})" if r.selected in pts else "-"
+            start = fmt(first[1]) if first[0] == 0 else f"{fmt(first[1])} (epoch {first[0]})"
+            end = fmt(last[1]) + (f" (epoch {last[0]}, UNFINISHED)" if r.unfinished else "")
+            rows.append([label, r.name, start, sel, end, f"{last[1] - first[1]:+.4g}"])
+    if not rows:
+        return []
+    header = ["metric", "run", "start (epoch 0)", "selected epoch", "last epoch", "change, last - start"]
+    note = (
+        f"{VAL_NOTE} Metrics that move by less than 1% of their size over a run are left out; every epoch of a run "
+        "is in its metrics.jsonl and the --plot figures."
+    )
+    return ["## Training", "", md_table(header, rows), "", note, ""]
+
+
+def epoch_section(run: Run) -> list[str]:
+    """Test accuracy of earlier epochs (evaluate.py --epochs), beside the selected model's."""
+    docs = {f"epoch {e}": d for e, d in sorted(run.epoch_evals.items())}
+    if run.eval is not None:
+        docs[f"selected (epoch {run.selected})" if run.selected is not None else "selected"] = run.eval
+    n = min(max(map(int, d["summary"])) for d in docs.values())
+    shots = sorted(set.intersection(*(set(d["shots"]) for d in docs.values())))
+    rows = [
+        [e, *[f"{accuracy(d, s, n):.2f}" for s in shots], f"{np.mean([accuracy(d, s, n) for s in shots]):.2f}"]
+        for e, d in docs.items()
+    ]
+    header = ["epoch", *[f"{s}-shot" for s in shots], "avg"]
+    return [f"## Test accuracy per epoch: {run.name} (first {n} questions)", "", md_table(header, rows), ""]
+
+
+def count_section(c: Comparison) -> list[str]:
+    """Average accuracy at every question count each run was evaluated on: how far the numbers still move with n."""
+    ns = sorted({int(n) for r in c.evaluated for n in r.eval["summary"]})
+    if len(ns) < 2:
+        return []
+    rows = []
+    for r in c.evaluated:
+        have = {int(n) for n in r.eval["summary"]}
+        rows.append([r.name, *[f"{accuracy(r.eval, 'avg', n):.2f}" if n in have else "-" for n in ns]])
+    header = ["run", *[f"n = {n}" for n in ns]]
+    return ["## Average accuracy by question count", "", md_table(header, rows), ""]
+
+
+def report_parts(runs: list[Run], c: Comparison | None, args: Args) -> tuple[str, list[str]]:
+    """The glance section and the rest of the report."""
+    sim = c is not None and any(r.eval.get("simulation") for r in c.evaluated)
+    title = f"# Comparison ({args.split} split{', simulated LVLM' if sim else ''})"
+    glance = glance_section(c) if c is not None else f"No run has eval/{args.split}.json: training only."
+    rest = trained_section(runs)
+    if c is not None:
+        rest += deltas_section(c) + gap_section(c, args) + selection_section(c)
+    rest += curve_section([r for r in runs if r.epochs])
+    for r in runs:
+        if r.epoch_evals:
+            rest += epoch_section(r)
+    if c is not None:
+        rest += count_section(c)
+    if skipped := [r.name for r in runs if r.eval is None]:
+        rest += [f"Runs without eval/{args.split}.json (training only): {', '.join(skipped)}", ""]
+    return f"{title}\n\n{glance}\n", rest
+
+
+def read_runs(args: Args) -> list[Run]:
     runs = [r for r in (read_run(p, args.split) for p in args.runs) if r is not None]
     if not runs:
         raise ValueError("no run folders to compare")
-    evaluated = [r for r in runs if r.eval is not None]
-    sim = any(r.eval.get("simulation") for r in evaluated)
-    parts = [f"# Comparison ({args.split} split{', simulated LVLM' if sim else ''})", ""]
-    if evaluated:
-        parts += ["## Accuracy (VQA %, first n questions of the fixed order)", ""]
-        for r in evaluated:
-            parts += [f"### {r.name}", "", accuracy_table(r.eval), ""]
-        base = default_baseline(evaluated)
-        if args.baseline is not None:
-            want = Path(args.baseline).resolve()
-            match = [r for r in evaluated if r.name == args.baseline or r.path.resolve() == want]
-            if not match:
-                raise ValueError(
-                    f"--baseline {args.baseline}: not among the evaluated runs {[r.name for r in evaluated]}"
-                )
-            base = match[0]
-        others = [r for r in evaluated if r is not base]
-        rng = np.random.default_rng(args.seed)
-        stats = {str(r.path): pair_stats(base, r, args, rng) for r in others if not not_comparable(base.eval, r.eval)}
-        parts[2:2] = [summary_section(evaluated, base, stats), "", *flags_section(runs)]  # the tables at a glance
-        if others:
-            parts += [f"## Deltas against {base.name} (points)", ""]
-            for r in others:
-                parts += [delta_section(base, r, stats.get(str(r.path))), ""]
-            parts += ["## Identical ICD selections (share of questions)", "", selection_table(evaluated), ""]
-        if gaps := gap_section(evaluated, args, np.random.default_rng(args.seed)):
-            parts += ["## Room taken (simulator ceilings)", "", gaps, ""]
-    trained = [r for r in runs if r.epochs]
-    if trained:
-        parts += ["## Training", ""]
-        for r in trained:
-            parts += [f"### {r.name}", "", training_table(r), ""]
-        parts += ["### Curve summary", "", curve_summary(trained), ""]
-    for r in runs:
-        if r.epoch_evals:
-            parts += [f"## Accuracy per epoch: {r.name}", "", epoch_accuracy_table(r), ""]
-    skipped = [r.name for r in runs if r.eval is None]
-    if skipped:
-        parts += [f"Runs without eval/{args.split}.json (training tables only): {', '.join(skipped)}", ""]
-    return "\n".join(parts)
+    return runs
+
+
+def report(args: Args) -> str:
+    runs = read_runs(args)
+    glance, rest = report_parts(runs, compare(runs, args), args)
+    return "\n".join([glance, *rest])
 
 
 def main(args: Args) -> None:
-    text = report(args)
-    print(text)
-    if args.out is not None:
+    if args.out is not None and args.out.is_dir():
+        raise ValueError(f"--out {args.out}: is a folder; give a file name, such as {args.out / 'report.md'}")
+    if args.plot is not None and args.plot.exists() and not args.plot.is_dir():
+        raise ValueError(f"--plot {args.plot}: is a file; give a folder for the figures")
+    runs = read_runs(args)
+    c = compare(runs, args)
+    glance, rest = report_parts(runs, c, args)
+    if args.out is None:
+        print("\n".join([glance, *rest]))
+    else:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(args.out, text + "\n")
+        atomic_write_text(args.out, "\n".join([glance, *rest]) + "\n")
+        print(f"{glance}\nFull report: {args.out}")
     if args.plot is not None:
-        runs = [r for r in (read_run(p, args.split) for p in args.runs) if r is not None]
-        for path in write_plots(runs, args.plot, args.bootstrap, args.seed):
+        for path in write_plots(runs, c, args.plot):
             print(f"wrote {path}", file=sys.stderr)
 
 

@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -56,7 +57,17 @@ def cells(text, header_start):
     return rows
 
 
-def test_accuracy_and_delta_tables_by_hand(tmp_path):
+def glance(text):
+    """The glance table as {run name (marks stripped): cells}."""
+    return {r[0].replace("**", "").split(" (")[0]: r[1:] for r in cells(text, "| run | what")}
+
+
+def reference(text):
+    [name] = [r[0] for r in cells(text, "| run | what") if r[0].endswith(" (reference)")]
+    return name.removesuffix(" (reference)").replace("**", "").removesuffix(" (best)")
+
+
+def test_glance_and_paired_deltas_by_hand(tmp_path):
     base = write_run(tmp_path / "base", {1: [1, 0, 0, 1], 2: [0, 0, 1, 1]})
     new = write_run(
         tmp_path / "new",
@@ -64,107 +75,70 @@ def test_accuracy_and_delta_tables_by_hand(tmp_path):
         icds_by_shot={1: [[0], [5], [0], [0]], 2: [[0, 1]] * 4},
     )
     text = report(Args(runs=[base, new], bootstrap=2000))
-    # base: n=2 -> shot1 50, shot2 0; n=4 -> 50, 50.  new: n=2 -> 100, 0; n=4 -> 90, 32.5
-    base_rows = cells(text.split("### base")[1], "| n |")
-    assert base_rows == [["2", "50.00", "0.00", "25.00"], ["4", "50.00", "50.00", "50.00"]]
-    new_rows = cells(text.split("### new\n")[1], "| n |")
-    assert new_rows == [["2", "100.00", "0.00", "50.00"], ["4", "90.00", "32.50", "61.25"]]
-    deltas = cells(text.split("### new vs base")[1], "| n |")
-    assert deltas == [["2", "+50.00", "+0.00", "+25.00"], ["4", "+40.00", "-17.50", "+11.25"]]
+    assert text.index("## At a glance") < text.index("## Paired deltas")
+    # base at n=4: 50, 50 (avg 50); new: 90, 32.5 (avg 61.25), the best run
+    rows = {r[0]: r[2:] for r in cells(text, "| run | what")}
+    assert rows["base (reference)"] == ["50.00", "50.00", "50.00"]
+    assert rows["**new** (best)"] == ["90.00 (+40.00)", "32.50 (-17.50)", "**61.25 (+11.25)**"]
     # 4 questions: no cell is distinguishable from noise, however large the delta looks
-    assert "Cells better / worse / within noise: 0 / 0 / 4" in text
-    sig = cells(text.split("Paired significance at n = 4")[1], "| shot |")
-    assert sig[0][:2] == ["1", "+40.00"] and sig[0][4] == "2 / 0" and sig[0][3] == "0.5"
-    assert sig[1][:2] == ["2", "-17.50"] and sig[1][4] == "0 / 1" and sig[1][5] == "n.s."
-    ident = cells(text, "| runs |")
-    assert ident == [["base / new", "75.0%", "100.0%"]]
+    [row] = cells(text, "| run | minus")
+    assert row[:2] == ["new", "base"] and row[2].startswith("+40.00 [") and row[2].endswith("p=0.5")
+    assert row[3].startswith("-17.50 [") and row[4].startswith("+11.25 [") and "*" not in "".join(row)
+    assert cells(text, "| run | n = 2") == [["base", "25.00", "50.00"], ["new", "50.00", "61.25"]]
+    # the rule is stated once with the glance table and once with the deltas, never per pair
+    assert text.count("Holm's correction") == 2
 
 
 def test_significant_cells_are_starred_and_other_questions_refused(tmp_path):
     base = write_run(tmp_path / "base", {1: [0] * 40, 2: [0.3] * 40}, ns=(20, 40))
     new = write_run(tmp_path / "new", {1: [1] * 20 + [0] * 20, 2: [0.3] * 40}, ns=(20, 40))
     text = report(Args(runs=[base, new], bootstrap=2000))
-    deltas = cells(text.split("### new vs base")[1], "| n |")
-    assert deltas == [["20", "+100.00*", "+0.00", "+50.00"], ["40", "+50.00*", "+0.00", "+25.00"]]
-    assert "over the 4 cells compared for this pair. Cells better / worse / within noise: 2 / 0 / 2" in text
+    assert glance(text)["new"][1:] == ["50.00 (+50.00*)", "30.00 (+0.00)", "**40.00 (+25.00*)**"]
+    [row] = cells(text, "| run | minus")
+    assert row[2].startswith("+50.00* [") and row[3].startswith("+0.00 [") and row[4].startswith("+25.00* [")
+    assert "over the pair's 3 cells (each shot and the average)" in text
     # 2 questions, both better: the bootstrap CI excludes 0, but no test on 2 questions can be sure (p = 0.5)
     tiny = [write_run(tmp_path / f"t{i}", {1: [i, i]}, ns=(2,)) for i in (0, 1)]
-    assert cells(report(Args(runs=tiny, bootstrap=500)).split("### t1 vs t0")[1], "| n |") == [
-        ["2", "+100.00", "+100.00"]
-    ]
+    assert glance(report(Args(runs=tiny, bootstrap=500)))["t1"][1:] == ["100.00 (+100.00)", "**100.00 (+100.00)**"]
     other = write_run(tmp_path / "other", {1: [1] * 40, 2: [1] * 40})
     doc = json.loads((other / "eval" / "val.json").read_text())
     for r in doc["results"]:
         r["question_id"] += 1
     (other / "eval" / "val.json").write_text(json.dumps(doc))
-    assert "Not compared: different questions" in report(Args(runs=[base, other]))
+    assert "Not paired with base: other (different questions" in report(Args(runs=[base, other]))
     # the same question ids from dataset folders with other content (other pools): not paired either
     for run, digest in ((base, "aaaa"), (new, "bbbb")):
         doc = json.loads((run / "eval" / "val.json").read_text())
         (run / "eval" / "val.json").write_text(json.dumps(doc | {"data_digest": digest}))
-    assert "Not compared: different dataset content (digest aaaa vs bbbb)" in report(Args(runs=[base, new]))
+    assert "new (different dataset content (digest aaaa vs bbbb))" in report(Args(runs=[base, new]))
 
 
-def test_identical_runs_zero_delta_not_significant(tmp_path):
-    sc = {1: [1, 0, 0.3, 1, 0.6], 2: [1, 1, 0, 0, 0.9]}
-    a, b = write_run(tmp_path / "a", sc), write_run(tmp_path / "b", sc)
-    text = report(Args(runs=[a, b]))
-    deltas = cells(text.split("### b vs a")[1], "| n |")
-    assert all(c == "+0.00" for row in deltas for c in row[1:])
-    sig = cells(text.split("Paired significance")[1], "| shot |")
-    assert all(r[5] == "n.s." and r[3] == "1" for r in sig)
-    assert cells(text, "| runs |") == [["a / b", "100.0%", "100.0%"]]
-    # a multi-seed random baseline stores per-seed picks only: it has no single selection to compare
-    doc = json.loads((b / "eval" / "val.json").read_text())
-    for r in doc["results"]:
-        r["per_seed"] = [{"seed": 0, "icds": r.pop("icds"), "prediction": r.pop("prediction"), "score": r["score"]}]
-    (b / "eval" / "val.json").write_text(json.dumps(doc))
-    assert cells(report(Args(runs=[a, b])), "| runs |") == [["a / b", "-", "-"]]
+def test_glance_deltas_are_the_paired_deltas_of_unrounded_accuracies(tmp_path):
+    """42.5 -> 40.625: the difference of the two accuracies rounds to -1.88, the mean of the per-question differences
+    (the number the CI is about) to -1.87; every table shows the one delta, from unrounded scores."""
+    a = [0.6, 0.6, 0, 0.3, 1, 0, 0.6, 0.3, 0, 0.3, 0.6, 0.6, 1, 0.3, 0.6, 0]
+    b = [0.3, 0.6, 0, 0.3, 0, 0.3, 0.3, 0.6, 0.6, 0.3, 0.3, 0.3, 0, 0.6, 1, 1]
+    runs = [write_run(tmp_path / name, {1: sc}, ns=(16,)) for name, sc in (("a", a), ("b", b))]
+    text = report(Args(runs=runs, bootstrap=200))
+    [row] = cells(text, "| run | minus")
+    assert glance(text)["b"][1] == "40.62 (-1.87)" and row[2].startswith("-1.87 [")
 
 
-def test_training_tables_curves_epochs_and_skips(tmp_path, capsys):
-    metrics = [
-        {"phase": "grpo", "epoch": 0, "val/reward": 1.0},
-        {"phase": "grpo", "epoch": 1, "train/loss": 2.0, "val/reward": 1.2, "grpo/kl_ref": 0.1},
-        {"phase": "grpo", "kind": "step", "epoch": 2, "train/loss": 99.0},
-        {"phase": "grpo", "epoch": 2, "train/loss": 1.0, "val/reward": 1.1, "grpo/kl_ref": 0.3},
-    ]
-    run = write_run(tmp_path / "r", {1: [1, 0, 1, 1]}, metrics=metrics, epoch_evals={1: {1: [0, 0, 1, 1]}})
-    only_train = tmp_path / "t"
-    only_train.mkdir()
-    (only_train / "metrics.jsonl").write_text(json.dumps({"epoch": 1, "train/loss": 3.0}) + "\n")
-    junk = tmp_path / "junk"
-    junk.mkdir()
-    text = report(Args(runs=[run, only_train, junk]))
-    assert "junk is not a run folder" in capsys.readouterr().err
-    train = cells(text.split("## Training")[1], "| epoch |")
-    assert train[1][:4] == ["1", "2", "1.2", "0.1"] and len(train) == 3  # the step record is not an epoch row
-    curve = {(r[0], r[1]): r for r in cells(text, "| metric |")}
-    assert curve[("train/loss", "r")][2:] == ["2", "1", "1.5", "-50.0%", "1 (epoch 2)"]
-    assert curve[("grpo/kl_ref", "r")][5] == "+200.0%"
-    per_epoch = cells(text.split("## Accuracy per epoch: r")[1], "| epoch |")
-    assert per_epoch == [["1", "50.00", "50.00"], ["selected", "75.00", "75.00"]]
-    assert "training tables only): t" in text
-
-
-def test_plots_are_the_three_figures_and_leave_out_constant_series(tmp_path):
-    from compare import main
-
-    metrics = [{"phase": "grpo", "epoch": e, "val/acc": 50.0 + e, "grpo/kl_ref": 0.0} for e in range(3)]
-    run = write_run(tmp_path / "r", {1: [1, 0], 2: [1, 1]}, metrics=metrics)
-    other = write_run(tmp_path / "s", {1: [0, 0], 2: [1, 0]})
-    main(Args(runs=[run, other], plot=tmp_path / "plots", out=tmp_path / "report.md", bootstrap=100))
-    written = sorted(p.name for p in (tmp_path / "plots").iterdir())
-    # the KL is 0 at every epoch (constant): no KL/selection figure; accuracy vs shots for both runs
-    assert written == ["accuracy_vs_shots.png", "val_acc_per_epoch.png"]
-    assert all((tmp_path / "plots" / name).stat().st_size > 5000 for name in written)
-    assert (tmp_path / "report.md").read_text().startswith("# Comparison")
-
-
-def test_unknown_baseline_is_an_error(tmp_path):
-    a = write_run(tmp_path / "a", {1: [1, 0]})
-    with pytest.raises(ValueError, match="--baseline nope"):
-        report(Args(runs=[a], baseline="nope"))
+def test_trained_runs_are_compared_with_each_other_and_the_best_is_no_ceiling(tmp_path):
+    rce = write_run(tmp_path / "rce", {1: [0] * 30}, metrics=[{"phase": "rce", "epoch": 0}], ns=(30,))
+    offline = write_run(tmp_path / "off", {1: [1] * 10 + [0] * 20}, metrics=[{"phase": "grpo", "epoch": 0}], ns=(30,))
+    online = write_run(tmp_path / "on", {1: [1] * 25 + [0] * 5}, metrics=[{"phase": "grpo", "epoch": 0}], ns=(30,))
+    oracle = write_run(tmp_path / "oracle", {1: [1] * 30}, ns=(30,))
+    doc = json.loads((oracle / "eval" / "val.json").read_text())
+    (oracle / "eval" / "val.json").write_text(json.dumps(doc | {"baseline": "oracle"}))
+    (online / "config.json").write_text(json.dumps({"args": {"online": True}}))
+    text = report(Args(runs=[oracle, rce, offline, online], bootstrap=500))
+    pairs = {(r[0], r[1]): r[2] for r in cells(text, "| run | minus")}
+    assert set(pairs) == {("oracle", "rce"), ("off", "rce"), ("on", "rce"), ("on", "off")}
+    assert pairs["on", "off"].startswith("+50.00* [")  # online against offline directly
+    rows = {r[0]: r[1] for r in cells(text, "| run | what")}
+    assert rows["**on** (best)"] == "GRPO online, 0 epochs" and rows["off"] == "GRPO offline, 0 epochs"
+    assert rows["oracle"] == "simulator ceiling"
 
 
 @given(st.lists(st.sampled_from([-1.0, -0.3, 0.0, 0.3, 0.6, 1.0]), min_size=1, max_size=60), st.integers(0, 2**31))
@@ -187,19 +161,21 @@ def test_sign_test_by_hand():
 
 def test_room_taken_against_the_simulator_ceilings_by_hand(tmp_path):
     """RCE 25%, a run 50%, oracle 75%, observable 50% (mean over shots): the run takes 50% of the room to the
-    oracle and all of it to the observable ceiling."""
+    oracle and all of it to the observable ceiling; a baseline below RCE gets no row (a share of a room it is
+    under says nothing)."""
     rce = write_run(tmp_path / "rce", {1: [1, 0, 0, 0], 2: [1, 0, 0, 0]}, metrics=[{"phase": "rce", "epoch": 0}])
     run = write_run(tmp_path / "grpo", {1: [1, 1, 0, 0], 2: [1, 1, 0, 0]}, metrics=[{"phase": "grpo", "epoch": 0}])
-    paths = [rce, run]
+    zero = write_run(tmp_path / "zero", {1: [0, 0, 0, 0], 2: [0, 0, 0, 0]})
+    paths = [zero, rce, run]
     for name, row in (("oracle", [1, 1, 1, 0]), ("observable", [1, 1, 0, 0])):
         write_run(tmp_path / name, {1: row, 2: row})
         doc = json.loads((tmp_path / name / "eval" / "val.json").read_text())
         (tmp_path / name / "eval" / "val.json").write_text(json.dumps({**doc, "baseline": name}))
         paths.append(tmp_path / name)
     text = report(Args(runs=paths, bootstrap=200))
-    [row] = cells(text, "| run | avg acc")
-    assert row[0] == "grpo" and row[1] == "50.00" and row[2].startswith("50% [") and row[3].startswith("100% [")
-    assert "Room taken" not in report(Args(runs=paths[1:], bootstrap=200))  # no RCE run: no room to measure
+    [row] = cells(text, "| run | share of the room rce -> oracle (75.00)")
+    assert row[0] == "grpo" and row[1].startswith("50% [") and row[2].startswith("100% [")
+    assert "Room taken" not in report(Args(runs=paths[2:], bootstrap=200))  # no RCE run: no room to measure
 
 
 @given(st.integers(0, 2**32 - 1), st.integers(2, 40))
@@ -245,10 +221,10 @@ def test_a_ci_that_excludes_zero_is_not_enough_when_the_sign_test_disagrees(tmp_
     new = [1.0] * 30 + [0.3] * 45 + [0.0] * 725
     a, b = (write_run(tmp_path / name, {1: sc}, ns=(800,)) for name, sc in (("a", base), ("b", new)))
     text = report(Args(runs=[a, b], bootstrap=4000))
-    [row] = cells(text.split("Paired significance at n = 800")[1], "| shot |")
-    lo = float(row[2].strip("[]").split(",")[0])
-    assert lo > 0 and float(row[3]) > 0.05 and row[4] == "30 / 45" and row[5] == "n.s."
-    assert "Holm's correction at 5% over the 1 cells" in text
+    [row] = cells(text, "| run | minus")
+    m = re.fullmatch(r"\+\d+\.\d+ \[(\+\d+\.\d+), \+\d+\.\d+\] p=(\S+)", row[2])  # no star
+    assert float(m.group(1)) > 0 and float(m.group(2)) > 0.05
+    assert "over the pair's 2 cells" in text
 
 
 @given(st.lists(st.floats(0, 1), min_size=1, max_size=30))
@@ -271,11 +247,11 @@ def test_runs_glob_picks_the_rce_run_as_baseline_ignores_files_and_accepts_any_p
     (tmp_path / "report.md").write_text("# an earlier report\n")
     runs = sorted(tmp_path.iterdir())
     text = report(Args(runs=runs, bootstrap=100))
-    assert "## Deltas against rce (points)" in text and "### grpo vs rce" in text
+    assert reference(text) == "rce" and ["grpo", "rce"] in [r[:2] for r in cells(text, "| run | minus")]
     assert "report.md" not in capsys.readouterr().err  # a file in runs/ is not a run folder to warn about
     monkeypatch.chdir(tmp_path)
     for spelling in ("./baseline-image-sim/", str(tmp_path / "grpo" / ".." / "baseline-image-sim")):
-        assert "## Deltas against baseline-image-sim" in report(Args(runs=runs, baseline=spelling, bootstrap=100))
+        assert reference(report(Args(runs=runs, baseline=spelling, bootstrap=100))) == "baseline-image-sim"
 
 
 def test_unknown_split_is_rejected_on_the_command_line(monkeypatch, capsys):
@@ -290,21 +266,196 @@ def test_unknown_split_is_rejected_on_the_command_line(monkeypatch, capsys):
     assert stop.value.code == 2 and "test" in capsys.readouterr().err
 
 
-def test_the_glance_table_comes_first_and_flags_that_differ_are_shown(tmp_path):
-    base = write_run(tmp_path / "rce", {1: [0] * 40, 2: [0.3] * 40}, metrics=[{"phase": "rce", "epoch": 0}], ns=(40,))
-    new = write_run(
-        tmp_path / "grpo", {1: [1] * 20 + [0] * 20, 2: [0.3] * 40}, metrics=[{"phase": "grpo", "epoch": 0}], ns=(40,)
-    )
+def test_trained_runs_show_flags_that_differ_and_an_unfinished_run_is_marked_wherever_it_appears(tmp_path):
+    """A GRPO run killed after epoch 8 of 30 beside a finished 10-epoch RCE run: the glance table, the trained-runs
+    table and the training curves all say that it is unfinished, and which epoch its model is."""
+    rce_metrics = [{"phase": "rce", "epoch": e, "val/acc": 50.0 + e, "best_epoch": e or None} for e in range(11)]
+    grpo_metrics = [{"phase": "grpo", "epoch": e, "val/acc": 60.0 + e % 3, "best_epoch": 2} for e in range(9)]
+    base = write_run(tmp_path / "rce", {1: [0] * 40, 2: [0.3] * 40}, metrics=rce_metrics, ns=(40,))
+    new = write_run(tmp_path / "grpo", {1: [1] * 20 + [0] * 20, 2: [0.3] * 40}, metrics=grpo_metrics, ns=(40,))
     for run, args in (
         (base, {"epochs": 10, "lr": 1e-4, "temp_end": 0.5}),
-        (new, {"epochs": 2, "lr": 1e-4, "epsilon": 0.2}),
+        (new, {"epochs": 30, "lr": 1e-3, "epsilon": 0.2, "keep_every": 5}),
     ):
         (run / "config.json").write_text(json.dumps({"args": {**args, "out": str(run)}}))
     text = report(Args(runs=[base, new], bootstrap=500))
-    assert text.index("## At a glance") < text.index("## Flags") < text.index("## Accuracy")
-    glance = {r[0]: r[1:] for r in cells(text, "| run | shot 1")}
-    assert glance["rce (baseline)"] == ["0.00", "30.00", "15.00"]
-    assert glance["grpo"] == ["50.00 (+50.00*)", "30.00 (+0.00)", "40.00"]
-    # epochs differ (2 vs 10); lr is the same; each stage's own flags (temp_end, epsilon) are not differences
-    assert cells(text, "| run | stage") == [["rce", "rce", "10"], ["grpo", "grpo", "2"]]
-    assert "| run | stage | epochs |" in text
+    assert text.index("## At a glance") < text.index("## Trained runs") < text.index("## Paired deltas")
+    rows = {r[0]: r[1] for r in cells(text, "| run | what")}
+    assert rows["rce (reference)"] == "RCE, 10 epochs"
+    assert rows["**grpo** (best)"] == "GRPO offline, UNFINISHED: 8 of 30 epochs"
+    assert "**Unfinished:** grpo trained 8 of 30 epochs; its model is epoch 2" in text
+    # lr differs; each stage's own flags (temp_end, epsilon) and what is kept (keep_every) are not differences
+    assert cells(text, "| run | stage") == [
+        ["rce", "RCE", "10", "10", "0.0001"],
+        ["grpo", "GRPO offline", "UNFINISHED: 8 of 30 epochs", "2", "0.001"],
+    ]
+    assert "| run | stage | epochs trained | selected epoch | lr |" in text
+    curve = {r[1]: r[2:] for r in cells(text, "| metric | run")}
+    # the selected epoch, not the worst one; the last epoch says the run stopped early
+    assert curve["grpo"] == ["60", "62 (epoch 2)", "62 (epoch 8, UNFINISHED)", "+2"]
+    assert curve["rce"] == ["50", "60 (epoch 10)", "60", "+10"]
+    assert "held-out train anchors" in text and "different question set from the test questions" in text
+
+
+def test_unknown_baseline_is_an_error(tmp_path):
+    a = write_run(tmp_path / "a", {1: [1, 0]})
+    with pytest.raises(ValueError, match="--baseline nope"):
+        report(Args(runs=[a], baseline="nope"))
+
+
+def test_same_icds_table_compares_trained_runs_only(tmp_path):
+    """A GRPO run that kept RCE's picks on 3 of 4 questions is listed; pairs with baselines (a zero-shot run with no
+    picks, a multi-seed random baseline with no single selection, retrieval baselines) are not."""
+    sc, grpo_metrics = {1: [1, 0, 0, 1], 2: [0, 0, 1, 1]}, [{"phase": "grpo", "epoch": 0}]
+    rce = write_run(tmp_path / "rce", sc, {1: [[0], [1], [2], [3]], 2: [[0, 1]] * 4}, [{"phase": "rce", "epoch": 0}])
+    grpo = write_run(tmp_path / "grpo", sc, {1: [[0], [1], [2], [9]], 2: [[0, 1]] * 4}, grpo_metrics)
+    near = write_run(tmp_path / "near", sc, {1: [[0], [1], [2], [3]], 2: [[0, 1]] * 4})
+    zero = write_run(tmp_path / "zero", sc, {1: [[]] * 4, 2: [[]] * 4})
+    rnd = write_run(tmp_path / "random", sc)
+    doc = json.loads((rnd / "eval" / "val.json").read_text())
+    for r in doc["results"]:
+        r["per_seed"] = [{"seed": 0, "icds": r.pop("icds"), "prediction": r.pop("prediction"), "score": r["score"]}]
+    (rnd / "eval" / "val.json").write_text(json.dumps(doc))
+    text = report(Args(runs=[rce, grpo, near, zero, rnd], bootstrap=100))
+    assert cells(text, "| runs | 1-shot") == [["grpo / rce", "75.0%", "100.0%"]]
+    assert "## Same ICDs" not in report(Args(runs=[rce, near, zero, rnd], bootstrap=100))
+
+
+def test_training_curves_leave_out_what_never_moves_and_name_the_selected_epoch(tmp_path, capsys):
+    metrics = [
+        {"phase": "grpo", "epoch": 0, "val/reward": 1.0, "grpo/beta": 0.1},
+        {
+            "phase": "grpo",
+            "epoch": 1,
+            "train/loss": 2.0,
+            "val/reward": 1.2,
+            "grpo/kl_ref": 0.1,
+            "grpo/beta": 0.1,
+            "grpo/adv_std": 1.0,
+        },
+        {"phase": "grpo", "kind": "step", "epoch": 2, "train/loss": 99.0, "grpo/beta": 5.0},
+        {"phase": "grpo", "epoch": 2, "train/loss": 1.0, "val/reward": 1.1, "grpo/kl_ref": 0.3, "grpo/beta": 0.1},
+        {"phase": "grpo", "epoch": 3, "train/loss": 1.0, "val/reward": 1.1, "grpo/kl_ref": 0.3, "grpo/adv_std": 0.995},
+    ]
+    metrics[-1]["best_epoch"] = 1
+    run = write_run(tmp_path / "r", {1: [1, 0, 1, 1]}, metrics=metrics, epoch_evals={1: {1: [0, 0, 1, 1]}})
+    only_train = tmp_path / "t"
+    only_train.mkdir()
+    (only_train / "metrics.jsonl").write_text(json.dumps({"epoch": 1, "train/loss": 3.0}) + "\n")
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    text = report(Args(runs=[run, only_train, junk]))
+    assert "junk is not a run folder" in capsys.readouterr().err
+    curve = {(r[0], r[1]): r[2:] for r in cells(text, "| metric | run")}
+    # beta never moves (the step record is not an epoch), the advantage std barely: both left out
+    assert set(curve) == {("validation reward", "r"), ("training loss", "r"), ("KL to the reference (nats)", "r")}
+    assert curve["validation reward", "r"] == ["1", "1.2 (epoch 1)", "1.1", "+0.1"]  # the selected, not the worst
+    assert curve["training loss", "r"] == ["2 (epoch 1)", "2 (epoch 1)", "1", "-1"]  # no epoch-0 loss
+    per_epoch = cells(text.split("## Test accuracy per epoch: r")[1], "| epoch |")
+    assert per_epoch == [["epoch 1", "50.00", "50.00"], ["selected (epoch 1)", "75.00", "75.00"]]
+    assert "(training only): t" in text
+
+
+def test_plots_are_the_three_figures_and_leave_out_constant_series(tmp_path):
+    from compare import main
+
+    metrics = [
+        {"phase": "grpo", "epoch": e, "val/acc": 50.0 + e, "grpo/kl_ref": 0.0, "best_epoch": 1} for e in range(3)
+    ]
+    run = write_run(tmp_path / "r", {1: [1, 0], 2: [1, 1]}, metrics=metrics)
+    other = write_run(tmp_path / "s", {1: [0, 0], 2: [1, 0]})
+    main(Args(runs=[other, run], plot=tmp_path / "plots", bootstrap=100))
+    written = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    # the KL is 0 at every epoch (constant): no KL/selection figure
+    assert written == ["accuracy_vs_shots.png", "val_acc_per_epoch.png"]
+    assert all((tmp_path / "plots" / name).stat().st_size > 5000 for name in written)
+    for e in metrics:
+        e["grpo/kl_ref"] = 0.1 * e["epoch"]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    main(Args(runs=[other, run], plot=tmp_path / "plots", bootstrap=100))
+    assert (tmp_path / "plots" / "kl_and_selection_per_epoch.png").is_file()
+
+
+def test_out_prints_the_glance_table_and_the_path_and_a_folder_is_refused_before_work(tmp_path, capsys):
+    from compare import main
+
+    runs = [write_run(tmp_path / name, {1: [i, 0]}) for i, name in enumerate(("a", "b"))]
+    main(Args(runs=runs, out=tmp_path / "report.md", bootstrap=100))
+    printed = capsys.readouterr().out
+    written = (tmp_path / "report.md").read_text()
+    assert printed.startswith("# Comparison") and "## At a glance" in printed and "## Paired deltas" not in printed
+    assert printed.rstrip().endswith(f"Full report: {tmp_path / 'report.md'}") and "## Paired deltas" in written
+    folder = tmp_path / "reports"
+    folder.mkdir()
+    with pytest.raises(ValueError, match=rf"--out {folder}: is a folder"):
+        main(Args(runs=[tmp_path / "missing"], out=folder))  # refused before any run is read
+    with pytest.raises(ValueError, match="--plot .*report.md: is a file"):
+        main(Args(runs=runs, plot=tmp_path / "report.md"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "report.md", "reports"]  # no reports.tmp
+    assert not any(folder.iterdir())
+
+
+def nan_score(doc):
+    doc["results"][1]["score"] = float("nan")
+
+
+def inf_summary(doc):
+    doc["summary"]["2"]["1"] = float("inf")
+
+
+def short_results(doc):
+    doc["summary"]["8"] = doc["summary"]["2"]
+
+
+MALFORMED = [
+    ("metrics.jsonl", '{"epoch": 0}\n{"epoch": 1,\n{"epoch": 2}\n', "metrics.jsonl line 2: not valid JSON"),
+    ("metrics.jsonl", '{"epoch": 0}\n{"epoch": "one"}\n', "metrics.jsonl line 2: field 'epoch': expected an integer"),
+    ("metrics.jsonl", '{"epoch": 0}\n{"epoch": 1, "val/acc": NaN}\n', "line 2: field 'val/acc': .*finite.*nan"),
+    ("metrics.jsonl", '{"epoch": 0, "grpo/kl_ref": "low"}\n', "line 1: field 'grpo/kl_ref': .*finite.*'low'"),
+    ("metrics.jsonl", '{"epoch": 0, "x": -Infinity}\n', "line 1: field 'x': .*finite.*-inf"),
+    ("metrics.jsonl", "[1, 2]\n", "metrics.jsonl line 1: expected a JSON object"),
+    ("metrics.jsonl", '{"epoch": 3}\n{"epoch": 2}\n', "line 2: field 'epoch': expected an epoch after 3"),
+    ("config.json", "{not json", "config.json: not valid JSON"),
+    ("config.json", '{"args": [1]}', "config.json: field 'args': expected an object"),
+    ("config.json", '{"args": {"epochs": "ten"}}', "config.json: field 'args.epochs': expected an integer >= 1"),
+    ("eval/val.json", "{", "val.json: not valid JSON"),
+    ("eval/val.json", nan_score, r"val.json: field 'results\[1\].score': expected a finite number in \[0, 1\]"),
+    ("eval/val.json", inf_summary, r"val.json: field 'summary.2.1': expected a finite number in \[0, 100\], got inf"),
+    ("eval/val.json", short_results, r"field 'summary.8': expected at least 8 results at every shot, got '2 at"),
+    ("eval/val.json", lambda d: d.pop("shots"), "val.json: field 'shots': expected a non-empty list"),
+    ("eval/val.json", lambda d: d["results"][0].pop("question_id"), r"field 'results\[0\].question_id'"),
+    ("eval/val.json", lambda d: d.update(simulation="yes"), "field 'simulation': expected true or false"),
+]
+
+
+@pytest.mark.parametrize(("name", "corrupt", "message"), MALFORMED)
+def test_a_malformed_run_file_is_one_line_naming_file_line_and_field(tmp_path, name, corrupt, message):
+    run = write_run(tmp_path / "run", {1: [1, 0], 2: [0, 1]}, metrics=[{"epoch": 0}])
+    path = run / name
+    if callable(corrupt):
+        doc = json.loads(path.read_text())
+        corrupt(doc)
+        path.write_text(json.dumps(doc))
+    else:
+        path.write_text(corrupt)
+    with pytest.raises(ValueError, match=message) as error:
+        report(Args(runs=[run], bootstrap=10))
+    assert str(path) in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_malformed_file_ends_the_command_in_one_line(tmp_path, monkeypatch, capsys):
+    import sys
+
+    import compare
+    from cli import run_cli
+
+    run = write_run(tmp_path / "run", {1: [1, 0]})
+    (run / "eval" / "val.json").write_text(
+        (run / "eval" / "val.json").read_text().replace('"score": 0', '"score": NaN')
+    )
+    monkeypatch.setattr(sys, "argv", ["compare.py", str(run), "--out", str(tmp_path / "r.md")])
+    with pytest.raises(SystemExit) as stop:
+        run_cli(compare.main, compare.Args)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and "results[1].score" in err and "nan" in err
+    assert not (tmp_path / "r.md").exists()
