@@ -595,7 +595,7 @@ def _llama_tokenizer(chat_template: str):
     from transformers import LlamaTokenizer
 
     bpe = _train_sentencepiece_bpe(["<unk>", "<s>", "</s>"], vocab_size=400, prepend=True)
-    tokenizer = LlamaTokenizer(**bpe, legacy=False)
+    tokenizer = LlamaTokenizer(**bpe, legacy=False, add_bos_token=True)  # prompts start with <s>
     tokenizer.add_tokens([AddedToken("<image>", special=True, normalized=False)])
     tokenizer.add_special_tokens({"pad_token": "<pad>"})
     tokenizer.chat_template = chat_template
@@ -783,7 +783,8 @@ def build_tiny_gemma3(folder: Path, seed: int = 0) -> Path:
     special = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
     bpe = _train_sentencepiece_bpe(special, vocab_size=400, prepend=False)
     image_tokens = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
-    tokenizer = GemmaTokenizer(**bpe, extra_special_tokens=image_tokens)
+    # Adds <bos> as the real one does: with the template writing one too, tokenizing a rendered chat as it is gives two.
+    tokenizer = GemmaTokenizer(**bpe, add_bos_token=True, extra_special_tokens=image_tokens)
     tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in special[5:]])
     tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in [*special, *image_tokens.values()]}
