@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole pipeline on the built-in simulated LVLM: data -> RCE -> GRPO (offline, online) -> evaluation with
-# baselines -> comparison tables (also written to runs/report.md). Re-running never deletes anything: every stage
-# resumes when its command is re-run (an interrupted one continues, a finished run is reused as it is), and a run
-# made with other flags or data is refused with a message; delete data/sim and runs/ yourself to start over.
+# baselines -> comparison (the glance table printed; the full report in runs/report.md, figures in runs/plots/).
+# Re-running never deletes anything: every stage resumes when its command is re-run (an interrupted one continues, a
+# finished run is reused as it is), and a run made with other flags or data is refused with a message; delete
+# data/sim and runs/ yourself to start over.
 set -euo pipefail
 cd "$(dirname "$0")"
 export TQDM_MININTERVAL=${TQDM_MININTERVAL:-5}   # fewer progress-bar redraws in logs
@@ -20,4 +21,4 @@ python evaluate.py runs/rce runs/grpo-kl0.1 runs/grpo-kl0.3-online
 
 python compare.py runs/baseline-random runs/baseline-zero-shot runs/baseline-image-sim runs/baseline-text-sim \
   runs/baseline-oracle runs/baseline-observable runs/rce runs/grpo-kl0.1 runs/grpo-kl0.3-online --baseline rce \
-  --out runs/report.md
+  --out runs/report.md --plot runs/plots
