@@ -322,8 +322,6 @@ class Cell:
     lo: float
     hi: float
     p: float
-    better: int  # questions
-    worse: int
     significant: bool = False
 
 
@@ -350,7 +348,7 @@ def pair_cells(a: dict, b: dict, shots: list[int], n: int, resamples: int, rng: 
     cells = {}
     for k, d in diffs.items():
         lo, hi = bootstrap_ci(100 * d, resamples, rng)
-        cells[k] = Cell(100 * float(d.mean()), lo, hi, sign_test(d), int((d > 0).sum()), int((d < 0).sum()))
+        cells[k] = Cell(100 * float(d.mean()), lo, hi, sign_test(d))
     for c, ok in zip(cells.values(), holm([c.p for c in cells.values()])):
         c.significant = ok and (c.lo > 0 or c.hi < 0)
     return cells
@@ -639,8 +637,8 @@ def deltas_section(c: Comparison) -> list[str]:
         "",
         md_table(header, rows),
         "",
-        f"Each cell: mean per-question difference [paired bootstrap 95% CI] and the exact sign-test p-value. "
-        f"{rule(len(c.shots) + 1)}",
+        "Each cell: mean per-question difference [paired bootstrap 95% CI] and the exact sign-test p-value; * as in "
+        "the glance table.",
         "",
     ]
 
