@@ -19,6 +19,7 @@ without torchvision.
     build_tiny_clip(folder)      random CLIPModel + CLIP processor
     build_tiny_text_lm(folder)   random text-only Qwen2ForCausalLM (not an image-text-to-text model)
     build_okvqa_fixture(root)    pillow-drawn COCO-named images + OKVQA questions/annotations in the official layout
+    build_okvqa_fixture(root, mixed=True)  the same with wide, tall, tiny, grayscale, palette and CMYK image files
 """
 
 from __future__ import annotations
