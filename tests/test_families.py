@@ -65,7 +65,11 @@ def examples(items) -> list[tuple[dict, list[dict]]]:
 
 @pytest.fixture(scope="module")
 def replies(examples) -> list[list[str]]:
-    return [[query["answers"][0], *REPLIES[: 1 + i % 2]] for i, (query, _) in enumerate(examples)]
+    """2-3 replies per prompt: an annotator answer, then REPLIES in turn."""
+    return [
+        [query["answers"][0], *(REPLIES[(i + j) % 3] for j in range(1 + i % 2))]
+        for i, (query, _) in enumerate(examples)
+    ]
 
 
 def image_only(cls: type) -> type:
