@@ -50,8 +50,7 @@ class Args:
     out: Path | None = None
     """Write the report to this file and print only the glance table and the file's path."""
     plot: Path | None = None
-    """Write the figures into this folder: accuracy vs shots and paired deltas to the reference with their CIs,
-    validation accuracy per epoch, KL and selection change per epoch (one colour per run in every file)."""
+    """Write the figures into this folder (accuracy and paired deltas by shot, curves per epoch)."""
     bootstrap: int = 10000
     """Bootstrap resamples for the confidence intervals."""
     seed: int = 0
@@ -796,6 +795,8 @@ def report(args: Args) -> str:
 def main(args: Args) -> None:
     if args.out is not None and args.out.is_dir():
         raise ValueError(f"--out {args.out}: is a folder; give a file name, such as {args.out / 'report.md'}")
+    if args.bootstrap < 1:
+        raise ValueError(f"--bootstrap must be >= 1, got {args.bootstrap}")
     if args.plot is not None and args.plot.exists() and not args.plot.is_dir():
         raise ValueError(f"--plot {args.plot}: is a file; give a folder for the figures")
     runs = read_runs(args)

@@ -391,6 +391,8 @@ def test_out_prints_the_glance_table_and_the_path_and_a_folder_is_refused_before
         main(Args(runs=[tmp_path / "missing"], out=folder))  # refused before any run is read
     with pytest.raises(ValueError, match="--plot .*report.md: is a file"):
         main(Args(runs=runs, plot=tmp_path / "report.md"))
+    with pytest.raises(ValueError, match="--bootstrap must be >= 1, got 0"):
+        main(Args(runs=runs, bootstrap=0))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "report.md", "reports"]  # no reports.tmp
     assert not any(folder.iterdir())
 
