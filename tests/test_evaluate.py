@@ -94,6 +94,30 @@ def test_selector_run_orders_epochs_and_train_split(small_data, tmp_path):
     assert all(r["row"] not in r["icds"] for r in train["results"])
 
 
+def interrupted_eval(monkeypatch, data, out, batch_size):
+    """A random-baseline evaluation killed while scoring its second chunk; returns its progress file."""
+    real_open = evaluate.open_backend
+
+    def dying_backend(*a, **kw):
+        backend, calls = real_open(*a, **kw), {"n": 0}
+        real_score = backend.score
+
+        def score(*args, **kw):
+            calls["n"] += 1
+            if calls["n"] > 4:  # 4 shots per chunk: the second chunk dies
+                raise KeyboardInterrupt
+            return real_score(*args, **kw)
+
+        backend.score = score
+        return backend
+
+    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
+        m.setattr(evaluate, "open_backend", dying_backend)
+        run_eval(data=data, baseline="random", out=out, batch_size=batch_size)
+    [partial] = (out / "eval").glob("*.partial.jsonl")
+    return partial
+
+
 def test_random_seeds_average_and_resume(small_data, tmp_path, monkeypatch):
     run_eval(data=small_data, baseline="random", out=tmp_path / "r", seeds=2)
     doc = json.loads((tmp_path / "r" / "eval" / "val.json").read_text())
@@ -114,25 +138,7 @@ def test_random_seeds_average_and_resume(small_data, tmp_path, monkeypatch):
     target = tmp_path / "s0" / "eval" / "val.json"
     before = target.read_bytes()
     target.unlink()
-    real_open = evaluate.open_backend
-
-    def dying_backend(*a, **kw):
-        backend, calls = real_open(*a, **kw), {"n": 0}
-        real_score = backend.score
-
-        def score(*args, **kw):
-            calls["n"] += 1
-            if calls["n"] > 4:  # 4 shots per chunk: the second chunk dies
-                raise KeyboardInterrupt
-            return real_score(*args, **kw)
-
-        backend.score = score
-        return backend
-
-    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
-        m.setattr(evaluate, "open_backend", dying_backend)
-        run_eval(data=small_data, baseline="random", out=tmp_path / "s0", batch_size=60)
-    [partial] = target.parent.glob("*.partial.jsonl")
+    partial = interrupted_eval(monkeypatch, small_data, tmp_path / "s0", 60)
     assert len(partial.read_text().splitlines()) == 61  # header + the first chunk's 60 questions
     partial.write_text(partial.read_text() + '{"i": 60, "sh')
     run_eval(data=small_data, baseline="random", out=tmp_path / "s0", batch_size=60)
@@ -227,26 +233,7 @@ def test_every_run_is_checked_before_any_evaluation_is_written(small_data, run, 
 
 
 def test_damaged_progress_and_run_files_are_one_line(small_data, run, tmp_path, monkeypatch):
-    target = tmp_path / "r" / "eval" / "val.json"
-    real_open = evaluate.open_backend
-
-    def dying_backend(*a, **kw):
-        backend = real_open(*a, **kw)
-        real_score, calls = backend.score, []
-
-        def score(*args, **kw):
-            calls.append(1)
-            if len(calls) > 4:
-                raise KeyboardInterrupt
-            return real_score(*args, **kw)
-
-        backend.score = score
-        return backend
-
-    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
-        m.setattr(evaluate, "open_backend", dying_backend)
-        run_eval(data=small_data, baseline="random", out=tmp_path / "r", batch_size=20)
-    [partial] = target.parent.glob("*.partial.jsonl")
+    partial = interrupted_eval(monkeypatch, small_data, tmp_path / "r", 20)
     lines = partial.read_text().splitlines()
     record = json.loads(lines[3])
     record["shots"][1]["score"] = float("nan")
