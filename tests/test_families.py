@@ -250,3 +250,16 @@ def test_answers_and_reply_probs_are_plain_transformers(family, items, examples,
     # gt_prob's path: the replies alone, no answer decoded from the cache first.
     _, alone = backend.run(examples, replies, answer=False)
     assert all(torch.allclose(a, p, rtol=1e-4, atol=0) for a, p in zip(alone, probs))
+
+
+def test_each_demonstration_keeps_its_image(family, examples):
+    """In the rendered prompt, image k comes before demonstration k's question and no other image comes between
+    them: templates that write every image first (LLaVA-style) would leave the pairing to chance."""
+    ref = family["ref"]
+    token = ref.processor.image_token
+    for chat, (query, icds) in zip(family["chats"], examples):
+        text, at = ref.render(chat, True), 0
+        for item in (*icds, query):
+            image = text.index(token, at)
+            at = text.index(item["question"], image)
+            assert token not in text[image + len(token) : at], (family["name"], len(icds), text)
