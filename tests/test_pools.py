@@ -114,12 +114,10 @@ def test_random_pool_covers_all_allowed_rows(seed):
     # Over many draws from one generator every allowed row shows up and no excluded one does: the sampler is
     # random (not a fixed prefix of the allowed rows) and honours the exclusion. A row is missed by 200 draws of 3
     # out of 10 with probability 0.7**200, i.e. never.
-    exclude = torch.zeros(1, 12, dtype=torch.bool)
-    exclude[0, [0, 5]] = True
-    g = _gen(seed)
+    exclude = torch.zeros(200, 12, dtype=torch.bool)  # 200 queries with the same allowed rows
+    exclude[:, [0, 5]] = True
     seen = torch.zeros(12, dtype=torch.bool)
-    for _ in range(200):
-        seen[pools.build_pools("random", 3, exclude, g)[0]] = True
+    seen[pools.build_pools("random", 3, exclude, _gen(seed)).flatten()] = True
     assert seen.tolist() == [j not in (0, 5) for j in range(12)]
 
 
@@ -292,7 +290,7 @@ def _whole_matrix_pools(sampler, pool_size, emb, image_ids, split, queries, quer
 @given(
     seed=seeds,
     split=st.sampled_from(["train", "val"]),
-    num_train=st.integers(4, 40),
+    num_train=st.integers(8, 40),
     num_images=st.integers(1, 12),
     num_queries=st.integers(0, 12),
     pool_size=st.integers(1, 8),
@@ -323,13 +321,14 @@ def test_chunked_query_pools_equal_whole_matrix_pools(
                 with pytest.raises(ValueError, match=str(e)):
                     pools.query_pools(sampler, pool_size, *args, _gen(seed + 1), c)
             continue
-        for c in (1, 2, 3, chunk, None):
-            after_ref, after = _gen(seed + 1), _gen(seed + 1)
-            _whole_matrix_pools(sampler, pool_size, *args, after_ref)
-            got = pools.query_pools(sampler, pool_size, *args, after, c)
-            assert torch.equal(got, want), f"{sampler} chunk={c}"
+        after_ref = _gen(seed + 1)
+        _whole_matrix_pools(sampler, pool_size, *args, after_ref)
+        next_ref = torch.rand(3, generator=after_ref)
+        for c in (1, 3, chunk, None):
+            after = _gen(seed + 1)
+            assert torch.equal(pools.query_pools(sampler, pool_size, *args, after, c), want), f"{sampler} chunk={c}"
             # The generator ends where the whole-matrix draw leaves it, so what is drawn next is unchanged too.
-            assert torch.equal(torch.rand(3, generator=after), torch.rand(3, generator=after_ref)), f"chunk={c}"
+            assert torch.equal(torch.rand(3, generator=after), next_ref), f"{sampler} chunk={c}"
 
 
 def test_query_pools_never_builds_a_queries_by_train_matrix(monkeypatch):
