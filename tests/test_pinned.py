@@ -18,7 +18,7 @@ import pytest
 PINNED = {
     "rce": "18ae49a7cc19040e",
     "offline": "483fc18fd6a499bb",
-    "online": "ab2a1b7368d4c358",
+    "online": "48ba6c7bd8cfdd80",
 }
 AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1"}
 
