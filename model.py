@@ -118,7 +118,7 @@ def _near_identity(n: int) -> nn.Linear:
 class PointerSelector(nn.Module):
     """Pointer network over a per-query candidate pool. All methods are batched over queries (B) and sequences (G)."""
 
-    def __init__(self, cfg: SelectorConfig = SelectorConfig()):
+    def __init__(self, cfg: SelectorConfig):
         super().__init__()
         self.cfg = cfg
         self.in_proj = nn.Linear(cfg.dim, cfg.hidden)
