@@ -65,7 +65,6 @@ TRAIN_COLUMNS = {
     "train/tau": "RCE temperature",
     "grpo/ppo_loss": "PPO loss",
     "grpo/kl_ref": "KL to the reference (nats)",
-    "grpo/kl_share": "KL share of the loss",
     "grpo/kl_grad_share": "KL share of the gradient",
     "grpo/approx_kl_old": "approx. KL to the old policy",
     "grpo/ratio_mean": "mean PPO ratio",
