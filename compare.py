@@ -410,8 +410,6 @@ def compare(runs: list[Run], args: Args) -> Comparison | None:
     evaluated = [r for r in runs if r.eval is not None]
     if not evaluated:
         return None
-    if len({r.name for r in evaluated}) < len(evaluated):
-        raise ValueError(f"two evaluated runs share a folder name: {sorted(r.name for r in evaluated)}")
     base = reference(evaluated, args.baseline)
     n = common_n(evaluated)
     shots = sorted(set.intersection(*(set(r.eval["shots"]) for r in evaluated)))
@@ -779,9 +777,15 @@ def report_parts(runs: list[Run], c: Comparison | None, args: Args) -> tuple[str
 
 
 def read_runs(args: Args) -> list[Run]:
-    runs = [r for r in (read_run(p, args.split) for p in args.runs) if r is not None]
+    """Every run folder once (a folder named twice, as by `runs/* runs/rce`, is read once); two folders of one name
+    are refused, since every table names runs by folder name."""
+    paths = list({p.resolve(): p for p in args.runs}.values())
+    runs = [r for r in (read_run(p, args.split) for p in paths) if r is not None]
     if not runs:
         raise ValueError("no run folders to compare")
+    for a, b in combinations(runs, 2):
+        if a.name == b.name:
+            raise ValueError(f"{a.path} and {b.path} share the folder name {a.name!r}, which names a run in the tables")
     return runs
 
 

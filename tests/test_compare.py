@@ -249,6 +249,11 @@ def test_runs_glob_picks_the_rce_run_as_baseline_ignores_files_and_accepts_any_p
     text = report(Args(runs=runs, bootstrap=100))
     assert reference(text) == "rce" and ["grpo", "rce"] in [r[:2] for r in cells(text, "| run | minus")]
     assert "report.md" not in capsys.readouterr().err  # a file in runs/ is not a run folder to warn about
+    assert report(Args(runs=[*runs, tmp_path / "rce"], bootstrap=100)) == text  # a folder named twice is read once
+    (tmp_path / "seed1").mkdir()
+    write_run(tmp_path / "seed1" / "rce", sc)
+    with pytest.raises(ValueError, match="rce and .*seed1/rce share the folder name 'rce'"):
+        report(Args(runs=[*runs, tmp_path / "seed1" / "rce"]))
     monkeypatch.chdir(tmp_path)
     for spelling in ("./baseline-image-sim/", str(tmp_path / "grpo" / ".." / "baseline-image-sim")):
         assert reference(report(Args(runs=runs, baseline=spelling, bootstrap=100))) == "baseline-image-sim"
