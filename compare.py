@@ -611,9 +611,8 @@ def trained_section(runs: list[Run]) -> list[str]:
     rows = []
     for r in trained:
         done = f"UNFINISHED: {r.unfinished}" if r.unfinished else f"{r.epochs[-1]['epoch']}"
-        rows.append(
-            [r.name, r.kind().split(",")[0], done, str(r.selected), *[str(flags[r.name].get(k, "-")) for k in differ]]
-        )
+        selected = "-" if r.selected is None else str(r.selected)
+        rows.append([r.name, r.kind().split(",")[0], done, selected, *[str(flags[r.name].get(k, "-")) for k in differ]])
     header = ["run", "stage", "epochs trained", "selected epoch", *differ]
     notes = "Selected epoch: the one model.safetensors holds, the best on validation (see Training)."
     return ["## Trained runs", "", md_table(header, rows), "", notes, ""]
