@@ -78,7 +78,7 @@ def test_train_evaluate_compare(data, assets, tmp_path):
     assert doc["backend"] == str(assets["qwen"])
     assert not doc["simulation"] and len(doc["results"]) == 16 and doc["backend_info"]["prompt_template"]
     text = compare.report(compare.Args(runs=[tmp_path / "rce", tmp_path / "grpo", tmp_path / "sim"]))
-    assert "### grpo vs rce" in text and "simulated" not in text.splitlines()[0]
+    assert "| grpo | rce |" in text and "simulated" not in text.splitlines()[0]
 
 
 def test_moved_data_root_and_corrupt_image(assets, tmp_path, monkeypatch):
