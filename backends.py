@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -55,6 +56,9 @@ class LVLMOptions:
     image_cache_mib: int = 4096
     """Memory for images decoded and preprocessed once and reused, per process: half decoded (a COCO image 0.9 MiB),
     half preprocessed (about 7 MiB of patches at Qwen2.5-VL's default pixel bounds). Least recently used go first."""
+    skip_self_check: bool = False
+    """Skip the check, before any long run, that the batched scoring path gives plain transformers' answers and
+    P(reply) on a few prompts of this data (a family nobody tested could otherwise write wrong scores silently)."""
 
 
 class ScoreCache:
@@ -88,7 +92,7 @@ def lvlm_backend(model: str, items: dict[str, list[dict]], opts: LVLMOptions):
     from lvlm import LVLMBackend, PromptTemplate
 
     template = PromptTemplate(icd=opts.icd_template, query=opts.query_template, style=opts.prompt_style)
-    return LVLMBackend(
+    backend = LVLMBackend(
         model,
         items,
         opts.lvlm_batch_size,
@@ -98,6 +102,16 @@ def lvlm_backend(model: str, items: dict[str, list[dict]], opts: LVLMOptions):
         opts.device,
         opts.image_cache_mib,
     )
+    # The fast path against plain transformers on a few prompts of this data, before any long run (raises if off).
+    backend.check = None if opts.skip_self_check else backend.self_check()
+    if backend.check is not None:
+        c = backend.check
+        print(
+            f"self-check of {model}: {c['prompts']} prompts, {c['answers_differ']} answers differ from plain "
+            f"transformers, log P(reply) within {c['max_abs_logp_diff']:.1e} nats (tolerance {c['tolerance']})",
+            file=sys.stderr,
+        )
+    return backend
 
 
 def sim_from_meta(meta: dict) -> Simulator:
@@ -113,6 +127,7 @@ def open_backend(
     batch_size: int = 8,
     device: str = "auto",
     image_cache_mib: int = 4096,
+    skip_self_check: bool = False,
 ):
     """The backend a dataset folder was scored with (or another LVLM, `lvlm`), rebuilt from its meta.json.
 
@@ -135,5 +150,6 @@ def open_backend(
         lvlm_batch_size=batch_size,
         device=device,
         image_cache_mib=image_cache_mib,
+        skip_self_check=skip_self_check,
     )
     return lvlm_backend(lvlm or meta["lvlm"], items, opts)

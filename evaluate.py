@@ -94,6 +94,8 @@ class Args(CpuArgs):
     """Real LVLM: auto = this rank's CUDA device in bf16, else CPU float32."""
     image_cache_mib: int = 4096
     """Real LVLM: memory per process for images decoded and preprocessed once and reused (half each)."""
+    skip_self_check: bool = False
+    """Real LVLM: skip the check that batched scoring matches plain transformers on a few prompts, before the run."""
     data_root: Path | None = None
     """Real data: where the dataset's files live now, if they moved since gen_rl_data.py (image paths re-rooted)."""
 
@@ -365,6 +367,7 @@ def evaluate_job(args: Args, ds: Dataset, digest: str, backend, job: Job, header
         "backend": backend.describe()["lvlm"],
         "simulation": ds.is_sim,
         "backend_info": backend.describe(),
+        "self_check": getattr(backend, "check", None),  # the real backend against plain transformers, before the run
         **{k: v for k, v in header.items() if k not in ("data", "lvlm")},
         "num_samples": sorted(args.num_samples),
         "results": results,
@@ -427,7 +430,14 @@ def main(args: Args) -> None:
     preflight(args, ds)
     jobs = plan(args, ds)
     backend = open_backend(
-        ds.meta, ds.items, ds.emb, args.lvlm, args.lvlm_batch_size, args.device, args.image_cache_mib
+        ds.meta,
+        ds.items,
+        ds.emb,
+        args.lvlm,
+        args.lvlm_batch_size,
+        args.device,
+        args.image_cache_mib,
+        args.skip_self_check,
     )
     digest = data_digest(ds.folder)
     rank = sharding.init()[0]

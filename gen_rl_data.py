@@ -446,6 +446,8 @@ def build_folder(args: Args, rank: int, world: int) -> None:
     if new:
         val_pools = make_pools(args, src.items, emb, "val", torch.arange(n_val), torch.full((n_val,), -1), stream=5)
         meta = {"format_version": FORMAT_VERSION, "kind": "icl-select dataset", **want, "settings": want}
+        if getattr(src.backend, "check", None) is not None:  # the real backend against plain transformers
+            meta["self_check"] = src.backend.check
         created = datetime.now(UTC).isoformat(timespec="seconds")
         write_folder(out, {**meta, "complete": False, "created_at": created}, src.items, emb, val_pools)
     sharding.barrier(world)

@@ -46,6 +46,8 @@ def test_dataset_folder_records_the_real_backend(data, assets, monkeypatch):
     assert meta["encoder"] == str(assets["clip"]) and "revision" in meta and "calibration" not in meta
     assert "encoder_revision" in meta and meta["encoder_revision"] is None  # a local folder has no hub commit
     assert meta["prompt_template"]["style"] == "single-turn"
+    check = meta["self_check"]  # the fast path against plain transformers on 8 prompts, before the long run
+    assert check["prompts"] == 8 and check["answers_differ"] == 0 and check["max_abs_logp_diff"] < 1e-3
     # evaluate.py and online GRPO rebuild the backend from meta.json, prompt style included
     turns = dict(meta, prompt_template=dict(meta["prompt_template"], style="turn-per-demo"))
     assert open_backend(turns, ds.items, ds.emb, device="cpu").template.style == "turn-per-demo"
@@ -77,6 +79,7 @@ def test_train_evaluate_compare(data, assets, tmp_path):
     doc = json.loads((tmp_path / "grpo" / "eval" / "val.json").read_text())
     assert doc["backend"] == str(assets["qwen"])
     assert not doc["simulation"] and len(doc["results"]) == 16 and doc["backend_info"]["prompt_template"]
+    assert doc["self_check"]["answers_differ"] == 0
     text = compare.report(compare.Args(runs=[tmp_path / "rce", tmp_path / "grpo", tmp_path / "sim"]))
     assert "| grpo | rce |" in text and "simulated" not in text.splitlines()[0]
 
@@ -138,3 +141,21 @@ def test_selector_transfers_to_another_lvlm(data, family_models, tmp_path):
     doc = json.loads((tmp_path / "rce" / "eval" / "val.json").read_text())
     assert doc["backend"] == llava and len(doc["results"]) == 8
     assert doc["backend_info"]["prompt_template"]["style"] == "turn-per-demo" and doc["backend_info"]["prompt_note"]
+
+
+def test_fast_path_that_disagrees_stops_before_anything_is_written(assets, tmp_path, monkeypatch):
+    """A family whose batched scoring drifts from plain transformers stops gen_rl_data in one line, folder unmade;
+    --skip-self-check runs anyway."""
+    run = lvlm.LVLMBackend.run
+
+    def drifting(self, examples, replies=None, answer=True):
+        texts, probs = run(self, examples, replies, answer)
+        return texts, [p * 0.5 for p in probs]
+
+    monkeypatch.setattr(lvlm.LVLMBackend, "run", drifting)
+    out = tmp_path / "drift"
+    with pytest.raises(ValueError, match=r"disagrees with plain transformers .*log P\(reply\) off by up to 0.693"):
+        generate(gen_args(assets, out))
+    assert not out.exists() and not (tmp_path / "drift.building").exists()
+    generate(gen_args(assets, out, skip_self_check=True, num_queries=2))
+    assert "self_check" not in load_dataset(out).meta
