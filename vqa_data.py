@@ -1,4 +1,5 @@
-"""Load OK-VQA / VQAv2 splits from the official question, annotation and COCO image files.
+"""Load OK-VQA / VQAv2 splits from the official question, annotation and COCO image files, or from the Hugging Face
+`datasets` exports of them (parquet shards with embedded images).
 
     load_vqa_split("okvqa", Path("/data/okvqa"), "train") -> [{"question_id", "image_id", "question",
                                                              "answers": [10 raw annotator strings], "image": path}]
@@ -8,18 +9,29 @@ Official layout under `data_root` (every name can be overridden; relative overri
     VQAv2   v2_OpenEnded_mscoco_{split}2014_questions.json  v2_mscoco_{split}2014_annotations.json
     images  {split}2014/COCO_{split}2014_{image_id:012d}.jpg
 
-Items keep the questions file's order. Every problem with the input (a missing or unparsable file, a missing field, a
-question without an annotation or with a different image id, missing images) raises one `ValueError` naming the file,
-before any scoring starts, rather than a KeyError deep inside a long run.
+Hugging Face exports (HuggingFaceM4/OK-VQA, HuggingFaceM4/VQAv2, lmms-lab/OK-VQA, ... downloaded with
+`hf download --repo-type dataset`): any `*.parquet` under `data_root` whose file or folder name starts with the
+split's name (train; validation or val) is read through the `datasets` library, when the official JSON files are
+absent. Each row needs question, question_id, answers (annotator answer strings or the official answer objects) and
+an image; image_id is read from its column, else from the COCO file name the image carries. The embedded images are
+written once as files under an image cache (ICL_SELECT_CACHE, default ~/.cache/icl-select), since every stage reads
+images by path.
+
+Items keep the questions file's (or the shards') order. Every problem with the input (a missing or unparsable file,
+a missing field, a question without an annotation or with a different image id, missing images) raises one
+`ValueError` naming the file, before any scoring starts, rather than a KeyError deep inside a long run.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import re
 from collections import Counter
 from pathlib import Path
 
-__all__ = ["DATASETS", "check_images", "load_vqa_split"]
+__all__ = ["DATASETS", "check_images", "load_vqa_split", "parquet_shards"]
 
 # dataset -> (questions file, annotations file) name patterns; {split} is "train" or "val".
 DATASETS: dict[str, tuple[str, str]] = {
@@ -27,6 +39,7 @@ DATASETS: dict[str, tuple[str, str]] = {
     "vqav2": ("v2_OpenEnded_mscoco_{split}2014_questions.json", "v2_mscoco_{split}2014_annotations.json"),
 }
 SPLITS = ("train", "val")
+PARQUET_SPLITS = {"train": ("train",), "val": ("validation", "val")}  # how exports name the splits
 SHOW = 5  # how many offending ids / paths an error message lists
 
 
@@ -102,6 +115,9 @@ def load_vqa_split(
         raise ValueError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
     root = Path(data_root).expanduser()
     q_pattern, a_pattern = DATASETS[dataset]
+    shards = parquet_shards(root, split)
+    if shards and not (root / (questions_file or q_pattern.format(split=split))).exists():
+        return load_parquet_split(dataset, shards, split)
     # Path's "/" keeps an absolute override as it is and puts a relative one under the data root.
     q_path = root / (questions_file or q_pattern.format(split=split))
     a_path = root / (annotations_file or a_pattern.format(split=split))
@@ -159,4 +175,85 @@ def load_vqa_split(
             f"{len(missing)} image file(s) of {dataset} {split} missing under {img_dir}: "
             f"{_listing(missing, len(missing))}"
         )
+    return items
+
+
+def parquet_shards(root: Path, split: str) -> list[Path]:
+    """The parquet files of `split` under `root`, at any depth: a file or folder name starting with one of the split's
+    names (train-00000-of-00004.parquet, data/validation-*.parquet, val2014/0000.parquet)."""
+    pattern = re.compile(rf"({'|'.join(PARQUET_SPLITS[split])})(\d*)([-_.]|$)", re.IGNORECASE)
+    return [
+        f for f in sorted(Path(root).rglob("*.parquet")) if any(pattern.match(p) for p in f.relative_to(root).parts)
+    ]
+
+
+def _image_cache(shards: list[Path]) -> Path:
+    """Where the shards' embedded images are written as files: one folder per set of shards (name and size)."""
+    key = hashlib.sha256("\n".join(f"{f.resolve()} {f.stat().st_size}" for f in shards).encode()).hexdigest()[:16]
+    base = Path(os.environ.get("ICL_SELECT_CACHE", Path.home() / ".cache" / "icl-select")).expanduser()
+    return base / "images" / key
+
+
+def _row_answers(answers, where: str) -> list[str]:
+    """Annotator answer strings from an export's answers column: strings, or the official {"answer": ...} objects."""
+    if not isinstance(answers, list) or not answers:
+        raise ValueError(f"{where}: no annotator answers")
+    out = [a.get("answer") if isinstance(a, dict) else a for a in answers]
+    if not all(isinstance(a, str) for a in out):
+        raise ValueError(f"{where}: answers must be strings or objects with an 'answer' string")
+    return out
+
+
+def load_parquet_split(dataset: str, shards: list[Path], split: str) -> list[dict]:
+    """The items of one split of a Hugging Face export, in the shards' order; embedded images written once to files."""
+    import datasets
+
+    from files import atomic_write_bytes
+
+    where = f"{dataset} {split} ({shards[0].parent})"
+    try:
+        rows = datasets.load_dataset("parquet", data_files=[str(f) for f in shards], split="train", streaming=True)
+        columns = set(rows.column_names or [])
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{where}: the parquet shards do not read ({str(e).splitlines()[0]})") from e
+    missing = [c for c in ("question_id", "question", "answers", "image") if c not in columns]
+    if missing:
+        raise ValueError(f"{where}: the parquet shards lack column(s) {', '.join(missing)} (have {sorted(columns)})")
+    rows = rows.cast_column("image", datasets.Image(decode=False))  # the file's bytes, written as they are
+    cache = _image_cache(shards)
+    cache.mkdir(parents=True, exist_ok=True)
+    items, seen = [], set()
+    for i, row in enumerate(rows):
+        at = f"{where}: row {i} (question_id {row['question_id']})"
+        image = row["image"] or {}
+        name = Path(image.get("path") or "").name
+        if row.get("image_id") is not None:
+            image_id = int(row["image_id"])
+        elif m := re.search(r"(\d+)\.\w+$", name):  # COCO_val2014_000000297147.jpg
+            image_id = int(m.group(1))
+        else:
+            raise ValueError(f"{at}: no image_id column and no COCO file name to read it from")
+        if not image.get("bytes"):
+            raise ValueError(f"{at}: the image is not embedded in the shard")
+        path = cache / f"{image_id}{Path(name).suffix.lower() or '.img'}"
+        if image_id not in seen and not path.is_file():
+            atomic_write_bytes(path, image["bytes"])
+        seen.add(image_id)
+        qid = row["question_id"]
+        items.append(
+            {
+                "question_id": int(qid) if isinstance(qid, str) and qid.isdigit() else qid,
+                "image_id": image_id,
+                "question": row["question"],
+                "answers": _row_answers(row["answers"], at),
+                "image": str(path),
+            }
+        )
+    if not items:
+        raise ValueError(f"{where}: the parquet shards hold no rows")
+    qids = [it["question_id"] for it in items]
+    if len(set(qids)) != len(qids):
+        dups = [qid for qid, n in Counter(qids).items() if n > 1]
+        raise ValueError(f"{where}: duplicate question ids {_listing(dups, len(dups))}")
+    check_images([it["image"] for it in items], f"extracted from {where}")
     return items

@@ -159,3 +159,15 @@ def test_fast_path_that_disagrees_stops_before_anything_is_written(assets, tmp_p
     assert not out.exists() and not (tmp_path / "drift.building").exists()
     generate(gen_args(assets, out, skip_self_check=True, num_queries=2))
     assert "self_check" not in load_dataset(out).meta
+
+
+def test_gen_rl_data_reads_a_hugging_face_export(assets, tmp_path, monkeypatch):
+    from test_vqa_data import export_to_parquet
+
+    monkeypatch.setenv("ICL_SELECT_CACHE", str(tmp_path / "cache"))
+    for split in ("train", "val"):
+        export_to_parquet(assets["okvqa"], tmp_path / "export", split, answer_objects=True)
+    out = tmp_path / "from-parquet"
+    generate(gen_args(assets, out, data_root=tmp_path / "export", num_queries=2, skip_self_check=True))
+    ds = load_dataset(out)
+    assert len(ds.groups) == 2 and all(it["image"].startswith(str(tmp_path / "cache")) for it in ds.items["train"])

@@ -83,3 +83,59 @@ def test_vqa_data_missing_images(assets, tmp_path):
     with pytest.raises(ValueError, match=r"2 image file\(s\) of okvqa train missing") as err:
         load_vqa_split("okvqa", assets["okvqa"], "train", image_dir=images)
     assert all(str(path) in str(err.value) for path in gone)
+
+
+def export_to_parquet(root: Path, out: Path, split: str, answer_objects: bool) -> Path:
+    """The official files under `root` re-written as a Hugging Face export does: parquet shards of rows with the
+    question, its answers and the image file's bytes embedded (two shards, like a real export's several)."""
+    import datasets
+
+    items = load_vqa_split("okvqa", root, split)
+    rows = {
+        "question_id": [it["question_id"] for it in items],
+        "question": [it["question"] for it in items],
+        "answers": [[{"answer": a, "answer_id": i + 1} for i, a in enumerate(it["answers"])] for it in items]
+        if answer_objects
+        else [it["answers"] for it in items],
+        "image": [{"bytes": Path(it["image"]).read_bytes(), "path": Path(it["image"]).name} for it in items],
+    }
+    features = datasets.Features(
+        {
+            "question_id": datasets.Value("int64"),
+            "question": datasets.Value("string"),
+            "answers": [{"answer": datasets.Value("string"), "answer_id": datasets.Value("int64")}]
+            if answer_objects
+            else datasets.Sequence(datasets.Value("string")),
+            "image": datasets.Image(),
+        }
+    )
+    table = datasets.Dataset.from_dict(rows, features=features)
+    name = "validation" if split == "val" else split
+    (out / "data").mkdir(parents=True, exist_ok=True)
+    half = len(items) // 2
+    table.select(range(half)).to_parquet(out / "data" / f"{name}-00000-of-00002.parquet")
+    table.select(range(half, len(items))).to_parquet(out / "data" / f"{name}-00001-of-00002.parquet")
+    return out
+
+
+@pytest.mark.parametrize("answer_objects", [True, False])
+def test_hugging_face_parquet_export_reads_as_the_official_files(assets, tmp_path, monkeypatch, answer_objects):
+    monkeypatch.setenv("ICL_SELECT_CACHE", str(tmp_path / "cache"))
+    for split in ("train", "val"):
+        export_to_parquet(assets["okvqa"], tmp_path / "export", split, answer_objects)
+    for split in ("train", "val"):
+        official = load_vqa_split("okvqa", assets["okvqa"], split)
+        exported = load_vqa_split("okvqa", tmp_path / "export", split)
+        keys = ("question_id", "image_id", "question", "answers")
+        assert [{k: it[k] for k in keys} for it in exported] == [{k: it[k] for k in keys} for it in official]
+        assert all(Path(e["image"]).read_bytes() == Path(o["image"]).read_bytes() for e, o in zip(exported, official))
+        assert all(str(tmp_path / "cache") in it["image"] for it in exported)
+
+
+def test_parquet_export_without_a_needed_column_is_one_line(tmp_path):
+    import datasets
+
+    (tmp_path / "data").mkdir()
+    datasets.Dataset.from_dict({"question": ["a?"], "question_id": [1]}).to_parquet(tmp_path / "data" / "train.parquet")
+    with pytest.raises(ValueError, match=r"okvqa train .*lack column\(s\) answers, image"):
+        load_vqa_split("okvqa", tmp_path, "train")
