@@ -425,8 +425,8 @@ def unshared_scores(backend, examples: list) -> tuple[list[str], Tensor]:
         inputs = backend.encode(batch)
         backend.prompt_tokens += int(inputs["attention_mask"].sum())
         ids = [
-            torch.tensor(backend.tokenizer(a, add_special_tokens=False)["input_ids"] + backend.closer_ids)
-            for a in replies[start : start + backend.batch_size]
+            torch.tensor(backend.reply_ids(backend.messages(*examples[i]), [a])[0])
+            for i, a in zip(rows[start : start + backend.batch_size], replies[start : start + backend.batch_size])
         ]
         reply = torch.nn.utils.rnn.pad_sequence(ids, batch_first=True, padding_value=backend.pad_id)  # (B, L)
         reply = reply.to(backend.model.device)
