@@ -572,6 +572,7 @@ def rule(cells: int) -> str:
 def glance_section(c: Comparison) -> str:
     best = c.best()
     rows = []
+    several_lvlms = len({r.eval["backend"] for r in c.evaluated}) > 1  # a selector moved to another LVLM
     for r in c.evaluated:
         cells = c.cells(r)
         row = []
@@ -582,7 +583,8 @@ def glance_section(c: Comparison) -> str:
             row.append(f"**{text}**" if r in best and k == "avg" else text)
         name = f"**{r.name}** (best)" if r in best else r.name
         name += " (reference)" if r is c.base else ""
-        rows.append([name, r.kind(), *row])
+        what = r.kind() + (f", answered by {Path(r.eval['backend']).name}" if several_lvlms else "")
+        rows.append([name, what, *row])
     header = ["run", "what", *[f"{s}-shot" for s in c.shots], "avg"]
     notes = [
         f"Each cell: VQA accuracy (%) on the first {c.n} {c.questions}, the largest count every run has, and "

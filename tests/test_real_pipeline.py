@@ -141,6 +141,10 @@ def test_selector_transfers_to_another_lvlm(data, family_models, tmp_path):
     doc = json.loads((tmp_path / "rce" / "eval" / "val.json").read_text())
     assert doc["backend"] == llava and len(doc["results"]) == 8
     assert doc["backend_info"]["prompt_template"]["style"] == "turn-per-demo" and doc["backend_info"]["prompt_note"]
+    ev = dict(data=data, shots=[1, 2], num_samples=[4], skip_self_check=True)
+    evaluate.main(evaluate.Args(baseline="image-sim", out=tmp_path / "sim", **ev))  # the dataset's own Qwen2.5-VL
+    text = compare.report(compare.Args(runs=[tmp_path / "rce", tmp_path / "sim"]))
+    assert "answered by llava" in text and "answered by qwen" in text
 
 
 def test_fast_path_that_disagrees_stops_before_anything_is_written(assets, tmp_path, monkeypatch):
