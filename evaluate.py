@@ -49,6 +49,7 @@ from files import DataError, atomic_write_text, full_disk_names, read_json, read
 from locks import exclusive
 from model import PointerSelector
 from tables import accuracy_table
+from training import greedy_icds
 from vqa_data import check_images
 
 Baseline = Literal["zero-shot", "random", "image-sim", "text-sim", "oracle", "observable"]
@@ -130,14 +131,6 @@ def questions(ds: Dataset, split: str, n: int) -> tuple[Tensor, Tensor, list[dic
     if n > len(rows):
         raise ValueError(f"--num-samples {n} exceeds the {len(rows)} {split} questions of {ds.folder}")
     return rows[:n], pool[:n], [ds.items[split][r] for r in rows[:n].tolist()]
-
-
-def selector_icds(model: PointerSelector, ds: Dataset, split: str, rows: Tensor, pool: Tensor, k: int) -> Tensor:
-    """Greedy picks of the selector: (n, k) train rows in selection order."""
-    emb = ds.emb
-    mask = pool >= 0
-    picks, _ = model.eval().greedy(emb[split][rows], emb["train"][pool.clamp_min(0)], mask, k)
-    return pool.gather(1, picks)
 
 
 def baseline_icds(
@@ -333,7 +326,7 @@ def evaluate_job(args: Args, ds: Dataset, digest: str, backend, job: Job, header
     target.parent.mkdir(parents=True, exist_ok=True)
     for seed in seeds:
         if model is not None:
-            picks = selector_icds(model, ds, split, rows, pool, k)
+            picks = greedy_icds(model, ds, split, rows, pool, k)
             icds = [picks[:, :s] for s in args.shots]
         else:
             icds = baseline_icds(args, ds, backend, split, rows, pool, k, seed)

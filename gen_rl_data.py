@@ -43,6 +43,7 @@ from tqdm import tqdm
 import pools
 import sharding
 from backends import LVLMOptions, SimBackend, lvlm_backend
+from checkpoints import load_selector
 from cli import CpuArgs, default_is, help_first, run_cli
 from data import (
     DEFAULT_DATA,
@@ -60,7 +61,7 @@ from data import (
 )
 from files import atomic_write_text, full_disk_names, save_tensors
 from locks import exclusive
-from model import PointerSelector, reward_spread
+from model import reward_spread
 from sim import SimConfig, Simulator, calibrate
 
 
@@ -264,7 +265,7 @@ def make_pools(
 
 def init_candidates(args: Args, query: Tensor, pool: Tensor) -> tuple[Tensor, list[str]]:
     """Sequences decoded by a trained selector: greedy, beams, samples -> (Q, C, S) and their sources."""
-    model = PointerSelector.load(args.init).eval()
+    model = load_selector(args.init).eval()
     mask = torch.ones(pool.shape[:2], dtype=torch.bool)
     greedy, _ = model.greedy(query, pool, mask, args.seq_len)
     beams, _ = model.beam_search(query, pool, mask, args.seq_len, args.init_beams)
@@ -435,7 +436,7 @@ def build_folder(args: Args, rank: int, world: int) -> None:
     want = settings(args, src)
     meta = prepare_folder(out, want)
     if args.init is not None:
-        PointerSelector.load(args.init)  # fail on a bad --init before anything is written
+        load_selector(args.init)  # fail on a bad --init before anything is written
     sharding.barrier(world)  # every rank has checked the folder before rank 0 creates it
 
     anchors = torch.randperm(n_train, generator=rng(args.seed, 1))[: args.num_queries]  # (Q,)

@@ -294,13 +294,6 @@ class PointerSelector(nn.Module):
         save_tensors(directory / "model.safetensors", self.state_dict(), {"config": config})
         atomic_write_text(directory / "model.json", config + "\n")
 
-    @classmethod
-    def load(cls, directory: str | os.PathLike) -> PointerSelector:
-        """checkpoints.load_selector on a run folder (where selector files are read and checked)."""
-        from checkpoints import load_selector
-
-        return load_selector(Path(directory))
-
 
 def argmax(log_dist: Tensor) -> Tensor:
     """Greedy choice of `_decode`: (B, N, K) -> (B, N)."""

@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from strategies import rng, seeds
 
+from checkpoints import load_selector
 from model import PointerSelector, SelectorConfig
 
 CFG = SelectorConfig(dim=12, hidden=16, num_heads=2, num_layers=2, dropout=0.3)
@@ -197,7 +198,7 @@ def test_dropout_only_in_train_mode():
 def test_save_load_round_trip_bitwise(tmp_path):
     model = make_model(3)
     model.save(tmp_path)
-    loaded = PointerSelector.load(tmp_path)
+    loaded = load_selector(tmp_path)
     assert loaded.cfg == model.cfg
     for (k, a), (k2, b) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert k == k2 and torch.equal(a, b)
@@ -214,12 +215,12 @@ def test_load_names_missing_unexpected_and_misshaped_tensors(tmp_path):
     state["in_proj.weight"] = torch.zeros(3, 3)
     save_file(state, tmp_path / "model.safetensors")
     with pytest.raises(ValueError) as e:
-        PointerSelector.load(tmp_path)
+        load_selector(tmp_path)
     for name in ("gate.bias", "extra.weight", "in_proj.weight"):
         assert name in str(e.value)
     (tmp_path / "model.json").unlink()
     with pytest.raises(ValueError, match="model.json"):
-        PointerSelector.load(tmp_path)
+        load_selector(tmp_path)
 
 
 def test_bad_inputs_name_the_query_and_sequence():
@@ -287,7 +288,7 @@ def test_pick_order_is_validated_and_model_json_must_name_every_setting(tmp_path
     del raw["pick_order"]  # read as a default, it would silently change how the picks become a prompt
     (tmp_path / "model.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match=r"model\.json.*missing \['pick_order'\]"):
-        PointerSelector.load(tmp_path)
+        load_selector(tmp_path)
 
 
 @given(seeds, st.integers(1, 40), st.sampled_from([None, float("nan"), float("inf"), float("-inf")]))
