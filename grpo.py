@@ -151,6 +151,16 @@ def default_out(args: Args) -> Path:
 
 def check_args(args: Args) -> None:
     check_train_args(args)
+    numbers = {"--kl-beta": args.kl_beta, "--kl-target": args.kl_target, "--epsilon": args.epsilon}
+    numbers |= {"--epsilon-high": args.epsilon_high, "--temperature": args.temperature}
+    for flag, value in numbers.items():
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"{flag} must be a finite number, got {value}")
+    if args.online and args.reward_mode == "info_score":
+        raise ValueError(
+            "--reward-mode info_score needs each query's zero-shot probability, which online queries are not scored "
+            "for; within a group it ranks sequences as log gt_prob does: use hard_plus_gtprob online"
+        )
     if args.kl_beta < 0:
         raise ValueError(f"--kl-beta must be >= 0, got {args.kl_beta}")
     if args.kl_target is not None and args.kl_target <= 0:

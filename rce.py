@@ -87,8 +87,8 @@ def top1_weights(reward: Tensor, mask: Tensor) -> Tensor:
 
 def main(args: Args) -> None:
     check_train_args(args)
-    if args.temp_start <= 0 or args.temp_end <= 0:
-        raise ValueError("--temp-start and --temp-end must be > 0")
+    if not (0 < args.temp_start < math.inf and 0 < args.temp_end < math.inf):  # NaN fails every comparison
+        raise ValueError(f"--temp-start and --temp-end must be finite and > 0, got {args.temp_start}, {args.temp_end}")
     out = args.out
 
     # data and split

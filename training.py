@@ -93,6 +93,9 @@ def check_train_args(args: TrainArgs) -> None:
         raise ValueError(f"--val-frac must be in (0, 1), got {args.val_frac}")
     if args.val_max_queries < 1:
         raise ValueError(f"--val-max-queries must be >= 1, got {args.val_max_queries}")
+    for flag, value in (("--lr", args.lr), ("--weight-decay", args.weight_decay), ("--grad-clip", args.grad_clip)):
+        if not math.isfinite(value):  # NaN passes every comparison below
+            raise ValueError(f"{flag} must be a finite number, got {value}")
     if args.lr <= 0 or args.weight_decay < 0 or args.grad_clip < 0:
         raise ValueError("--lr must be > 0, --weight-decay and --grad-clip >= 0")
     check_installed(args.report_to)

@@ -542,3 +542,22 @@ def test_report_to_a_missing_package_stops_before_any_work(small_data, tmp_path,
     with pytest.raises(ValueError, match=r"--report-to wandb.*pip install wandb"):
         rce.main(rce.Args(data=small_data, out=tmp_path / "w", report_to="wandb", **FAST))
     assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize(
+    "stage, flags, pattern",
+    [
+        ("rce", {"temp_start": float("nan")}, r"--temp-start and --temp-end must be finite and > 0, got nan"),
+        ("rce", {"lr": float("nan")}, r"--lr must be a finite number, got nan"),
+        ("grpo", {"online": True, "temperature": float("inf")}, r"--temperature must be a finite number, got inf"),
+        ("grpo", {"kl_beta": float("inf")}, r"--kl-beta must be a finite number, got inf"),
+        ("grpo", {"online": True, "reward_mode": "info_score"}, r"info_score needs each query's zero-shot"),
+    ],
+)
+def test_non_finite_or_unusable_flags_are_refused_before_any_work(small_data, rce_run, tmp_path, stage, flags, pattern):
+    out = tmp_path / "run"
+    main, args = (rce.main, rce.Args) if stage == "rce" else (grpo.main, grpo.Args)
+    extra = {} if stage == "rce" else {"init": rce_run}
+    with pytest.raises(ValueError, match=pattern):
+        main(args(data=small_data, out=out, epochs=1, **extra, **flags))
+    assert not out.exists()
