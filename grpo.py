@@ -145,8 +145,15 @@ def default_out(args: Args) -> Path:
         f"t{args.temperature:g}": args.online and args.temperature != 1.0,
         f"g{args.group_size}": args.online and args.group_size != 16,
         f"seed{args.seed}": args.seed != 0,
+        f"from-{init_tag(args.init)}": Path(args.init) != Args.init,  # never the --init folder itself
     }
     return Path("runs") / "-".join(parts + [name for name, on in flags.items() if on])
+
+
+def init_tag(init: Path) -> str:
+    """A short name for a starting selector: its run folder, plus the epoch for a checkpoint file."""
+    init = Path(init)
+    return f"{init.parent.parent.name}-{init.stem}" if init.suffix == ".safetensors" else init.name
 
 
 def check_args(args: Args) -> None:

@@ -290,6 +290,10 @@ def test_default_out_names(small_data):
     )
     assert grpo.default_out(grpo.Args(kl_beta=0.05, online=True, rank_advantage=True)).name == "grpo-kl0.05-online-rank"
     assert grpo.default_out(grpo.Args(kl_target=0.05, lr=3e-5)).name == "grpo-kl0.1-target0.05-lr3e-05"
+    # GRPO from a GRPO run: never the --init folder itself
+    assert grpo.default_out(grpo.Args(init=Path("runs/grpo-kl0.1"), kl_beta=0.1)).name == "grpo-kl0.1-from-grpo-kl0.1"
+    ckpt = Path("runs/rce/ckpt/epoch_003.safetensors")
+    assert grpo.default_out(grpo.Args(init=ckpt)).name == "grpo-kl0.1-from-rce-epoch_003"
 
 
 @pytest.mark.parametrize(
