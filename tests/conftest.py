@@ -1,14 +1,19 @@
-"""Shared test setup: the flat repo root on sys.path, hypothesis profiles (HYPOTHESIS_PROFILE=dev|ci, default ci),
-and session fixtures (a small simulated dataset; tiny offline real models of every tested family and OK-VQA-format
+"""Shared test setup: the flat repo root on sys.path, one torch thread (as every stage runs by default, so a plain
+`pytest -q` takes the time the README states), hypothesis profiles (HYPOTHESIS_PROFILE=dev|ci, default ci), and
+session fixtures (a small simulated dataset; tiny offline real models of every tested family and OK-VQA-format
 datasets)."""
 
 import os
 import sys
 from pathlib import Path
 
-import pytest
-from hypothesis import HealthCheck, settings
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported; child processes inherit it
 
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # Tensor tests are slower than hypothesis' default 200 ms deadline on a loaded 2-core CI machine.
