@@ -71,14 +71,3 @@ def mixed_okvqa(tmp_path_factory):
     from real_fixtures import build_okvqa_fixture
 
     return build_okvqa_fixture(tmp_path_factory.mktemp("real") / "okvqa-mixed", mixed=True)
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """Tiny models run single-threaded: on a busy 2-core machine intra-op threads make each tiny matmul far slower."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

@@ -21,7 +21,7 @@ N = 800  # validation questions, as in run.sh
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, one_thread):
+def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("evidence")
     data = root / "data"
     generate(GenArgs(out=data))  # the defaults: 800 anchors x 16 sequences, K=64, S=4, 1200 val questions

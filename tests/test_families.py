@@ -41,7 +41,6 @@ from lvlm import LVLMBackend
 from vqa_data import load_vqa_split
 
 pytestmark = [
-    pytest.mark.usefixtures("one_thread"),
     # llava-v1.6-mistral's published template writes "<\s>", which jinja reads as an invalid escape.
     pytest.mark.filterwarnings("ignore:invalid escape sequence:DeprecationWarning"),
 ]

@@ -39,9 +39,6 @@ VISION_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
 MIB = 2**20
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 @pytest.fixture(scope="session")
 def items(assets) -> dict[str, list[dict]]:
     return {split: load_vqa_split("okvqa", assets["okvqa"], split) for split in ("train", "val")}

@@ -13,8 +13,6 @@ from backends import open_backend
 from data import load_dataset
 from gen_rl_data import Args, generate
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def gen_args(assets, out, **kw):
     base = dict(
