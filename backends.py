@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from data import SEQ_FIELDS
-from sim import SimConfig, Simulator
+from sim import SPLITS, SimConfig, Simulator
 
 
 class SimBackend:
@@ -61,11 +61,37 @@ class ScoreCache:
     """A backend's scores by (split, query, ICD train rows): only unseen ones go to the backend, in one batch.
 
     Online GRPO and per-epoch validation score the same sequences again and again (greedy picks change slowly);
-    each distinct prompt is scored once per process.
+    each distinct prompt is scored once per process. `calls` counts what the backend was asked to score (the cache
+    misses); `state`/`restore` carry the memo over a resume, so a resumed run neither pays nor counts a score twice.
     """
 
     def __init__(self, backend):
         self.backend, self.memo = backend, {}
+
+    @property
+    def calls(self) -> int:
+        return len(self.memo)  # every miss adds exactly one entry
+
+    def state(self) -> dict[str, Tensor]:
+        """Every score so far as tensors, in the order they were made (so any earlier state is a prefix of it)."""
+        keys = list(self.memo)
+        width = max((len(k[2]) for k in keys), default=0)
+        return {
+            "split": torch.tensor([SPLITS.index(k[0]) for k in keys], dtype=torch.uint8),  # (N,)
+            "query": torch.tensor([k[1] for k in keys], dtype=torch.int64),  # (N,)
+            "icds": torch.tensor([[*k[2], *[-1] * (width - len(k[2]))] for k in keys], dtype=torch.int64).view(
+                len(keys), width
+            ),  # (N, k) train rows, -1 past a shorter prompt's shots
+            "scores": torch.tensor(list(self.memo.values()), dtype=torch.float64).view(len(keys), len(SEQ_FIELDS)),
+        }
+
+    def restore(self, state: dict[str, Tensor], n: int) -> None:
+        """The memo as it was after its first `n` scores (a state saved then or later)."""
+        if len(state["query"]) < n:
+            raise ValueError(f"the saved scores hold {len(state['query'])} entries, the checkpoint counted {n}")
+        icds = [[r for r in row if r >= 0] for row in state["icds"][:n].tolist()]
+        keys = zip(state["split"][:n].tolist(), state["query"][:n].tolist(), icds)
+        self.memo = {(SPLITS[s], q, tuple(i)): tuple(v) for (s, q, i), v in zip(keys, state["scores"][:n].tolist())}
 
     def describe(self) -> dict:
         return self.backend.describe()

@@ -1,0 +1,109 @@
+"""grpo.py --online --lvlm-budget: what the LVLM scores is counted independently here, around the backend itself."""
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import grpo
+from backends import SimBackend
+from checkpoints import save_checkpoint
+
+FAST = dict(batch_size=8, val_frac=0.25, group_size=6, online=True)
+
+
+def records(run):
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Sequences the simulator is asked to score, whoever asks (not grpo's own counter)."""
+    asked = [0]
+    real = SimBackend.score
+
+    def score(self, split, queries, icds, gt_prob=True):
+        asked[0] += len(queries)
+        return real(self, split, queries, icds, gt_prob)
+
+    monkeypatch.setattr(SimBackend, "score", score)
+    return asked
+
+
+@pytest.fixture(scope="module")
+def init(small_data, tmp_path_factory):
+    import rce
+
+    out = tmp_path_factory.mktemp("runs") / "rce"
+    rce.main(rce.Args(data=small_data, out=out, epochs=2, batch_size=8, val_frac=0.25))
+    return out
+
+
+def test_budget_run_stops_within_budget_logs_calls_and_resumes_identically(
+    small_data, init, tmp_path, counted, monkeypatch
+):
+    budget = 1500
+    common = dict(data=small_data, init=init, lvlm_budget=budget, lr_schedule="linear", **FAST)
+    full, part = tmp_path / "full", tmp_path / "part"
+    grpo.main(grpo.Args(out=full, **common))
+    spent = counted[0]
+    recs = records(full)
+    plan = json.loads((full / "config.json").read_text())["budget_plan"]
+    assert spent <= budget and recs[-1]["lvlm/calls"] == spent  # grpo's count is what the backend was asked
+    # the plan counts every validation and step at its most calls: what cache hits and repeated samples save is left
+    assert budget - spent < (plan["epochs"] + 1) * plan["val_calls"] + plan["steps"] * FAST["group_size"]
+    calls = [r["lvlm/calls"] for r in recs]
+    assert calls == sorted(calls) and calls[0] > 0  # cumulative, from the start's validation on
+    assert [r["epoch"] for r in recs] == list(range(plan["epochs"] + 1)) and recs[-1]["step"] == plan["steps"]
+
+    def save_then_die(out, e, *a):
+        save_checkpoint(out, e, *a)
+        if e == 2:
+            raise KeyboardInterrupt
+
+    counted[0] = 0
+    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
+        m.setattr(grpo, "save_checkpoint", save_then_die)
+        grpo.main(grpo.Args(out=part, **common))
+    grpo.main(grpo.Args(out=part, **common))
+    assert counted[0] == spent  # the resumed run neither scores nor counts again what the killed one scored
+    for name in (
+        "model.safetensors",
+        "metrics.jsonl",
+        "scores.safetensors",
+        f"ckpt/epoch_{plan['epochs']:03d}.safetensors",
+    ):
+        assert (part / name).read_bytes() == (full / name).read_bytes(), name
+
+
+def test_budget_too_small_for_one_step_and_its_validations_is_refused(small_data, init, tmp_path, counted):
+    with pytest.raises(ValueError, match="--lvlm-budget 50 is too small"):
+        grpo.main(grpo.Args(data=small_data, init=init, out=tmp_path / "b", lvlm_budget=50, **FAST))
+    assert counted[0] == 0 and not (tmp_path / "b").exists()
+    with pytest.raises(ValueError, match="--lvlm-budget needs --online"):
+        grpo.main(grpo.Args(data=small_data, init=init, out=tmp_path / "c", lvlm_budget=5000))
+
+
+@given(
+    budget=st.integers(1, 100_000),
+    epochs=st.none() | st.integers(1, 40),
+    batch=st.integers(1, 64),
+    group=st.integers(2, 32),
+    val=st.integers(0, 2000),
+    natural=st.integers(1, 40),
+)
+def test_budget_plan_fits_its_worst_case_in_the_budget(budget, epochs, batch, group, val, natural):
+    try:
+        plan = grpo.budget_plan(budget, epochs, batch * group, val, group, natural)
+    except ValueError as e:
+        assert "too small" in str(e)
+        return
+    assert 1 <= plan.epochs <= (epochs or plan.epochs) and plan.steps >= plan.epochs
+    assert (plan.epochs - 1) * plan.steps_per_epoch < plan.steps <= plan.epochs * plan.steps_per_epoch
+    if epochs is None:
+        assert plan.steps_per_epoch <= natural
+    # every step but the last at its most calls, the last at one group at least, every validation at its most
+    train = budget - (plan.epochs + 1) * val
+    assert (plan.steps - 1) * batch * group + group <= train
+    assert train - plan.steps * batch * group < group or epochs is None  # no whole step left unused
