@@ -64,6 +64,32 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
         "online",
     ),
     "offline": ("grpo", {}, "online"),
+    "online, budget 35k": ("grpo", {"online": True, "lvlm_budget": 35000}, "online"),
+    "online, budget 35k, lr 3e-3 linear decay": (
+        "grpo",
+        {"online": True, "lvlm_budget": 35000, "lr": 3e-3, "lr_schedule": "linear"},
+        "online, budget 35k",
+    ),
+    "online, budget 35k, 4 iterations per batch": (
+        "grpo",
+        {"online": True, "lvlm_budget": 35000, "num_iterations": 4},
+        "online, budget 35k",
+    ),
+    "online, budget 35k, groups of 8 x 64 queries": (
+        "grpo",
+        {"online": True, "lvlm_budget": 35000, "group_size": 8, "batch_size": 64},
+        "online, budget 35k",
+    ),
+    "online, budget 35k, beta 0.1": (
+        "grpo",
+        {"online": True, "lvlm_budget": 35000, "kl_beta": 0.1},
+        "online, budget 35k",
+    ),
+    "online, budget 35k, from offline GRPO": (
+        "grpo",
+        {"online": True, "lvlm_budget": 35000, "init": "offline"},
+        "online, budget 35k",
+    ),
 }
 BASELINES = ("image-sim", "oracle", "observable")
 
