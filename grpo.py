@@ -187,14 +187,14 @@ class Plan:
 def budget_plan(budget: int, epochs: int | None, step_calls: int, val_calls: int, group: int, natural: int) -> Plan:
     """The most steps `budget` affords once every validation is reserved, each step counted at its most calls
     (`step_calls`) and the last cut to the whole groups (`group` calls each) left. Without `epochs`, as many epochs of
-    at most `natural` steps as the steps need (more epochs reserve more validations: the loop settles)."""
+    at most `natural` steps as the steps need: the fewest that fit, since every epoch reserves a validation."""
     e = epochs or 1
     while True:
         train = budget - (e + 1) * val_calls  # (e + 1): the start is validated too
         steps = max(train, 0) // step_calls + (max(train, 0) % step_calls >= group)
         if epochs is not None or -(-steps // natural) <= e:
             break
-        e = -(-steps // natural)
+        e += 1
     if steps < e:
         raise ValueError(
             f"--lvlm-budget {budget} is too small: {e} epoch(s) need at least {e} step(s) of {group} to {step_calls} "

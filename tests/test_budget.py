@@ -101,9 +101,26 @@ def test_budget_plan_fits_its_worst_case_in_the_budget(budget, epochs, batch, gr
         return
     assert 1 <= plan.epochs <= (epochs or plan.epochs) and plan.steps >= plan.epochs
     assert (plan.epochs - 1) * plan.steps_per_epoch < plan.steps <= plan.epochs * plan.steps_per_epoch
-    if epochs is None:
+    if epochs is None:  # the fewest epochs of at most `natural` steps: one epoch fewer could not hold its steps
         assert plan.steps_per_epoch <= natural
+        fewer = budget - plan.epochs * val
+        assert (
+            plan.epochs == 1
+            or fewer // (batch * group) + (fewer % (batch * group) >= group) > (plan.epochs - 1) * natural
+        )
     # every step but the last at its most calls, the last at one group at least, every validation at its most
     train = budget - (plan.epochs + 1) * val
     assert (plan.steps - 1) * batch * group + group <= train
     assert train - plan.steps * batch * group < group or epochs is None  # no whole step left unused
+
+
+def test_a_budget_that_affords_the_default_run_trains_its_very_bytes(small_data, init, tmp_path):
+    """Budget mode only plans and counts: given enough for two whole epochs, it trains what --epochs 2 trains."""
+    common = dict(data=small_data, init=init, **FAST)
+    grpo.main(grpo.Args(out=tmp_path / "epochs", epochs=2, **common))
+    steps, val_calls = 5, 12 * 4  # 36 training anchors in batches of 8; 12 validation anchors at 1..4 shots
+    budget = 2 * steps * FAST["batch_size"] * FAST["group_size"] + 3 * val_calls
+    grpo.main(grpo.Args(out=tmp_path / "budget", lvlm_budget=budget, **common))
+    assert json.loads((tmp_path / "budget" / "config.json").read_text())["budget_plan"]["epochs"] == 2
+    for name in ("model.safetensors", "metrics.jsonl", "ckpt/epoch_002.safetensors"):
+        assert (tmp_path / "budget" / name).read_bytes() == (tmp_path / "epochs" / name).read_bytes(), name
