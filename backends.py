@@ -108,7 +108,10 @@ class ScoreCache:
         """The cache as it was after its first `n` scores, from a state saved then or later."""
         if len(state.get("query", ())) < n:
             raise ValueError(f"the saved scores hold {len(state.get('query', ()))} entries, the checkpoint counted {n}")
-        self.memo, self.made = {}, [tuple(state[k][:n] for k in ("split", "query", "icds", "scores"))] if n else []
+        self.memo, self.made = {}, []
+        if n == 0:
+            return
+        self.made = [tuple(state[k][:n] for k in ("split", "query", "icds", "scores"))]
         for s, q, row, v in zip(*(state[k][:n].tolist() for k in ("split", "query", "icds", "scores"))):
             self.memo[SPLITS[s], q, tuple(r for r in row if r >= 0)] = tuple(v)
 

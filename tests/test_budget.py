@@ -124,3 +124,46 @@ def test_a_budget_that_affords_the_default_run_trains_its_very_bytes(small_data,
     assert json.loads((tmp_path / "budget" / "config.json").read_text())["budget_plan"]["epochs"] == 2
     for name in ("model.safetensors", "metrics.jsonl", "ckpt/epoch_002.safetensors"):
         assert (tmp_path / "budget" / name).read_bytes() == (tmp_path / "epochs" / name).read_bytes(), name
+
+
+class Stub:
+    """Scores that depend on the prompt alone; counts what it is asked."""
+
+    def __init__(self):
+        self.asked = 0
+
+    def score(self, split, queries, icds):
+        self.asked += len(queries)
+        base = queries.double() + icds.double().sum(-1) / 7 + (split == "val")
+        return {f: base + i for i, f in enumerate(("acc", "correct", "gt_prob", "rel"))}
+
+
+prompt = st.tuples(
+    st.sampled_from(["train", "val"]), st.integers(0, 4), st.lists(st.integers(0, 5), min_size=1, max_size=4)
+)
+
+
+@given(st.lists(st.lists(prompt, min_size=1, max_size=6), max_size=8), st.data())
+def test_score_cache_restores_any_earlier_state_from_a_later_one(requests, data):
+    import torch
+
+    from backends import ScoreCache
+
+    cache, memos = ScoreCache(Stub()), [{}]
+    for req in requests:
+        for k in sorted({len(p[2]) for p in req}):  # one call per split and shot count, as validation asks
+            for split in ("train", "val"):
+                ps = [p for p in req if len(p[2]) == k and p[0] == split]
+                if ps:
+                    cache.score(split, torch.tensor([p[1] for p in ps]), torch.tensor([p[2] for p in ps]))
+        memos.append(dict(cache.memo))
+    assert cache.calls == cache.backend.asked == len(cache.memo)  # every miss is asked once and counted once
+    then = data.draw(st.sampled_from(memos))
+    again = ScoreCache(Stub())
+    again.restore(cache.state(), len(then))
+    assert again.memo == then and again.calls == len(then)
+    state, saved = again.state(), cache.state()
+    assert all(torch.equal(state[k], saved[k][: len(then)]) for k in state)  # a prefix of what was saved
+    for key in then:  # a restored score is never asked again
+        again.score(key[0], torch.tensor([key[1]]), torch.tensor([key[2]]))
+    assert again.backend.asked == 0
