@@ -64,6 +64,32 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
         "online",
     ),
     "offline": ("grpo", {}, "online"),
+    "online, budget 35k": ("grpo", {"online": True, "lvlm_budget": 35000}, "online"),
+    "online, budget 35k, lr 3e-3 linear decay": (
+        "grpo",
+        {"online": True, "lvlm_budget": 35000, "lr": 3e-3, "lr_schedule": "linear"},
+        "online, budget 35k",
+    ),
+    "online, budget 35k, 4 iterations per batch": (
+        "grpo",
+        {"online": True, "lvlm_budget": 35000, "num_iterations": 4},
+        "online, budget 35k",
+    ),
+    "online, budget 35k, groups of 8 x 64 queries": (
+        "grpo",
+        {"online": True, "lvlm_budget": 35000, "group_size": 8, "batch_size": 64},
+        "online, budget 35k",
+    ),
+    "online, budget 35k, beta 0.1": (
+        "grpo",
+        {"online": True, "lvlm_budget": 35000, "kl_beta": 0.1},
+        "online, budget 35k",
+    ),
+    "online, budget 35k, from offline GRPO": (
+        "grpo",
+        {"online": True, "lvlm_budget": 35000, "init": "offline"},
+        "online, budget 35k",
+    ),
 }
 BASELINES = ("image-sim", "oracle", "observable")
 
@@ -109,7 +135,8 @@ def build(args: Args, seed: int, names: list[str]) -> None:
         if (run / "config.json").is_file():  # a cached run must have been made with exactly these flags
             then = read_args(run / "config.json")
             now = flag_values(run_args)
-            if diff := sorted(k for k in now if k not in ("out", *SIDE_ARGS) and now[k] != then.get(k)):
+            planned = ("epochs",) if now.get("lvlm_budget") and now["epochs"] is None else ()  # grpo plans them
+            if diff := sorted(k for k in now if k not in ("out", *SIDE_ARGS, *planned) and now[k] != then.get(k)):
                 raise ValueError(f"{run} was made with other flags ({', '.join(diff)}): delete it to rebuild it")
         if (run / "eval" / "val.json").is_file():
             continue
@@ -181,7 +208,29 @@ def tables(args: Args) -> str:
     if rows:
         head = ["seed", "rce - image-sim", "online: share of rce->oracle gap", "online: share of rce->observable gap"]
         out += ["Targets", "", md_table(head, rows), ""]
+    rows = []
+    for name, (_, flags, _) in VARIANTS.items():  # what each budget buys, against what the full default run takes
+        done = [s for s in seeds if all(got[s, n] for n in (name, "rce", "oracle"))]
+        if (name == "online" or "lvlm_budget" in flags) and done:
+            cells = [
+                f"{share(got[s, 'rce'], got[s, name], got[s, 'oracle'], args.bootstrap, rng)} ({calls(args, s, name)})"
+                if s in done
+                else "-"
+                for s in seeds
+            ]
+            pooled = [{(s, q): v for s in done for q, v in got[s, n].items()} for n in ("rce", name, "oracle")]
+            rows.append([name, *cells, share(*pooled, args.bootstrap, rng) if len(done) > 1 else "-"])
+    if rows:
+        head = ["run", *[f"seed {s}" for s in seeds], "pooled over seeds"]
+        out += ["Share of the rce->oracle gap (LVLM calls)", "", md_table(head, rows), ""]
     return "\n".join(out)
+
+
+def calls(args: Args, seed: int, name: str) -> str:
+    """The LVLM calls a run spent, training and validation (runs from before the count was logged: -)."""
+    path = args.out / f"seed{seed}" / slug(name) / "metrics.jsonl"
+    logged = [r["lvlm/calls"] for r in map(json.loads, path.read_text().splitlines()) if "lvlm/calls" in r]
+    return f"{logged[-1]:,}" if logged else "-"
 
 
 def main(args: Args) -> None:

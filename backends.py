@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from data import SEQ_FIELDS
-from sim import SimConfig, Simulator
+from sim import SPLITS, SimConfig, Simulator
 
 
 class SimBackend:
@@ -65,11 +65,17 @@ class ScoreCache:
     """A backend's scores by (split, query, ICD train rows): only unseen ones go to the backend, in one batch.
 
     Online GRPO and per-epoch validation score the same sequences again and again (greedy picks change slowly);
-    each distinct prompt is scored once per process.
+    each distinct prompt is scored once per process. `calls` counts what the backend was asked to score (the cache
+    misses); `state`/`restore` carry the memo over a resume, so a resumed run neither pays nor counts a score twice.
     """
 
     def __init__(self, backend):
         self.backend, self.memo = backend, {}
+        self.made: list[tuple[Tensor, ...]] = []  # every batch of new scores, in order: what `state` saves
+
+    @property
+    def calls(self) -> int:
+        return len(self.memo)  # every miss adds exactly one entry
 
     def describe(self) -> dict:
         return self.backend.describe()
@@ -81,11 +87,37 @@ class ScoreCache:
         new = sorted(first.values())
         if new:
             res = self.backend.score(split, queries[new], icds[new])
-            cols = [res[f].double().tolist() for f in SEQ_FIELDS]
-            for j, i in enumerate(new):
-                self.memo[keys[i]] = tuple(c[j] for c in cols)
+            vals = torch.stack([res[f].double() for f in SEQ_FIELDS], -1)  # (n, fields)
+            for i, v in zip(new, vals.tolist()):
+                self.memo[keys[i]] = tuple(v)
+            split_code = torch.full((len(new),), SPLITS.index(split), dtype=torch.uint8)
+            self.made.append((split_code, queries[new].long(), icds[new].long(), vals))
         vals = torch.tensor([self.memo[k] for k in keys], dtype=torch.float64).view(len(keys), len(SEQ_FIELDS))
         return dict(zip(SEQ_FIELDS, vals.unbind(-1)))
+
+    def state(self) -> dict[str, Tensor]:
+        """Every score so far, in the order they were made (so any earlier state is a prefix of it)."""
+        if not self.made:
+            return {}
+        width = max(icds.shape[1] for _, _, icds, _ in self.made)
+        return {
+            "split": torch.cat([c[0] for c in self.made]),  # (N,) index into SPLITS
+            "query": torch.cat([c[1] for c in self.made]),  # (N,)
+            # (N, width) train rows, -1 past the shots of a shorter prompt
+            "icds": torch.cat([torch.nn.functional.pad(c[2], (0, width - c[2].shape[1]), value=-1) for c in self.made]),
+            "scores": torch.cat([c[3] for c in self.made]),  # (N, fields)
+        }
+
+    def restore(self, state: dict[str, Tensor], n: int) -> None:
+        """The cache as it was after its first `n` scores, from a state saved then or later."""
+        if len(state.get("query", ())) < n:
+            raise ValueError(f"the saved scores hold {len(state.get('query', ()))} entries, the checkpoint counted {n}")
+        self.memo, self.made = {}, []
+        if n == 0:
+            return
+        self.made = [tuple(state[k][:n] for k in ("split", "query", "icds", "scores"))]
+        for s, q, row, v in zip(*(state[k][:n].tolist() for k in ("split", "query", "icds", "scores"))):
+            self.memo[SPLITS[s], q, tuple(r for r in row if r >= 0)] = tuple(v)
 
 
 def lvlm_backend(model: str, items: dict[str, list[dict]], opts: LVLMOptions):

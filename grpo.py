@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -35,6 +35,7 @@ from backends import ScoreCache, open_backend
 from checkpoints import load_checkpoint, load_selector, prune_checkpoints, save_checkpoint
 from cli import alias, default_is, help_first, run_cli
 from data import Dataset, RewardMode, compute_reward, load_dataset
+from files import read_tensors, save_tensors
 from model import PointerSelector, exact_kl, group_advantages, k3_kl, ppo_clip_loss, reward_spread, slices
 from pools import first_distinct, query_pools
 from training import (
@@ -85,7 +86,8 @@ class Args(TrainArgs):
     out: Annotated[Path | None, alias("--output-dir"), default_is("runs/grpo-<key flags>, e.g. runs/grpo-kl0.1")] = None
     """Run folder."""
     epochs: Annotated[int | None, alias("--num-train-epochs"), per_mode("epochs")] = None
-    """Passes over the training queries (an online epoch takes as many steps)."""
+    """Passes over the training queries (an online epoch takes as many steps); with --lvlm-budget, the epochs (and
+    so the validations) the budget's steps are spread over, as many as it affords."""
     lr: Annotated[float | None, alias("--learning-rate"), per_mode("lr")] = None
     """AdamW learning rate."""
     reward_mode: Annotated[RewardMode | None, per_mode("reward_mode")] = None
@@ -117,11 +119,22 @@ class Args(TrainArgs):
     """Online: where each step's queries come from. train = any train question whose image is not a validation
     anchor's, each with a fresh pool from the dataset's sampler (the groups are scored anew anyway, so online GRPO
     need not be confined to the scored anchors); anchors = the scored anchor queries and their pools."""
+    lvlm_budget: int | None = None
+    """Online: sequences the LVLM may score in the whole run, training and validation, counted after the score
+    cache. The steps, the learning-rate schedule and the epochs are planned from it at the start (each step and each
+    validation counted at its most calls), and the last step is cut to the calls left."""
+
+    def fixed_length_reason(self) -> str | None:
+        if self.lvlm_budget is not None:
+            return "--lvlm-budget plans the steps and the learning rate over the whole run"
+        return super().fixed_length_reason()
 
 
 def resolve(args: Args) -> Args:
     """Fill the per-mode defaults in (config.json records the resolved values)."""
     defaults = MODE_DEFAULTS["online" if args.online else "offline"]
+    if args.lvlm_budget is not None:  # main plans the epochs from the budget
+        defaults = {k: v for k, v in defaults.items() if k != "epochs"}
     return replace(args, **{k: v for k, v in defaults.items() if getattr(args, k) is None})
 
 
@@ -144,6 +157,7 @@ def default_out(args: Args) -> Path:
         f"queries-{args.queries}": args.online and args.queries != "train",
         f"t{args.temperature:g}": args.online and args.temperature != 1.0,
         f"g{args.group_size}": args.online and args.group_size != 16,
+        f"budget{args.lvlm_budget}": args.lvlm_budget is not None,
         f"seed{args.seed}": args.seed != 0,
         f"from-{init_tag(args.init)}": Path(args.init) != Args.init,  # never the --init folder itself
     }
@@ -157,6 +171,8 @@ def init_tag(init: Path) -> str:
 
 
 def check_args(args: Args) -> None:
+    if args.lvlm_budget is not None and (not args.online or args.lvlm_budget < 1):
+        raise ValueError(f"--lvlm-budget needs --online and must be >= 1, got {args.lvlm_budget}")
     check_train_args(args)
     numbers = {"--kl-beta": args.kl_beta, "--kl-target": args.kl_target, "--epsilon": args.epsilon}
     numbers |= {"--epsilon-high": args.epsilon_high, "--temperature": args.temperature}
@@ -176,6 +192,36 @@ def check_args(args: Args) -> None:
         raise ValueError(f"--epsilon and --epsilon-high must be > 0, got {args.epsilon}, {args.epsilon_high}")
     if args.num_iterations < 1 or args.group_size < 2 or args.temperature <= 0:
         raise ValueError("--num-iterations must be >= 1, --group-size >= 2 and --temperature > 0")
+
+
+@dataclass
+class Plan:
+    """How a run spends --lvlm-budget, fixed at the start."""
+
+    epochs: int
+    steps: int  # optimisation steps in the whole run
+    steps_per_epoch: int  # the last epoch may be shorter
+    val_calls: int  # the most calls one validation makes (the start's and every epoch's)
+
+
+def budget_plan(budget: int, epochs: int | None, step_calls: int, val_calls: int, group: int, natural: int) -> Plan:
+    """The most steps `budget` affords once every validation is reserved, each step counted at its most calls
+    (`step_calls`) and the last cut to the whole groups (`group` calls each) left. Without `epochs`, as many epochs of
+    at most `natural` steps as the steps need: the fewest that fit, since every epoch reserves a validation."""
+    e = epochs or 1
+    while True:
+        train = budget - (e + 1) * val_calls  # (e + 1): the start is validated too
+        steps = max(train, 0) // step_calls + (max(train, 0) % step_calls >= group)
+        if epochs is not None or -(-steps // natural) <= e:
+            break
+        e += 1
+    if steps < e:
+        raise ValueError(
+            f"--lvlm-budget {budget} is too small: {e} epoch(s) need at least {e} step(s) of {group} to {step_calls} "
+            f"calls and {e + 1} validations of up to {val_calls} calls, {e * group + (e + 1) * val_calls} in all"
+        )
+    per_epoch = -(-steps // e)
+    return Plan(-(-steps // per_epoch), steps, per_epoch, val_calls)
 
 
 def warnings_for(record: dict, steps: int) -> list[str]:
@@ -239,8 +285,10 @@ def sample_and_score(
     seqs = cand.gather(1, order[..., None].expand(-1, -1, S)).masked_fill(~ok[..., None], -1)  # (B, G, S)
     prompt = policy.cfg.to_prompt(seqs.clamp_min(0))  # (B, G, S)
     icds = pool.gather(1, prompt.flatten(1)).view(-1, S)  # (B*G, S) train rows, prompt order
-    fields = scorer.score("train", rows.repeat_interleave(G), icds)
-    reward = compute_reward({k: v.view(len(rows), -1) for k, v in fields.items()}, args).where(ok, 0.0)  # (B, G)
+    flat = ok.flatten()  # (B*G,) a padded sequence is never scored: its reward is 0 anyway
+    scored = scorer.score("train", rows.repeat_interleave(G)[flat], icds[flat])
+    fields = {k: v.new_zeros(len(flat)).masked_scatter(flat, v).view(len(rows), G) for k, v in scored.items()}
+    reward = compute_reward(fields, args).where(ok, 0.0)  # (B, G)
     return Batch(query, pool_emb, pool_mask, seqs, ok, reward)
 
 
@@ -265,10 +313,16 @@ def main(args: Args) -> None:
     split = split_queries(ds, args)
     S = ds.seq_len
     steps = steps_per_epoch(split, args.batch_size)
-    total = args.epochs * steps
     backend = validation_backend(ds, args)  # answers the validation anchors' greedy picks, where it can
     metric = selection_metric(backend)
     cap = None if ds.is_sim else args.val_max_queries
+    plan = None
+    if args.lvlm_budget is not None:
+        val_calls = 0 if backend is None else len(split.val[:cap]) * S  # validate() asks 1..S shots of each
+        step_calls = args.batch_size * args.group_size
+        plan = budget_plan(args.lvlm_budget, args.epochs, step_calls, val_calls, args.group_size, steps)
+        args, steps = replace(args, epochs=plan.epochs), plan.steps_per_epoch
+    total = plan.steps if plan else args.epochs * steps
     # Online queries: any train question whose image is no validation anchor's, so validation stays held out.
     image_ids = {"train": torch.tensor([it["image_id"] for it in ds.items["train"]])}
     eligible = (~torch.isin(image_ids["train"], image_ids["train"][ds.groups.queries[split.val]])).nonzero()[:, 0]
@@ -278,6 +332,7 @@ def main(args: Args) -> None:
         torch.manual_seed(args.seed)
         # online groups are scored by the dataset's backend, through the same cache as validation
         scorer = (backend or ScoreCache(open_backend(ds.meta, ds.items, ds.emb))) if args.online else None
+        lvlm = scorer or backend  # the one cache in front of the LVLM: its misses are the calls counted
 
         # policy, frozen reference and optimizer
         policy = load_selector(args.init)
@@ -305,22 +360,34 @@ def main(args: Args) -> None:
         loop = new_loop({"beta": args.kl_beta})  # beta moves only with --kl-target
         if resume_from is not None:
             loop = load_checkpoint(resume_from, policy, opt, rngs)
+            if lvlm is not None and "lvlm_calls" in loop["state"]:  # the scores made until that checkpoint
+                lvlm.restore(read_tensors(out / "scores.safetensors"), loop["state"]["lvlm_calls"])
         else:
-            write_config(out, args, ds, split, {"out": str(out)})
+            write_config(out, args, ds, split, {"out": str(out), **({"budget_plan": asdict(plan)} if plan else {})})
 
         with contextlib.closing(open_log(out, args, loop, resume_from is not None)) as log:
             if resume_from is None:  # epoch 0 = the initial policy, the start of every curve
                 record = {"phase": "grpo", "epoch": 0, "step": 0, **validate(policy, ds, split, backend, cap)}
+                if lvlm is not None:
+                    record["lvlm/calls"] = lvlm.calls
                 log.write({**record, "grpo/selection_change": selection_change(policy, ds, split, ref_greedy)})
             for epoch in range(loop["epoch"] + 1, args.epochs + 1):
-                order = split.train[torch.randperm(len(split.train), generator=rngs["shuffle"])]
+                # a budget's epochs may be longer than a pass over the anchors (anchor queries need whole passes)
+                n = -(-steps // steps_per_epoch(split, args.batch_size))
+                order = split.train[
+                    torch.cat([torch.randperm(len(split.train), generator=rngs["shuffle"]) for _ in range(n)])
+                ]
                 means = EpochMeans()
-                bar = progress(out, epoch, args.epochs, steps)
+                n = min(steps, total - loop["step"])  # a budget's last epoch may be shorter
+                bar = progress(out, epoch, args.epochs, n)
                 for i in bar:
                     idx = order[i * args.batch_size : (i + 1) * args.batch_size]
+                    if plan is not None:  # the run's last step gets the calls left once its validations are kept
+                        left = args.lvlm_budget - lvlm.calls - (args.epochs - epoch + 1) * plan.val_calls
+                        idx = idx[: left // args.group_size]
                     for group in opt.param_groups:  # a function of the step alone, so a resumed run follows it
                         group["lr"] = args.lr * lr_factor(args.lr_schedule, loop["step"], total)
-                    last_of_epoch = i == steps - 1
+                    last_of_epoch = i == n - 1
 
                     # the batch's groups, their advantages and the reference's distributions
                     policy.eval()  # sampling and every log-prob (new, old, reference) without dropout
@@ -404,6 +471,8 @@ def main(args: Args) -> None:
                 record = {"phase": "grpo", "epoch": epoch, "step": loop["step"], **means.result()}
                 record.update(validate(policy, ds, split, backend, cap))  # sets eval mode, as selection_change needs
                 record["grpo/selection_change"] = selection_change(policy, ds, split, ref_greedy)
+                if lvlm is not None:  # cumulative, training and validation
+                    record["lvlm/calls"] = loop["state"]["lvlm_calls"] = lvlm.calls
                 warnings = warnings_for(record, S)
                 if warnings:
                     record["warnings"] = warnings
@@ -413,6 +482,8 @@ def main(args: Args) -> None:
                 record["best_epoch"] = loop["best_epoch"]
                 loop["epoch"] = epoch
                 log.write(record)  # before the checkpoint: a resume from epoch - 1 drops this line again
+                if lvlm is not None:  # before the checkpoint, which names how many of these scores are its own
+                    save_tensors(out / "scores.safetensors", lvlm.state())
                 save_checkpoint(out, epoch, policy, opt, rngs, loop)
                 prune_checkpoints(out, args.keep_every, loop["best_epoch"])
                 summary = log_line(record, (*SHOWN, "val/reward", "val/acc"))

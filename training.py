@@ -85,7 +85,7 @@ class TrainArgs(RewardArgs, CpuArgs):
 
 def check_train_args(args: TrainArgs) -> None:
     for name in ("epochs", "batch_size"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:  # None: planned later (grpo --lvlm-budget)
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.keep_every < 0:
         raise ValueError(f"--keep-every must be >= 0, got {args.keep_every}")

@@ -1,0 +1,169 @@
+"""grpo.py --online --lvlm-budget: what the LVLM scores is counted independently here, around the backend itself."""
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import grpo
+from backends import SimBackend
+from checkpoints import save_checkpoint
+
+FAST = dict(batch_size=8, val_frac=0.25, group_size=6, online=True)
+
+
+def records(run):
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Sequences the simulator is asked to score, whoever asks (not grpo's own counter)."""
+    asked = [0]
+    real = SimBackend.score
+
+    def score(self, split, queries, icds, gt_prob=True):
+        asked[0] += len(queries)
+        return real(self, split, queries, icds, gt_prob)
+
+    monkeypatch.setattr(SimBackend, "score", score)
+    return asked
+
+
+@pytest.fixture(scope="module")
+def init(small_data, tmp_path_factory):
+    import rce
+
+    out = tmp_path_factory.mktemp("runs") / "rce"
+    rce.main(rce.Args(data=small_data, out=out, epochs=2, batch_size=8, val_frac=0.25))
+    return out
+
+
+def test_budget_run_stops_within_budget_logs_calls_and_resumes_identically(
+    small_data, init, tmp_path, counted, monkeypatch
+):
+    budget = 1500
+    common = dict(data=small_data, init=init, lvlm_budget=budget, lr_schedule="linear", **FAST)
+    full, part = tmp_path / "full", tmp_path / "part"
+    grpo.main(grpo.Args(out=full, **common))
+    spent = counted[0]
+    recs = records(full)
+    plan = json.loads((full / "config.json").read_text())["budget_plan"]
+    assert spent <= budget and recs[-1]["lvlm/calls"] == spent  # grpo's count is what the backend was asked
+    # the plan counts every validation and step at its most calls: what cache hits and repeated samples save is left
+    assert budget - spent < (plan["epochs"] + 1) * plan["val_calls"] + plan["steps"] * FAST["group_size"]
+    calls = [r["lvlm/calls"] for r in recs]
+    assert calls == sorted(calls) and calls[0] > 0  # cumulative, from the start's validation on
+    assert [r["epoch"] for r in recs] == list(range(plan["epochs"] + 1)) and recs[-1]["step"] == plan["steps"]
+
+    def save_then_die(out, e, *a):
+        save_checkpoint(out, e, *a)
+        if e == 2:
+            raise KeyboardInterrupt
+
+    counted[0] = 0
+    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
+        m.setattr(grpo, "save_checkpoint", save_then_die)
+        grpo.main(grpo.Args(out=part, **common))
+    grpo.main(grpo.Args(out=part, **common))
+    assert counted[0] == spent  # the resumed run neither scores nor counts again what the killed one scored
+    for name in (
+        "model.safetensors",
+        "metrics.jsonl",
+        "scores.safetensors",
+        f"ckpt/epoch_{plan['epochs']:03d}.safetensors",
+    ):
+        assert (part / name).read_bytes() == (full / name).read_bytes(), name
+
+
+def test_budget_too_small_for_one_step_and_its_validations_is_refused(small_data, init, tmp_path, counted):
+    with pytest.raises(ValueError, match="--lvlm-budget 50 is too small"):
+        grpo.main(grpo.Args(data=small_data, init=init, out=tmp_path / "b", lvlm_budget=50, **FAST))
+    assert counted[0] == 0 and not (tmp_path / "b").exists()
+    with pytest.raises(ValueError, match="--lvlm-budget needs --online"):
+        grpo.main(grpo.Args(data=small_data, init=init, out=tmp_path / "c", lvlm_budget=5000))
+
+
+@given(
+    budget=st.integers(1, 100_000),
+    epochs=st.none() | st.integers(1, 40),
+    batch=st.integers(1, 64),
+    group=st.integers(2, 32),
+    val=st.integers(0, 2000),
+    natural=st.integers(1, 40),
+)
+def test_budget_plan_fits_its_worst_case_in_the_budget(budget, epochs, batch, group, val, natural):
+    try:
+        plan = grpo.budget_plan(budget, epochs, batch * group, val, group, natural)
+    except ValueError as e:
+        assert "too small" in str(e)
+        return
+    assert 1 <= plan.epochs <= (epochs or plan.epochs) and plan.steps >= plan.epochs
+    assert (plan.epochs - 1) * plan.steps_per_epoch < plan.steps <= plan.epochs * plan.steps_per_epoch
+    if epochs is None:  # the fewest epochs of at most `natural` steps: one epoch fewer could not hold its steps
+        assert plan.steps_per_epoch <= natural
+        fewer = budget - plan.epochs * val
+        assert (
+            plan.epochs == 1
+            or fewer // (batch * group) + (fewer % (batch * group) >= group) > (plan.epochs - 1) * natural
+        )
+    # every step but the last at its most calls, the last at one group at least, every validation at its most
+    train = budget - (plan.epochs + 1) * val
+    assert (plan.steps - 1) * batch * group + group <= train
+    assert train - plan.steps * batch * group < group or epochs is None  # no whole step left unused
+
+
+def test_a_budget_that_affords_the_default_run_trains_its_very_bytes(small_data, init, tmp_path):
+    """Budget mode only plans and counts: given enough for two whole epochs, it trains what --epochs 2 trains."""
+    common = dict(data=small_data, init=init, **FAST)
+    grpo.main(grpo.Args(out=tmp_path / "epochs", epochs=2, **common))
+    steps, val_calls = 5, 12 * 4  # 36 training anchors in batches of 8; 12 validation anchors at 1..4 shots
+    budget = 2 * steps * FAST["batch_size"] * FAST["group_size"] + 3 * val_calls
+    grpo.main(grpo.Args(out=tmp_path / "budget", lvlm_budget=budget, **common))
+    assert json.loads((tmp_path / "budget" / "config.json").read_text())["budget_plan"]["epochs"] == 2
+    for name in ("model.safetensors", "metrics.jsonl", "ckpt/epoch_002.safetensors"):
+        assert (tmp_path / "budget" / name).read_bytes() == (tmp_path / "epochs" / name).read_bytes(), name
+
+
+class Stub:
+    """Scores that depend on the prompt alone; counts what it is asked."""
+
+    def __init__(self):
+        self.asked = 0
+
+    def score(self, split, queries, icds):
+        self.asked += len(queries)
+        base = queries.double() + icds.double().sum(-1) / 7 + (split == "val")
+        return {f: base + i for i, f in enumerate(("acc", "correct", "gt_prob", "rel"))}
+
+
+prompt = st.tuples(
+    st.sampled_from(["train", "val"]), st.integers(0, 4), st.lists(st.integers(0, 5), min_size=1, max_size=4)
+)
+
+
+@given(st.lists(st.lists(prompt, min_size=1, max_size=6), max_size=8), st.data())
+def test_score_cache_restores_any_earlier_state_from_a_later_one(requests, data):
+    import torch
+
+    from backends import ScoreCache
+
+    cache, memos = ScoreCache(Stub()), [{}]
+    for req in requests:
+        for k in sorted({len(p[2]) for p in req}):  # one call per split and shot count, as validation asks
+            for split in ("train", "val"):
+                ps = [p for p in req if len(p[2]) == k and p[0] == split]
+                if ps:
+                    cache.score(split, torch.tensor([p[1] for p in ps]), torch.tensor([p[2] for p in ps]))
+        memos.append(dict(cache.memo))
+    assert cache.calls == cache.backend.asked == len(cache.memo)  # every miss is asked once and counted once
+    then = data.draw(st.sampled_from(memos))
+    again = ScoreCache(Stub())
+    again.restore(cache.state(), len(then))
+    assert again.memo == then and again.calls == len(then)
+    state, saved = again.state(), cache.state()
+    assert all(torch.equal(state[k], saved[k][: len(then)]) for k in state)  # a prefix of what was saved
+    for key in then:  # a restored score is never asked again
+        again.score(key[0], torch.tensor([key[1]]), torch.tensor([key[2]]))
+    assert again.backend.asked == 0
