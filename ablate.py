@@ -28,7 +28,7 @@ import gen_rl_data
 import grpo
 import rce
 from cli import SIDE_ARGS, run_cli
-from compare import bootstrap_ci, gap_share, paired, per_question, read_args, read_eval
+from compare import bootstrap_ci, gap_share, paired, per_question, read_args, read_eval, read_metrics
 from tables import md_table
 from training import flag_values
 
@@ -229,7 +229,7 @@ def tables(args: Args) -> str:
 def calls(args: Args, seed: int, name: str) -> str:
     """The LVLM calls a run spent, training and validation (runs from before the count was logged: -)."""
     path = args.out / f"seed{seed}" / slug(name) / "metrics.jsonl"
-    logged = [r["lvlm/calls"] for r in map(json.loads, path.read_text().splitlines()) if "lvlm/calls" in r]
+    logged = [r["lvlm/calls"] for r in read_metrics(path) if "lvlm/calls" in r] if path.is_file() else []
     return f"{logged[-1]:,}" if logged else "-"
 
 

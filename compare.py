@@ -65,6 +65,7 @@ TRAIN_COLUMNS = {
     "train/tau": "RCE temperature",
     "grpo/ppo_loss": "PPO loss",
     "grpo/kl_ref": "KL to the reference (nats)",
+    "lvlm/calls": "LVLM calls so far",
     "grpo/kl_grad_share": "KL share of the gradient",
     "grpo/approx_kl_old": "approx. KL to the old policy",
     "grpo/ratio_mean": "mean PPO ratio",
@@ -610,13 +611,27 @@ def trained_section(runs: list[Run]) -> list[str]:
     keys = sorted({k for r in trained for k in flags[r.name]})
     # A flag only one stage has (RCE's tau, GRPO's epsilon) is not a difference; one that two runs set apart is.
     differ = [k for k in keys if len({repr(flags[r.name][k]) for r in trained if k in flags[r.name]}) > 1]
+    # What online training cost: the LVLM calls (scored sequences after the cache) spent in all, where logged.
+    calls = {r.name: r.epochs[-1].get("lvlm/calls") for r in trained}
     rows = []
     for r in trained:
         done = f"UNFINISHED: {r.unfinished}" if r.unfinished else f"{r.epochs[-1]['epoch']}"
         selected = "-" if r.selected is None else str(r.selected)
-        rows.append([r.name, r.kind().split(",")[0], done, selected, *[str(flags[r.name].get(k, "-")) for k in differ]])
-    header = ["run", "stage", "epochs trained", "selected epoch", *differ]
+        spent = [f"{calls[r.name]:,}" if calls[r.name] is not None else "-"] if any(calls.values()) else []
+        rows.append(
+            [r.name, r.kind().split(",")[0], done, selected, *spent, *[str(flags[r.name].get(k, "-")) for k in differ]]
+        )
+    header = [
+        "run",
+        "stage",
+        "epochs trained",
+        "selected epoch",
+        *(["LVLM calls"] if any(calls.values()) else []),
+        *differ,
+    ]
     notes = "Selected epoch: the one model.safetensors holds, the best on validation (see Training)."
+    if any(calls.values()):
+        notes += " LVLM calls: sequences the LVLM scored during training and validation (after the score cache)."
     return ["## Trained runs", "", md_table(header, rows), "", notes, ""]
 
 

@@ -466,3 +466,15 @@ def test_a_malformed_file_ends_the_command_in_one_line(tmp_path, monkeypatch, ca
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.count("\n") == 1 and "results[1].score" in err and "nan" in err
     assert not (tmp_path / "r.md").exists()
+
+
+def test_trained_runs_table_shows_the_lvlm_calls_each_run_spent(tmp_path):
+    def epochs(calls):
+        return [{"phase": "grpo", "epoch": e, "step": 10 * e, "lvlm/calls": c, "best_epoch": 1} for e, c in calls]
+
+    a = write_run(tmp_path / "budget", {1: [1, 0, 1, 0]}, metrics=epochs([(0, 320), (1, 12_000), (2, 34_836)]))
+    b = write_run(
+        tmp_path / "offline", {1: [1, 0, 0, 0]}, metrics=[{"phase": "grpo", "epoch": 1, "step": 5, "best_epoch": 1}]
+    )
+    rows = {r[0]: r for r in cells(report(Args(runs=[a, b])), "| run | stage |")}
+    assert rows["budget"][4] == "34,836" and rows["offline"][4] == "-"
