@@ -677,8 +677,11 @@ def calibrate(
     train_img = sim.latents["train"]["image_id"]  # (N,)
     val_img = sim.latents["val"]["image_id"]  # (V,)
     queries = torch.arange(len(val_img))  # (V,)
-    exclude = pools.exclusion_mask(val_img, train_img, torch.full_like(queries, -1))  # (V, N)
-    val_pools = pools.build_pools("random", pool_size, exclude, gen)  # (V, K)
+    ids = {"train": train_img, "val": val_img}
+    # Built in chunks of queries: no (V, N) matrix, the same pools and generator state as one whole-matrix draw.
+    val_pools = pools.query_pools(
+        "random", pool_size, {}, ids, "val", queries, torch.full_like(queries, -1), gen
+    )  # (V, K)
     full = torch.ones_like(val_pools, dtype=torch.bool)  # (V, K)
     rand_seq = val_pools.gather(1, pools.random_sequences(full, 1, seq_len, gen)[:, 0])  # (V, S)
     ranking = pools.similarity_ranking(sim.emb["val"], sim.emb["train"][val_pools], full)  # (V, K)
@@ -694,8 +697,7 @@ def calibrate(
         out[f"oracle_{k}"] = pct(sim.oracle("val", queries, val_pools, k))
 
     anchors = torch.randperm(len(train_img), generator=gen)[:num_anchors]  # (A,)
-    exclude = pools.exclusion_mask(train_img[anchors], train_img, anchors)  # (A, N)
-    anchor_pools = pools.build_pools("random", pool_size, exclude, gen)  # (A, K)
+    anchor_pools = pools.query_pools("random", pool_size, {}, ids, "train", anchors, anchors, gen)  # (A, K)
     group, _ = pools.candidate_groups(
         sim.emb["train"][anchors], sim.emb["train"][anchor_pools], group_size, seq_len, gen
     )
