@@ -57,7 +57,8 @@ class Args:
     data: Annotated[Path | None, default_is("a fresh simulated dataset")] = None
     """Dataset folder for the epoch benchmarks."""
     lvlm: str | None = None
-    """LVLM benchmark: the model (hub id in the local cache, or a folder)."""
+    """LVLM benchmark: the model (hub id in the local cache, or a folder); "tiny" = the tiny random-weight checkpoint
+    of every family tested here (tests/real_fixtures.py) on its mixed-image OK-VQA folder, one line per family."""
     vqa_root: Path | None = None
     """LVLM benchmark: folder of the official OK-VQA / VQAv2 files and COCO images."""
     dataset: Literal["okvqa", "vqav2"] = "okvqa"
@@ -454,6 +455,8 @@ def bench_lvlm(args: Args) -> dict:
     from lvlm import LVLMBackend
     from vqa_data import load_vqa_split
 
+    if args.lvlm == "tiny":
+        return bench_tiny_families(args)
     if args.lvlm is None or args.vqa_root is None:
         raise ValueError("--only lvlm needs --lvlm MODEL and --vqa-root FOLDER (the official VQA files and images)")
     items = {s: load_vqa_split(args.dataset, args.vqa_root, s) for s in ("train", "val")}
@@ -503,7 +506,32 @@ def bench_lvlm(args: Args) -> dict:
         print(f"  {name:9s} prompt tokens/sequence {r['tokens']:9.1f}  {rate}  {memory} {r['peak'] / 2**30:6.2f} GiB")
     ratio = ref["tokens"] / shared["tokens"]
     print(f"  {ratio:.2f}x fewer prompt tokens shared; same answers: {same}; max |gt_prob difference| {diff:.2e}")
-    return {"token_ratio": ref["tokens"] / shared["tokens"], "same_answers": same, "max_diff": diff}
+    return {"token_ratio": ratio, "tokens": shared["tokens"], "same_answers": same, "max_diff": diff}
+
+
+TINY_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "llava", "llava_next", "llava_onevision", "gemma3")
+
+
+def bench_tiny_families(args: Args) -> dict:
+    """bench_lvlm for the tiny checkpoint of every family tested here, built offline in a temporary folder."""
+    import sys
+    from dataclasses import replace
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "tests"))
+    import real_fixtures
+
+    root = Path(tempfile.mkdtemp(prefix="icl-select-bench-"))
+    vqa = real_fixtures.build_okvqa_fixture(root / "okvqa", mixed=True)
+    rows = {}
+    for family in TINY_FAMILIES:
+        builder = "build_tiny_qwen" if family == "qwen2_5_vl" else f"build_tiny_{family}"
+        folder = getattr(real_fixtures, builder)(root / family)
+        rows[family] = bench_lvlm(replace(args, lvlm=str(folder), vqa_root=vqa, device="cpu"))
+    print("\n| family | prompt tokens per sequence (shared) | fewer than unshared | same answers | max gt_prob diff |")
+    print("|---|---|---|---|---|")
+    for family, r in rows.items():
+        print(f"| {family} | {r['tokens']:.1f} | {r['token_ratio']:.2f}x | {r['same_answers']} | {r['max_diff']:.1e} |")
+    return rows
 
 
 def main(args: Args) -> None:
