@@ -331,7 +331,11 @@ def main(args: Args) -> None:
         resume_from = prepare_out(out, args, ds)  # the last checkpoint of this very run, if a re-run continues it
         torch.manual_seed(args.seed)
         # online groups are scored by the dataset's backend, through the same cache as validation
-        scorer = (backend or ScoreCache(open_backend(ds.meta, ds.items, ds.emb))) if args.online else None
+        scorer = None
+        if args.online:
+            scorer = backend or ScoreCache(
+                open_backend(ds.meta, ds.items, ds.emb, skip_self_check=args.skip_self_check)
+            )
         lvlm = scorer or backend  # the one cache in front of the LVLM: its misses are the calls counted
 
         # policy, frozen reference and optimizer

@@ -72,6 +72,9 @@ class TrainArgs(RewardArgs, CpuArgs):
     epoch by that accuracy. The simulator always does this (it answers instantly)."""
     val_max_queries: int = 200
     """--val-lvlm: validation anchors answered per epoch (the first N of the held-out split)."""
+    skip_self_check: bool = False
+    """Real LVLM (--val-lvlm, online GRPO): skip the check that batched scoring matches plain transformers on a few
+    prompts, before the run."""
     report_to: ReportTo = "none"
     """Also send every logged record to TensorBoard (<out>/tensorboard) or Weights & Biases (project icl-select),
     if that package is installed; metrics.jsonl is always written."""
@@ -209,7 +212,7 @@ def validation_backend(ds: Dataset, args: TrainArgs) -> ScoreCache | None:
     """What answers the validation anchors' greedy picks (cached): the simulator of a simulated dataset, the
     dataset's LVLM with --val-lvlm, else None (then the best epoch is chosen by val/reward)."""
     if ds.is_sim or args.val_lvlm:
-        return ScoreCache(open_backend(ds.meta, ds.items, ds.emb))
+        return ScoreCache(open_backend(ds.meta, ds.items, ds.emb, skip_self_check=args.skip_self_check))
     return None
 
 

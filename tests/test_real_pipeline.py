@@ -67,8 +67,10 @@ def test_train_evaluate_compare(data, assets, tmp_path):
     grpo.main(grpo.Args(init=tmp_path / "rce", out=tmp_path / "grpo", **small))
     offline = [json.loads(x) for x in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()][-1]
     assert "val/acc" not in offline and offline["select_metric"] == "val/reward"  # the LVLM is not asked by default
-    online_args = dict(online=True, group_size=2, val_lvlm=True, val_max_queries=2, **small)
-    grpo.main(grpo.Args(init=tmp_path / "rce", out=tmp_path / "online", **online_args))
+    online_args = dict(online=True, group_size=2, val_lvlm=True, val_max_queries=2, skip_self_check=True, **small)
+    with pytest.MonkeyPatch.context() as m:  # --skip-self-check reaches both of online GRPO's backends
+        m.setattr(lvlm.LVLMBackend, "self_check", lambda *a: pytest.fail("self-check run despite --skip-self-check"))
+        grpo.main(grpo.Args(init=tmp_path / "rce", out=tmp_path / "online", **online_args))
     online = [json.loads(x) for x in (tmp_path / "online" / "metrics.jsonl").read_text().splitlines()][-1]
     assert online["grpo/group_size"] <= 2 and online["select_metric"] == "val/acc" and 0 <= online["val/acc"] <= 100
     ev = dict(data=data, shots=[1, 2], num_samples=[4, 8])
