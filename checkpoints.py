@@ -78,8 +78,16 @@ def checkpoint_meta(path: Path) -> dict:
 
 
 def checkpoints(out: Path) -> dict[int, Path]:
-    """A run folder's epoch checkpoints, epoch -> file, in epoch order."""
-    return {int(p.stem.removeprefix("epoch_")): p for p in sorted((out / "ckpt").glob("epoch_*.safetensors"))}
+    """A run folder's epoch checkpoints, epoch -> file, in epoch order (by number: epoch_1000 after epoch_999)."""
+    found = {}
+    for p in (out / "ckpt").glob("epoch_*.safetensors"):
+        number = p.stem.removeprefix("epoch_")
+        if not number.isdigit():
+            raise ValueError(
+                f"{p}: not an epoch checkpoint of this kit (epoch_NNN.safetensors); move it out of {p.parent}"
+            )
+        found[int(number)] = p
+    return dict(sorted(found.items()))
 
 
 def prune_checkpoints(out: Path, keep_every: int, best_epoch: int | None) -> None:

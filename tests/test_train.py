@@ -565,3 +565,15 @@ def test_non_finite_or_unusable_flags_are_refused_before_any_work(small_data, rc
     with pytest.raises(ValueError, match=pattern):
         main(args(data=small_data, out=out, epochs=1, **extra, **flags))
     assert not out.exists()
+
+
+def test_a_stray_file_among_the_checkpoints_is_named_and_epochs_sort_by_number(tmp_path):
+    from checkpoints import checkpoints
+
+    (tmp_path / "ckpt").mkdir()
+    for epoch in (999, 1000, 7):
+        (tmp_path / "ckpt" / f"epoch_{epoch:03d}.safetensors").touch()
+    assert list(checkpoints(tmp_path)) == [7, 999, 1000]
+    (tmp_path / "ckpt" / "epoch_abc.safetensors").touch()
+    with pytest.raises(ValueError, match=r"ckpt/epoch_abc\.safetensors: not an epoch checkpoint"):
+        checkpoints(tmp_path)
