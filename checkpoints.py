@@ -9,6 +9,7 @@ only (no pickle): the optimizer's non-tensor state and the loop state travel as 
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -70,8 +71,11 @@ def save_checkpoint(
 def checkpoint_meta(path: Path) -> dict:
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception as e:  # safetensors' own error types for truncated or foreign files
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
     if "checkpoint" not in meta:
         raise ValueError(f"{path}: not an icl-select epoch checkpoint (no 'checkpoint' metadata)")
     return json.loads(meta["checkpoint"])
@@ -99,6 +103,30 @@ def prune_checkpoints(out: Path, keep_every: int, best_epoch: int | None) -> Non
 
 def last_checkpoint(out: Path) -> Path | None:
     return next(reversed(checkpoints(out).values()), None)
+
+
+def resumable_checkpoint(out: Path) -> Path | None:
+    """The last epoch checkpoint that reads back whole: a damaged one (truncated, empty, foreign: a kill or a full
+    disk outside the kit's atomic writes) is passed over with a one-line note for the one before it, which the
+    resumed run then recomputes from. None when the run has none; one line when every checkpoint is damaged."""
+    damaged = []
+    for path in reversed(checkpoints(out).values()):
+        try:
+            read_tensors(path)
+            checkpoint_meta(path)
+        except (ValueError, OSError, KeyError) as e:
+            damaged.append(path)
+            print(
+                f"note: {path} is damaged ({str(e).splitlines()[0]}); trying the checkpoint before it", file=sys.stderr
+            )
+            continue
+        return path
+    if damaged:
+        raise ValueError(
+            f"every epoch checkpoint of {out} is damaged ({damaged[-1].name} ... {damaged[0].name}); "
+            "move the ckpt folder away to start the run again"
+        )
+    return None
 
 
 def load_model_part(model: PointerSelector, tensors: dict[str, Tensor], path: Path) -> None:

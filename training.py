@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from backends import ScoreCache, open_backend
-from checkpoints import checkpoint_meta, last_checkpoint
+from checkpoints import checkpoint_meta, last_checkpoint, resumable_checkpoint
 from cli import PATH_ARGS, SIDE_ARGS, CpuArgs, alias
 from data import DEFAULT_DATA, Dataset, Quality, RewardArgs, compute_reward, data_digest, filter_queries
 from files import atomic_write_text, read_json, read_jsonl
@@ -307,7 +307,7 @@ def prepare_out(out: Path, args, ds: Dataset) -> Path | None:
     other flag, other data content or other --init weights are refused (paths may differ: folders can move). A run
     that died before its first checkpoint simply starts again.
     """
-    ckpt = last_checkpoint(out)
+    ckpt = resumable_checkpoint(out)
     if ckpt is None:
         if (out / "metrics.jsonl").exists():
             print(f"note: {out} has no checkpoint yet (killed during epoch 1); starting it again", file=sys.stderr)

@@ -577,3 +577,21 @@ def test_a_stray_file_among_the_checkpoints_is_named_and_epochs_sort_by_number(t
     (tmp_path / "ckpt" / "epoch_abc.safetensors").touch()
     with pytest.raises(ValueError, match=r"ckpt/epoch_abc\.safetensors: not an epoch checkpoint"):
         checkpoints(tmp_path)
+
+
+@pytest.mark.parametrize("damage", [b"", b"truncated", "half"])
+def test_a_damaged_last_checkpoint_falls_back_to_the_one_before(small_data, rce_run, tmp_path, capsys, damage):
+    """A last checkpoint cut by a kill or a full disk outside the atomic writes (empty, foreign, truncated): the re-run
+    notes it, resumes from the checkpoint before and ends bit-identical to an uninterrupted run."""
+    out = tmp_path / "rce"
+    shutil.copytree(rce_run, out)
+    last = out / "ckpt/epoch_003.safetensors"
+    last.write_bytes(last.read_bytes()[: len(last.read_bytes()) // 2] if damage == "half" else damage)
+    rce.main(rce.Args(data=small_data, out=out, epochs=3, **FAST))
+    assert "epoch_003.safetensors is damaged" in capsys.readouterr().err
+    for name in ("model.safetensors", "ckpt/epoch_003.safetensors", "metrics.jsonl"):
+        assert (out / name).read_bytes() == (rce_run / name).read_bytes(), name
+    for path in (out / "ckpt").glob("*.safetensors"):
+        path.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"every epoch checkpoint of .* is damaged"):
+        rce.main(rce.Args(data=small_data, out=out, epochs=3, **FAST))
