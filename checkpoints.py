@@ -95,8 +95,9 @@ def checkpoints(out: Path) -> dict[int, Path]:
 
 
 def prune_checkpoints(out: Path, keep_every: int, best_epoch: int | None) -> None:
-    """Delete epoch checkpoints other than the last (resume needs it), the best and every keep_every-th."""
-    for epoch, path in list(checkpoints(out).items())[:-1]:
+    """Delete epoch checkpoints other than the last two (resume needs the last, or the one before when the last is
+    damaged), the best and every keep_every-th."""
+    for epoch, path in list(checkpoints(out).items())[:-2]:
         if epoch != best_epoch and (keep_every == 0 or epoch % keep_every):
             path.unlink()
 

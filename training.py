@@ -50,9 +50,9 @@ class TrainArgs(RewardArgs, CpuArgs):
     """AdamW weight decay."""
     grad_clip: Annotated[float, alias("--max-grad-norm")] = 1.0
     """Clip the global gradient norm to this (0 = off)."""
-    keep_every: int = 1
-    """Checkpoints kept: every N-th epoch's, plus the best and the last (0 = only those two; 1 = all, 8 MB each at
-    the defaults)."""
+    keep_every: int = 5
+    """Checkpoints kept (model, optimizer and RNG state, for resuming and for evaluate.py --epochs): every N-th
+    epoch's, plus the best, the last and the one before it (0 = only those; 1 = every epoch's)."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     """Learning rate over the run: constant, or decayed to 0 at the last step (linear as TRL's default, cosine)."""
     seed: int = 0
