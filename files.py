@@ -112,6 +112,12 @@ def read_jsonl(path: Path, truncated: Truncated = "error", hint: str = "") -> li
     return out
 
 
+def append_line(path: Path, line: str) -> None:
+    """`line` and a newline appended to `path`, flushed on return (a log written as it goes)."""
+    with full_disk_names(path), open(path, "a") as f:
+        f.write(line + "\n")
+
+
 def append_jsonl(path: Path) -> TextIO:
     """`path` opened for appending lines. A last line without newline (a killed write) would glue the next line
     onto it: one that parses (only the newline was lost) gets its newline, one that does not is cut, as

@@ -28,7 +28,7 @@ from backends import ScoreCache, open_backend
 from checkpoints import checkpoint_meta, last_checkpoint, resumable_checkpoint
 from cli import PATH_ARGS, SIDE_ARGS, CpuArgs, alias
 from data import DEFAULT_DATA, Dataset, Quality, RewardArgs, compute_reward, data_digest, filter_queries
-from files import atomic_write_text, read_json, read_jsonl
+from files import append_line, atomic_write_text, read_json, read_jsonl
 from locks import exclusive
 from model import PointerSelector, SelectorConfig, reward_spread
 from tracking import ReportTo, check_installed, open_tracker
@@ -288,9 +288,7 @@ class MetricsLog:
             atomic_write_text(path, "")
 
     def write(self, record: dict) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
+        append_line(self.path, json.dumps(record))
         if self.tracker is not None:
             self.tracker.log(record)
 

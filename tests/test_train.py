@@ -1,6 +1,10 @@
 """rce.py and grpo.py end to end on a small simulated dataset: run folders, exact resume, GRPO invariants, errors."""
 
+import builtins
+import errno
+import io
 import json
+import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -442,6 +446,75 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_nothing(small_data,
     with pytest.raises(ValueError, match="is broken"):
         rce.main(rce.Args(data=small_data, out=out, epochs=2, **FAST))
     assert not out.exists()
+
+
+class FullDisk:
+    """An open file on a full disk: every write of data fails as write(2) does there."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def write(self, data):
+        if data:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return 0
+
+
+def disk_full_for(monkeypatch, name):
+    """From now on, writing to a file called `name` (or to its temporary file) finds the disk full."""
+    real = builtins.open
+
+    def opener(file, mode="r", *a, **kw):
+        f = real(file, mode, *a, **kw)
+        named = isinstance(file, (str, os.PathLike)) and Path(file).name in (name, f"{name}.tmp")
+        return FullDisk(f) if named and any(c in mode for c in "wax+") else f
+
+    monkeypatch.setattr(builtins, "open", opener)
+    monkeypatch.setattr(io, "open", opener)  # what Path.open calls
+
+
+def rce_cli(monkeypatch, capsys, data, out, epochs):
+    """rce.py on the command line: its exit code and the last line it printed on stderr."""
+    flags = ["--data", str(data), "--out", str(out), "--epochs", str(epochs), "--batch-size", "8", "--val-frac", "0.25"]
+    monkeypatch.setattr("sys.argv", ["rce.py", *flags])
+    try:
+        run_cli(rce.main, rce.Args)
+    except SystemExit as stop:
+        return stop.code, capsys.readouterr().err.rstrip("\n").split("\n")[-1].split("\r")[-1]
+    return 0, ""
+
+
+@pytest.mark.parametrize(
+    "name", ["config.json", "metrics.jsonl", "model.safetensors", "model.json", "ckpt/epoch_001.safetensors"]
+)
+def test_a_full_disk_while_a_run_is_set_up_is_one_line_naming_the_file_and_leaves_no_folder(
+    small_data, tmp_path, monkeypatch, capsys, name
+):
+    out = tmp_path / "rce"
+    disk_full_for(monkeypatch, Path(name).name)
+    code, last = rce_cli(monkeypatch, capsys, small_data, out, 1)
+    assert code == 2 and last.startswith(f"error: {out / name}: the disk is full (No space left on device)")
+    assert not out.exists()
+
+
+def test_a_full_disk_after_the_first_checkpoint_leaves_a_run_that_resumes(small_data, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "rce"
+    with monkeypatch.context() as m:
+        disk_full_for(m, "epoch_002.safetensors")
+        code, last = rce_cli(m, capsys, small_data, out, 2)
+    assert code == 2 and last.startswith(f"error: {out / 'ckpt' / 'epoch_002.safetensors'}: the disk is full")
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["epoch_001.safetensors"]
+    assert rce_cli(monkeypatch, capsys, small_data, out, 2) == (0, "")  # space freed: the same command finishes it
+    assert [r["epoch"] for r in records(out)] == [0, 1, 2] and (out / "ckpt" / "epoch_002.safetensors").is_file()
 
 
 def test_keep_every_prunes_checkpoints_and_evaluate_names_the_epochs_kept(small_data, rce_run, tmp_path):
