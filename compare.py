@@ -115,10 +115,7 @@ class Run:
 
     @property
     def unfinished(self) -> str | None:
-        """'8 of 30 epochs' for a run whose training stopped before its last epoch, else None."""
-        planned = (self.args or {}).get("epochs")
-        trained = self.epochs[-1]["epoch"] if self.epochs else 0
-        return f"{trained} of {planned} epochs" if planned is not None and trained < planned else None
+        return unfinished(self.epochs, self.args)
 
     def kind(self) -> str:
         if self.eval is not None and self.eval.get("baseline"):
@@ -234,6 +231,14 @@ def read_args(path: Path) -> dict:
     if "epochs" in config["args"]:
         count(config["args"]["epochs"], f"{path}: field 'args.epochs'", 1)
     return config["args"]
+
+
+def unfinished(epochs: list[dict], args: dict | None) -> str | None:
+    """'8 of 30 epochs' for a run whose training stopped before its planned epochs, else None: from its epoch
+    records (`read_metrics`) and flags (`read_args`, None without config.json). evaluate.py says it the same way."""
+    planned = (args or {}).get("epochs")
+    trained = epochs[-1]["epoch"] if epochs else 0
+    return f"{trained} of {planned} epochs" if planned is not None and trained < planned else None
 
 
 def read_run(path: Path, split: str) -> Run | None:

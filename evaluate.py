@@ -44,8 +44,9 @@ import sharding
 from backends import open_backend
 from checkpoints import checkpoints, load_selector
 from cli import CpuArgs, default_is, help_first, run_cli
+from compare import read_args, read_metrics, unfinished
 from data import DEFAULT_DATA, Dataset, data_digest, load_dataset
-from files import DataError, atomic_write_text, full_disk_names, read_json, read_jsonl
+from files import DataError, atomic_write_text, full_disk_names, read_json
 from locks import exclusive
 from model import PointerSelector
 from tables import accuracy_table
@@ -244,22 +245,10 @@ def run_status(run: Path) -> str:
     """Which epoch a run's model.safetensors is and whether its training finished, from its own files."""
     if not (run / "metrics.jsonl").is_file():
         return "evaluating model.safetensors (no metrics.jsonl: its training history is unknown)"
-    records = []
-    for line, r in read_jsonl(run / "metrics.jsonl", truncated="skip"):
-        if not isinstance(r, dict) or not isinstance(r.get("epoch", 0), int):
-            raise DataError(f"{run / 'metrics.jsonl'} line {line}: expected an object with an integer 'epoch'")
-        if r.get("kind") != "step":
-            records.append(r)
-    planned = None
-    if (run / "config.json").is_file():
-        config = read_json(run / "config.json")
-        flags = config.get("args") if isinstance(config, dict) else None
-        planned = flags.get("epochs") if isinstance(flags, dict) else None
-        if not isinstance(planned, int):
-            raise DataError(f"{run / 'config.json'}: field 'args.epochs': expected an integer, got {planned!r}")
-    last = records[-1].get("epoch") if records else None
-    best = records[-1].get("best_epoch") if records else None
-    done = "finished" if last is not None and last == planned else f"NOT finished: {last} of {planned} epochs trained"
+    epochs = read_metrics(run / "metrics.jsonl")
+    left = unfinished(epochs, read_args(run / "config.json") if (run / "config.json").is_file() else None)
+    best = epochs[-1].get("best_epoch") if epochs else None
+    done = f"UNFINISHED: {left}" if left else "finished"
     return f"evaluating model.safetensors = epoch {best} (the best on validation); training {done}"
 
 

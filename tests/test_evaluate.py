@@ -182,7 +182,7 @@ def test_says_which_epoch_it_evaluates_and_never_overwrites_other_settings(small
     (run / "metrics.jsonl").write_text("".join(lines[:2]))
     (run / "eval" / "val.json").unlink()
     run_eval(data=small_data, runs=[run])
-    assert "training NOT finished: 1 of 2 epochs trained" in capsys.readouterr().out
+    assert "training UNFINISHED: 1 of 2 epochs" in capsys.readouterr().out
 
 
 @pytest.fixture(scope="module")
@@ -245,10 +245,10 @@ def test_damaged_progress_and_run_files_are_one_line(small_data, run, tmp_path, 
         run_eval(data=small_data, baseline="random", out=tmp_path / "r", batch_size=20)
     r = copy_run(run, tmp_path / "run")
     (r / "metrics.jsonl").write_text((r / "metrics.jsonl").read_text() + "[1]\n")
-    with pytest.raises(ValueError, match=r"metrics.jsonl line \d+: expected an object with an integer 'epoch'"):
+    with pytest.raises(ValueError, match=r"metrics.jsonl line \d+: expected a JSON object, got \[1\]"):
         run_eval(data=small_data, runs=[r])
     (r / "metrics.jsonl").write_text((run / "metrics.jsonl").read_text())
     config = json.loads((r / "config.json").read_text())
     (r / "config.json").write_text(json.dumps({**config, "args": {**config["args"], "epochs": "ten"}}))
-    with pytest.raises(ValueError, match=r"config.json: field 'args.epochs': expected an integer, got 'ten'"):
+    with pytest.raises(ValueError, match=r"config.json: field 'args.epochs': expected an integer >= 1, got 'ten'"):
         run_eval(data=small_data, runs=[r])
