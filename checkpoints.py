@@ -158,30 +158,37 @@ def load_selector(source: Path) -> PointerSelector:
         return model
     if not source.is_file():
         raise FileNotFoundError(f"{source}: no such run folder or checkpoint")
-    model = PointerSelector(SelectorConfig(**checkpoint_meta(source)["config"]))
+    model = PointerSelector(selector_config(checkpoint_meta(source).get("config"), f"{source} metadata 'checkpoint'"))
     load_model_part(model, read_tensors(source), source)
     return model
 
 
 def read_config(path: Path) -> SelectorConfig:
     """model.json: every field of SelectorConfig, each of its type (int, float or str), and nothing else."""
-    raw = read_json(path)
+    return selector_config(read_json(path), str(path))
+
+
+def selector_config(raw: object, where: str) -> SelectorConfig:
+    """Selector settings as read from a file (`where` names it): every field of SelectorConfig, each of its type,
+    and nothing else."""
     if not isinstance(raw, dict):
-        raise DataError(f"{path}: expected a JSON object of selector settings, got {type(raw).__name__}")
+        raise DataError(f"{where}: expected a JSON object of selector settings, got {type(raw).__name__}")
     kinds = {f.name: type(f.default) for f in fields(SelectorConfig)}
     if set(raw) != set(kinds):
         missing, unknown = sorted(set(kinds) - set(raw)), sorted(set(raw) - set(kinds))
-        raise DataError(f"{path}: fields missing {missing}, unknown {unknown}; expected {sorted(kinds)}")
+        raise DataError(f"{where}: fields missing {missing}, unknown {unknown}; expected {sorted(kinds)}")
     for name, kind in kinds.items():
         value = raw[name]
         if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
             raise DataError(
-                f"{path}: field {name!r} must be {'a number' if kind is float else kind.__name__}, got {value!r}"
+                f"{where}: field {name!r} must be {'a number' if kind is float else kind.__name__}, got {value!r}"
             )
+    if raw["picks"] < 1:
+        raise DataError(f"{where}: field 'picks' must be >= 1, got {raw['picks']}")
     try:
         return SelectorConfig(**raw)
     except ValueError as e:
-        raise DataError(f"{path}: {e}") from None
+        raise DataError(f"{where}: {e}") from None
 
 
 def load_state_strict(model: nn.Module, tensors: dict[str, Tensor], source: Path) -> None:

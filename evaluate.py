@@ -378,18 +378,20 @@ def reroot_images(ds: Dataset, root: Path) -> None:
             it["image"] = str(Path(root).resolve() / Path(it["image"]).relative_to(old))
 
 
-def preflight(args: Args, ds: Dataset) -> None:
+def preflight(args: Args, ds: Dataset, jobs: list[Job]) -> None:
     """What can be checked without the LVLM, before it is loaded: the question count, the shots against the pools
-    and a selector's picks, and on real data every image the evaluation may read (the questions' own and, unless
+    and each selector's picks, and on real data every image the evaluation may read (the questions' own and, unless
     zero-shot, their pools'), so that a bad file stops the run at once with its name instead of failing a batch
     after the model has loaded."""
     rows, pool, items = questions(ds, args.split, max(args.num_samples))
     k = max(args.shots)
-    if args.runs and k > ds.seq_len:
-        raise ValueError(
-            f"--shots {k}: this selector makes {ds.seq_len} picks (the sequence length of {ds.folder}, which it is "
-            f"trained on); evaluate at most {ds.seq_len} shots"
-        )
+    for job in jobs:
+        if job.model is not None and k > (picks := job.model.cfg.picks):
+            where = job.selector / "model.json" if job.selector.is_dir() else job.selector
+            raise ValueError(
+                f"--shots {k}: this selector makes {picks} picks ({where}: field 'picks', the sequence length it is "
+                f"trained on); evaluate at most {picks} shots"
+            )
     smallest = int((pool >= 0).sum(1).min())
     if args.baseline != "zero-shot" and k > smallest:
         raise ValueError(
@@ -409,8 +411,8 @@ def main(args: Args) -> None:
     ds = load_dataset(args.data)
     if args.data_root is not None:
         reroot_images(ds, args.data_root)
-    preflight(args, ds)
     jobs = plan(args, ds)
+    preflight(args, ds, jobs)
     backend = open_backend(
         ds.meta,
         ds.items,

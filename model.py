@@ -57,6 +57,9 @@ class SelectorConfig:
     of the first k picks keeps it there for every k. prompt: pick t is the t-th demonstration (Lever-Plus).
     Decoders return picks in pick order; `to_prompt` / `from_prompt` convert wherever picks meet scored data or
     the LVLM."""
+    picks: int = 4
+    """Demonstrations the selector is trained to pick, the sequence length of its training data (rce.py takes it
+    from the data, grpo.py keeps its --init's): evaluate.py asks it for at most this many shots."""
 
     def __post_init__(self):
         if self.hidden % self.num_heads:
@@ -287,12 +290,16 @@ class PointerSelector(nn.Module):
 
     # -- persistence ---------------------------------------------------------------------------------------------------
     def save(self, directory: str | os.PathLike) -> None:
-        """Write `model.safetensors` (config also in its metadata) and `model.json`, each atomically."""
+        """Write `model.safetensors` (the network's settings also in its metadata) and `model.json` (every setting),
+        each atomically."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        config = json.dumps(asdict(self.cfg), indent=2)
-        save_tensors(directory / "model.safetensors", self.state_dict(), {"config": config})
-        atomic_write_text(directory / "model.json", config + "\n")
+        config = asdict(self.cfg)
+        # the weights' metadata describes the network alone: the same network trained alike gives the same bytes,
+        # whatever the sequence length of its data
+        network = json.dumps({k: v for k, v in config.items() if k != "picks"}, indent=2)
+        save_tensors(directory / "model.safetensors", self.state_dict(), {"config": network})
+        atomic_write_text(directory / "model.json", json.dumps(config, indent=2) + "\n")
 
 
 def argmax(log_dist: Tensor) -> Tensor:

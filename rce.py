@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Annotated
 
@@ -74,6 +74,8 @@ class Args(TrainArgs, SelectorConfig):
     """Start from this selector (run folder or epoch checkpoint) instead of a fresh one."""
     dim: tyro.conf.Suppress[int] = 0
     """Not a flag: a fresh selector takes the data's embedding size."""
+    picks: tyro.conf.Suppress[int] = 0
+    """Not a flag: the selector learns to pick the data's sequence length."""
 
     def fixed_length_reason(self) -> str | None:
         return "RCE anneals tau over all steps of the run"
@@ -107,9 +109,10 @@ def main(args: Args) -> None:
         torch.manual_seed(args.seed)
         if args.init is not None:
             model = load_selector(args.init)
+            model.cfg = replace(model.cfg, picks=ds.seq_len)  # what it learns to pick from here on
         else:
             settings = {f.name: getattr(args, f.name) for f in fields(SelectorConfig)}
-            model = PointerSelector(SelectorConfig(**{**settings, "dim": ds.emb["train"].shape[1]}))
+            model = PointerSelector(SelectorConfig(**settings | {"dim": ds.emb["train"].shape[1], "picks": ds.seq_len}))
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
         # resume

@@ -204,6 +204,17 @@ def test_shots_beyond_the_selector_or_the_pools_are_refused_up_front(small_data,
     run_eval(data=small_data, runs=[copy_run(run, tmp_path / "r")], shots=[1, 2])  # a file with other settings
     with pytest.raises(ValueError, match=r"--shots 5: this selector makes 4 picks"):
         run_eval(data=small_data, runs=[tmp_path / "r"], shots=[1, 5])
+    # the count is the selector's own (model.json), not the dataset's
+    two = copy_run(run, tmp_path / "two")
+    config = json.loads((two / "model.json").read_text())
+    (two / "model.json").write_text(json.dumps(config | {"picks": 2}))
+    with pytest.raises(
+        ValueError, match=rf"--shots 3: this selector makes 2 picks \({two / 'model.json'}: field 'picks'"
+    ):
+        run_eval(data=small_data, runs=[two], shots=[1, 3])
+    (two / "model.json").write_text(json.dumps({k: v for k, v in config.items() if k != "picks"}))
+    with pytest.raises(ValueError, match=r"two/model\.json: fields missing \['picks'\]"):
+        run_eval(data=small_data, runs=[two], shots=[1, 2])
     small = tmp_path / "small-pools"
     shutil.copytree(small_data, small)
     doc = json.loads((small / "eval_pools.json").read_text())

@@ -2,6 +2,7 @@
 
 import itertools
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -289,6 +290,23 @@ def test_pick_order_is_validated_and_model_json_must_name_every_setting(tmp_path
     (tmp_path / "model.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match=r"model\.json.*missing \['pick_order'\]"):
         load_selector(tmp_path)
+
+
+def test_model_json_records_the_pick_count_and_the_weights_do_not_depend_on_it(tmp_path):
+    for picks in (2, 4):
+        make_model(0, replace(CFG, picks=picks)).save(tmp_path / str(picks))
+        assert json.loads((tmp_path / str(picks) / "model.json").read_text())["picks"] == picks
+        assert load_selector(tmp_path / str(picks)).cfg.picks == picks
+    assert (tmp_path / "2" / "model.safetensors").read_bytes() == (tmp_path / "4" / "model.safetensors").read_bytes()
+    raw = json.loads((tmp_path / "2" / "model.json").read_text())
+    for edit, pattern in (
+        ({k: v for k, v in raw.items() if k != "picks"}, r"2/model\.json: fields missing \['picks'\]"),
+        (raw | {"picks": 0}, r"2/model\.json: field 'picks' must be >= 1, got 0"),
+        (raw | {"picks": 2.0}, r"2/model\.json: field 'picks' must be int, got 2\.0"),
+    ):
+        (tmp_path / "2" / "model.json").write_text(json.dumps(edit))
+        with pytest.raises(ValueError, match=pattern):
+            load_selector(tmp_path / "2")
 
 
 @given(seeds, st.integers(1, 40), st.sampled_from([None, float("nan"), float("inf"), float("-inf")]))

@@ -54,6 +54,8 @@ def test_rce_run_folder(rce_run):
     assert taus == sorted(taus, reverse=True) and 0.5 < taus[-1] < 2.0  # annealed 2.0 -> 0.5
     config = json.loads((rce_run / "config.json").read_text())
     assert config["args"]["epochs"] == 3 and config["data"]["simulation"] and config["versions"]["torch"]
+    picks = json.loads((rce_run / "model.json").read_text())["picks"]
+    assert picks == load_dataset(config["data"]["folder"]).seq_len == 4  # the selector makes the data's count
 
 
 def killed_after_epoch(monkeypatch, epoch):
