@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+import sharding
 from data import SEQ_FIELDS
 from sim import SPLITS, SimConfig, Simulator
 
@@ -65,8 +66,9 @@ class ScoreCache:
     """A backend's scores by (split, query, ICD train rows): only unseen ones go to the backend, in one batch.
 
     Online GRPO and per-epoch validation score the same sequences again and again (greedy picks change slowly);
-    each distinct prompt is scored once per process. `calls` counts what the backend was asked to score (the cache
-    misses); `state`/`restore` carry the memo over a resume, so a resumed run neither pays nor counts a score twice.
+    each distinct prompt is scored once per run (under torchrun, by one of the ranks). `calls` counts what the
+    backend was asked to score (the cache misses); `state`/`restore` carry the memo over a resume, so a resumed run
+    neither pays nor counts a score twice.
     """
 
     def __init__(self, backend):
@@ -86,14 +88,24 @@ class ScoreCache:
         first = {k: i for i, k in reversed(list(enumerate(keys))) if k not in self.memo}  # unseen, once each
         new = sorted(first.values())
         if new:
-            res = self.backend.score(split, queries[new], icds[new])
-            vals = torch.stack([res[f].double() for f in SEQ_FIELDS], -1)  # (n, fields)
+            vals = self.fresh(split, queries[new], icds[new])  # (n, fields)
             for i, v in zip(new, vals.tolist()):
                 self.memo[keys[i]] = tuple(v)
             split_code = torch.full((len(new),), SPLITS.index(split), dtype=torch.uint8)
             self.made.append((split_code, queries[new].long(), icds[new].long(), vals))
         vals = torch.tensor([self.memo[k] for k in keys], dtype=torch.float64).view(len(keys), len(SEQ_FIELDS))
         return dict(zip(SEQ_FIELDS, vals.unbind(-1)))
+
+    def fresh(self, split: str, queries: Tensor, icds: Tensor) -> Tensor:
+        """Scores of unseen prompts, (n, fields) float64. Under torchrun each rank scores its chunk and every rank
+        gets all of them, so every rank must ask for the same prompts at the same time (online GRPO's ranks do)."""
+        rank, world = sharding.rank_world()
+        mine = sharding.chunk(len(queries), rank, world)
+        vals = torch.zeros(0, len(SEQ_FIELDS), dtype=torch.float64)
+        if len(mine):
+            res = self.backend.score(split, queries[mine.start : mine.stop], icds[mine.start : mine.stop])
+            vals = torch.stack([res[f].double() for f in SEQ_FIELDS], -1)
+        return sharding.gather(vals, len(queries), world)
 
     def state(self) -> dict[str, Tensor]:
         """Every score so far, in the order they were made (so any earlier state is a prefix of it)."""

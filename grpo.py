@@ -30,7 +30,9 @@ from typing import Annotated, Literal
 
 import torch
 from torch import Tensor
+from tqdm import tqdm
 
+import sharding
 from backends import ScoreCache, open_backend
 from checkpoints import load_checkpoint, load_selector, prune_checkpoints, save_checkpoint
 from cli import alias, default_is, help_first, run_cli
@@ -327,8 +329,13 @@ def main(args: Args) -> None:
     image_ids = {"train": torch.tensor([it["image_id"] for it in ds.items["train"]])}
     eligible = (~torch.isin(image_ids["train"], image_ids["train"][ds.groups.queries[split.val]])).nonzero()[:, 0]
 
-    with run_folder(out):
-        resume_from = prepare_out(out, args, ds)  # the last checkpoint of this very run, if a re-run continues it
+    # Under torchrun every rank trains the same policy on the same batches and scores its chunk of each batch's new
+    # sequences (backends.ScoreCache); rank 0 alone writes the run folder, the log and the terminal.
+    rank, world = sharding.init()
+    lead = rank == 0
+    with run_folder(out) if lead else contextlib.nullcontext():
+        resume_from = prepare_out(out, args, ds) if lead else None
+        resume_from = sharding.from_rank0(resume_from, world)  # the last checkpoint of this run, if it continues
         torch.manual_seed(args.seed)
         # online groups are scored by the dataset's backend, through the same cache as validation
         scorer = None
@@ -366,15 +373,18 @@ def main(args: Args) -> None:
             loop = load_checkpoint(resume_from, policy, opt, rngs)
             if lvlm is not None and "lvlm_calls" in loop["state"]:  # the scores made until that checkpoint
                 lvlm.restore(read_tensors(out / "scores.safetensors"), loop["state"]["lvlm_calls"])
-        else:
+        elif lead:
             write_config(out, args, ds, split, {"out": str(out), **({"budget_plan": asdict(plan)} if plan else {})})
 
-        with contextlib.closing(open_log(out, args, loop, resume_from is not None)) as log:
+        log = open_log(out, args, loop, resume_from is not None) if lead else None
+        with contextlib.closing(log) if lead else contextlib.nullcontext():
             if resume_from is None:  # epoch 0 = the initial policy, the start of every curve
                 record = {"phase": "grpo", "epoch": 0, "step": 0, **validate(policy, ds, split, backend, cap)}
                 if lvlm is not None:
                     record["lvlm/calls"] = lvlm.calls
-                log.write({**record, "grpo/selection_change": selection_change(policy, ds, split, ref_greedy)})
+                record["grpo/selection_change"] = selection_change(policy, ds, split, ref_greedy)
+                if lead:
+                    log.write(record)
             for epoch in range(loop["epoch"] + 1, args.epochs + 1):
                 # a budget's epochs may be longer than a pass over the anchors (anchor queries need whole passes)
                 n = -(-steps // steps_per_epoch(split, args.batch_size))
@@ -383,7 +393,7 @@ def main(args: Args) -> None:
                 ]
                 means = EpochMeans()
                 n = min(steps, total - loop["step"])  # a budget's last epoch may be shorter
-                bar = progress(out, epoch, args.epochs, n)
+                bar = progress(out, epoch, args.epochs, n) if lead else tqdm(range(n), disable=True)
                 for i in bar:
                     idx = order[i * args.batch_size : (i + 1) * args.batch_size]
                     if plan is not None:  # the run's last step gets the calls left once its validations are kept
@@ -462,7 +472,7 @@ def main(args: Args) -> None:
                         "grpo/group_size": m.sum(-1).double().mean().item(),
                         **extra,
                     }
-                    if args.kl_target is not None:  # beta moves every step: log every step
+                    if args.kl_target is not None and lead:  # beta moves every step: log every step
                         log.write({"phase": "grpo", "kind": "step", "epoch": epoch, "step": loop["step"], **metrics})
                     stop_if_diverged(
                         metrics, "grpo", epoch, loop["step"], out, "try a lower --lr or a larger --kl-beta"
@@ -480,21 +490,25 @@ def main(args: Args) -> None:
                 warnings = warnings_for(record, S)
                 if warnings:
                     record["warnings"] = warnings
-                if record[metric] > loop["best"]:  # epoch 0 is no candidate: see training.selection_metric
+                improved = record[metric] > loop["best"]  # epoch 0 is no candidate: see training.selection_metric
+                if improved:
                     loop["best"], loop["best_epoch"] = record[metric], epoch
-                    policy.save(out)
                 record["best_epoch"] = loop["best_epoch"]
                 loop["epoch"] = epoch
-                log.write(record)  # before the checkpoint: a resume from epoch - 1 drops this line again
-                if lvlm is not None:  # before the checkpoint, which names how many of these scores are its own
-                    save_tensors(out / "scores.safetensors", lvlm.state())
-                save_checkpoint(out, epoch, policy, opt, rngs, loop)
-                prune_checkpoints(out, args.keep_every, loop["best_epoch"])
-                summary = log_line(record, (*SHOWN, "val/reward", "val/acc"))
-                print(
-                    f"{out.name} epoch {epoch}: {summary}" + "".join(f"\n  warning: {w}" for w in warnings), flush=True
-                )
-    print(f"best epoch {loop['best_epoch']} ({metric} {loop['best']:.4f}) -> {out}/model.safetensors")
+                if lead:
+                    if improved:
+                        policy.save(out)
+                    log.write(record)  # before the checkpoint: a resume from epoch - 1 drops this line again
+                    if lvlm is not None:  # before the checkpoint, which names how many of these scores are its own
+                        save_tensors(out / "scores.safetensors", lvlm.state())
+                    save_checkpoint(out, epoch, policy, opt, rngs, loop)
+                    prune_checkpoints(out, args.keep_every, loop["best_epoch"])
+                    summary = log_line(record, (*SHOWN, "val/reward", "val/acc"))
+                    warned = "".join(f"\n  warning: {w}" for w in warnings)
+                    print(f"{out.name} epoch {epoch}: {summary}{warned}", flush=True)
+    if lead:
+        print(f"best epoch {loop['best_epoch']} ({metric} {loop['best']:.4f}) -> {out}/model.safetensors")
+    sharding.finish(world)
 
 
 if __name__ == "__main__":

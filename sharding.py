@@ -7,10 +7,14 @@ model on its own GPU (LOCAL_RANK), takes the queries i with i % world == rank, a
 its shard; a crash loses only the queries in flight, and re-running the same command resumes from the shards.
 gen_rl_data.py (scored queries) and evaluate.py (scored questions) share this protocol: `share` splits the work,
 `done` reads what any rank finished, `own_file` opens this rank's file to append to, rank 0 merges after `barrier`.
+
+Online GRPO works in lock-step instead: every rank runs the same training, each scores a `chunk` of every batch of
+new sequences, `gather` hands every rank all the scores, and rank 0 alone writes the run folder.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from datetime import timedelta
@@ -19,6 +23,7 @@ from typing import TextIO
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from files import DataError, append_jsonl, atomic_write_text, read_jsonl
 
@@ -35,10 +40,48 @@ def init() -> tuple[int, int]:
     return dist.get_rank(), world
 
 
+def rank_world() -> tuple[int, int]:
+    """(rank, world size) of the process group this process has joined, (0, 1) outside torchrun."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
 def share(n: int, rank: int, world: int) -> range:
     """The item indices this rank owns: fixed by index, never by what is left, so ranks that read the progress
     files at different moments still split the work into disjoint parts that cover it all."""
     return range(rank, n, world)
+
+
+def chunk(n: int, rank: int, world: int) -> range:
+    """This rank's contiguous part of n items (parts differ in size by at most one): a query's group of sequences,
+    adjacent in a batch, stays on one rank, where the LVLM can share the prompts' common prefix."""
+    return range(rank * n // world, (rank + 1) * n // world)
+
+
+def gather(mine: Tensor, n: int, world: int) -> Tensor:
+    """Every rank's `mine`, the rows of its `chunk` of n, joined in item order and returned on every rank."""
+    if world == 1:
+        return mine
+    width = -(-n // world)
+    padded = mine.new_zeros(width, *mine.shape[1:])
+    padded[: len(mine)] = mine
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=_cpu_group())
+    return torch.cat([part[: len(chunk(n, r, world))] for r, part in enumerate(parts)])
+
+
+def from_rank0(value, world: int):
+    """Rank 0's `value` on every rank (what only rank 0 decides, such as the checkpoint a run resumes from)."""
+    if world == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=_cpu_group())
+    return box[0]
+
+
+@functools.cache
+def _cpu_group():
+    """A gloo group for small CPU tensors and objects, whatever the default backend (nccl on GPUs)."""
+    return dist.new_group(backend="gloo", timeout=timedelta(hours=48))
 
 
 def barrier(world: int) -> None:

@@ -59,13 +59,16 @@ def test_evaluate_two_ranks_equal_one(small_data, tmp_path):
     assert two == one and not list((tmp_path / "two" / "eval").glob("*.partial.jsonl"))
 
 
-def test_share_is_a_disjoint_cover_whatever_is_done():
+def test_share_and_chunk_are_disjoint_covers():
     import sharding
 
     for n in range(0, 30):
         for world in range(1, 5):
-            parts = [set(sharding.share(n, r, world)) for r in range(world)]
-            assert set().union(*parts) == set(range(n)) and sum(map(len, parts)) == n
+            for split in (sharding.share, sharding.chunk):
+                parts = [list(split(n, r, world)) for r in range(world)]
+                assert sorted(sum(parts, [])) == list(range(n))
+            sizes = [len(sharding.chunk(n, r, world)) for r in range(world)]
+            assert sum(parts, []) == list(range(n)) and max(sizes) - min(sizes) <= 1  # chunks: in order, even
 
 
 @given(st.lists(st.integers(0, 50), min_size=1, max_size=12, unique=True), st.integers(0, 80), st.booleans())
@@ -88,3 +91,58 @@ def test_progress_files_keep_every_complete_line_and_resume_after_a_cut(items, c
         with sharding.own_file(path, header) as f:
             f.write(json.dumps({"i": 99, "v": []}) + "\n")
         assert sorted(sharding.done([path], "i", header)) == sorted([*survived, 99])
+
+
+# grpo.py under torchrun, each rank appending the size of every batch it asks the simulator to score to count.<rank>;
+# rank 1 kills itself at its DIE_AT-th batch, if given (torchrun then stops the other rank: the job dies mid-epoch).
+COUNTING = """
+import os, runpy, signal, sys
+sys.path.insert(0, os.getcwd())
+from backends import SimBackend
+real, count = SimBackend.score, os.path.join(sys.argv[1], "count." + os.environ["RANK"])
+def score(self, split, queries, icds, gt_prob=True):
+    with open(count, "a") as f:
+        f.write(f"{len(queries)}\\n")
+    if os.environ["RANK"] == "1" and sum(1 for _ in open(count)) == int(os.environ.get("DIE_AT", 0)):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(self, split, queries, icds, gt_prob)
+SimBackend.score = score
+sys.argv = ["grpo.py", *sys.argv[2:]]
+runpy.run_path("grpo.py", run_name="__main__")
+"""
+
+
+def test_online_grpo_two_ranks_train_the_bytes_of_one_and_resume_after_a_kill(small_data, tmp_path):
+    """Each rank scores its chunk of every batch of new sequences and all apply the same update: the run folder of 2
+    ranks, killed and resumed, is the one-process run's, byte for byte, and no sequence is scored by both ranks."""
+    import grpo
+    import rce
+
+    init, one, two = tmp_path / "rce", tmp_path / "one", tmp_path / "two"
+    rce.main(rce.Args(data=small_data, out=init, epochs=1, batch_size=8, val_frac=0.25))
+    flags = dict(data=small_data, init=init, epochs=6, batch_size=8, val_frac=0.25, group_size=6, online=True)
+    grpo.main(grpo.Args(out=one, keep_every=1, **flags))
+
+    (tmp_path / "counting.py").write_text(COUNTING)
+    argv = [str(tmp_path / "counting.py"), str(tmp_path)]
+    argv += [f"--{k.replace('_', '-')}={v}" for k, v in flags.items() if k != "online"]
+    argv += ["--online", "--keep-every=1", f"--out={two}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *argv]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    killed = subprocess.run(cmd, cwd=ROOT, env={**env, "DIE_AT": "25"}, capture_output=True, text=True, timeout=300)
+    done = sorted(int(p.stem.split("_")[1]) for p in (two / "ckpt").glob("epoch_*.safetensors"))
+    assert killed.returncode != 0 and 1 <= done[-1] < 6, killed.stderr[-3000:]  # died mid-run, after a checkpoint
+    for rank in (0, 1):
+        (tmp_path / f"count.{rank}").unlink()
+    torchrun(*argv)
+
+    for name in ["model.safetensors", "scores.safetensors", *(f"ckpt/epoch_{e:03d}.safetensors" for e in range(1, 7))]:
+        assert (two / name).read_bytes() == (one / name).read_bytes(), name
+    assert (two / "metrics.jsonl").read_text() == (one / "metrics.jsonl").read_text()
+    config = [json.loads((d / "config.json").read_text()) for d in (one, two)]
+    for c in config:  # where each run went and the command that started it differ, nothing else
+        del c["argv"], c["out"], c["args"]["out"]
+    assert config[0] == config[1]
+    calls = [r["lvlm/calls"] for r in map(json.loads, (one / "metrics.jsonl").read_text().splitlines())]
+    scored = [sum(map(int, (tmp_path / f"count.{rank}").read_text().split())) for rank in (0, 1)]
+    assert min(scored) > 0 and sum(scored) == calls[-1] - calls[done[-1]]  # the resumed epochs' calls, shared
