@@ -1,10 +1,11 @@
 """Stage 5: one Markdown report over run folders, read top-down: which run won, by how much, and whether it is noise.
 
 At a glance: a runs x shots table of VQA accuracy at the largest question count every run has, each cell with its
-delta to the reference run (the RCE run by default) and a significance mark, the average likewise, the best run
-and every unfinished run marked. Then the trained runs (flags that differ, epochs trained, the selected epoch),
-paired deltas with 95% CIs against the reference and between trained runs, the share of the room to the simulator's
-ceilings, how often runs pick the same ICDs, and what moved during training. Tables and rows that say nothing
+delta to the reference run (the RCE run by default) and a significance mark, the average likewise, the best run,
+every unfinished run and every stale evaluation (of weights the run no longer holds) marked. Then the trained runs
+(flags that differ, epochs trained, the selected epoch), paired deltas with 95% CIs against the reference and between
+trained runs, the share of the room to the simulator's ceilings, how often runs pick the same ICDs, and what moved
+during training. Tables and rows that say nothing
 (constant curves, pairs that never pick alike, baselines' share of a room they are below) are left out.
 
 One verdict rule, stated once in the report: a delta is significant only when its paired bootstrap 95% CI excludes 0
@@ -33,7 +34,7 @@ import numpy as np
 import tyro
 
 from cli import SIDE_ARGS, default_is, run_cli
-from files import DataError, atomic_write_text, read_json, read_jsonl
+from files import DataError, atomic_write_text, read_json, read_jsonl, sha256
 from tables import md_table
 
 
@@ -98,6 +99,7 @@ class Run:
     epochs: list[dict]  # metrics.jsonl epoch records, epoch 0 = the starting weights
     epoch_evals: dict[int, dict]
     args: dict | None  # config.json "args" (None without config.json)
+    weights: str | None = None  # SHA-256 of the run's model.safetensors now (None without one)
 
     @property
     def phase(self) -> str | None:
@@ -116,6 +118,20 @@ class Run:
     @property
     def unfinished(self) -> str | None:
         return unfinished(self.epochs, self.args)
+
+    @property
+    def stale(self) -> bool:
+        """Whether the run's model.safetensors holds other weights than its evaluation evaluated (training went on
+        after it, or the evaluation does not say which weights it evaluated)."""
+        return self.eval is not None and self.weights is not None and self.eval.get("selector_sha256") != self.weights
+
+    def refresh(self) -> str:
+        """The evaluate.py command that evaluates the run's model.safetensors again with its evaluation's settings."""
+        doc = self.eval
+        flags = [f"--data {doc['data']}"] * ("data" in doc) + ["--split train"] * (doc.get("split") == "train")
+        flags += [f"--shots {' '.join(map(str, doc['shots']))}"]
+        flags += [f"--num-samples {' '.join(sorted(doc['summary'], key=int))}"]
+        return f"python evaluate.py {self.path} {' '.join(flags)}"
 
     def kind(self) -> str:
         if self.eval is not None and self.eval.get("baseline"):
@@ -194,9 +210,11 @@ def read_eval(path: Path) -> dict:
             raise bad(
                 at(f"summary.{n}"), f"at least {n} results at every shot", f"{per_shot[short[0]]} at shot {short[0]}"
             )
-    for key in ("baseline", "data_digest", "split", "backend"):
+    for key in ("baseline", "data", "data_digest", "split", "backend", "selector_sha256"):
         if doc.get(key) is not None and not isinstance(doc[key], str):
             raise bad(at(key), "a string", doc[key])
+    if doc.get("selector_epoch") is not None:
+        count(doc["selector_epoch"], at("selector_epoch"))
     if not isinstance(doc.get("simulation", False), bool):
         raise bad(at("simulation"), "true or false", doc["simulation"])
     return doc
@@ -260,6 +278,7 @@ def read_run(path: Path, split: str) -> Run | None:
         read_metrics(metrics) if metrics.is_file() else [],
         epoch_evals,
         read_args(config) if config.is_file() else None,
+        sha256(path / "model.safetensors") if (path / "model.safetensors").is_file() else None,
     )
 
 
@@ -590,6 +609,7 @@ def glance_section(c: Comparison) -> str:
         name = f"**{r.name}** (best)" if r in best else r.name
         name += " (reference)" if r is c.base else ""
         what = r.kind() + (f", answered by {Path(r.eval['backend']).name}" if several_lvlms else "")
+        what += ", STALE evaluation" * r.stale
         rows.append([name, what, *row])
     header = ["run", "what", *[f"{s}-shot" for s in c.shots], "avg"]
     notes = [
@@ -603,7 +623,20 @@ def glance_section(c: Comparison) -> str:
         for r in c.evaluated
         if r.unfinished
     ]
+    notes += [
+        f"**Stale:** {r.name}'s evaluation is of {evaluated_weights(r.eval)}, but its model.safetensors has changed "
+        f"since (now epoch {r.selected}); its row is of the old weights. Refresh it: `{r.refresh()}`."
+        for r in c.evaluated
+        if r.stale
+    ]
     return f"## At a glance\n\n{md_table(header, rows)}\n\n" + "\n".join(notes)
+
+
+def evaluated_weights(doc: dict) -> str:
+    """Which weights an evaluation says it evaluated, in words."""
+    if doc.get("selector_sha256") is None:
+        return "weights it does not name"
+    return f"epoch {doc['selector_epoch']}" if doc.get("selector_epoch") is not None else "other weights"
 
 
 def trained_section(runs: list[Run]) -> list[str]:
@@ -622,6 +655,7 @@ def trained_section(runs: list[Run]) -> list[str]:
     for r in trained:
         done = f"UNFINISHED: {r.unfinished}" if r.unfinished else f"{r.epochs[-1]['epoch']}"
         selected = "-" if r.selected is None else str(r.selected)
+        selected += f" (evaluated: {evaluated_weights(r.eval)}, STALE)" if r.stale else ""
         spent = [f"{calls[r.name]:,}" if calls[r.name] is not None else "-"] if any(calls.values()) else []
         rows.append(
             [r.name, r.kind().split(",")[0], done, selected, *spent, *[str(flags[r.name].get(k, "-")) for k in differ]]

@@ -9,7 +9,7 @@ Sample counts are nested prefixes of one fixed order (800 contains 400), so two 
 and compare.py can test their differences.
 
 Writes RUN/eval/<split>.json (or <split>-epoch002.json with --epochs):
-    {"data", "backend", "split", "selector", "order", "shots", "num_samples",
+    {"data", "backend", "split", "selector", "selector_epoch", "selector_sha256", "order", "shots", "num_samples",
      "results": [{"question_id", "row", "shot", "icds": [train rows], "prediction", "score"}, ...],  # question order
      "summary": {"800": {"1": 48.55, ...}, ...}}                                                    # percentages
 With --seeds N > 1 (random baseline) a result holds the mean "score" and "per_seed": [{"seed", "icds",
@@ -46,7 +46,7 @@ from checkpoints import checkpoints, load_selector
 from cli import CpuArgs, default_is, help_first, run_cli
 from compare import read_args, read_metrics, unfinished
 from data import DEFAULT_DATA, Dataset, data_digest, load_dataset
-from files import DataError, atomic_write_text, full_disk_names, read_json
+from files import DataError, atomic_write_text, full_disk_names, read_json, sha256
 from locks import exclusive
 from model import PointerSelector
 from tables import accuracy_table
@@ -254,13 +254,15 @@ def run_status(run: Path) -> str:
 
 @dataclass
 class Job:
-    """One evaluation file to write: a run's model or epoch checkpoint (`selector`, loaded as `model`), or a
-    baseline (both None)."""
+    """One evaluation file to write: a run's model or epoch checkpoint (`selector`, loaded as `model`: the weights
+    of `epoch`, whose file has the SHA-256 `sha256`), or a baseline (all None)."""
 
     target: Path
     selector: Path | None
     model: PointerSelector | None
     desc: str
+    epoch: int | None = None
+    sha256: str | None = None
 
 
 def plan(args: Args, ds: Dataset) -> list[Job]:
@@ -272,12 +274,17 @@ def plan(args: Args, ds: Dataset) -> list[Job]:
         return [Job(out / "eval" / f"{args.split}.json", None, None, args.baseline)]
     jobs = []
     for run in args.runs:
-        jobs.append(Job(run / "eval" / f"{args.split}.json", run, load_selector(run), str(run)))
+        # the epoch model.safetensors holds, as the run's last epoch record says (None without one)
+        epochs = read_metrics(run / "metrics.jsonl") if (run / "metrics.jsonl").is_file() else []
+        selected = epochs[-1].get("best_epoch") if epochs else None
+        weights = run / "model.safetensors"
+        jobs.append(
+            Job(run / "eval" / f"{args.split}.json", run, load_selector(run), str(run), selected, sha256(weights))
+        )
         for e in args.epochs:
             ckpt = run / "ckpt" / f"epoch_{e:03d}.safetensors"
-            jobs.append(
-                Job(run / "eval" / f"{args.split}-epoch{e:03d}.json", ckpt, load_selector(ckpt), f"{run} epoch {e}")
-            )
+            target = run / "eval" / f"{args.split}-epoch{e:03d}.json"
+            jobs.append(Job(target, ckpt, load_selector(ckpt), f"{run} epoch {e}", e, sha256(ckpt)))
     return jobs
 
 
@@ -292,6 +299,10 @@ def job_header(args: Args, ds: Dataset, job: Job, lvlm: str) -> dict:
     seeds = list(range(args.seed, args.seed + args.seeds)) if args.baseline == "random" else [args.seed]
     return {
         "selector": str(job.selector),
+        # which weights: compare.py flags the evaluation as stale once the run's model.safetensors is other weights,
+        # and progress left by other weights is not resumed
+        "selector_epoch": job.epoch,
+        "selector_sha256": job.sha256,
         "baseline": args.baseline,
         "split": args.split,
         "order": order,

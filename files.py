@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import sys
@@ -74,6 +75,15 @@ def read_tensors(path: Path, map_location: str = "cpu") -> dict:
             return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
     except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
         raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def sha256(path: Path) -> str:
+    """The SHA-256 of a file's bytes, in hex."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def read_json(path: Path) -> object:

@@ -10,7 +10,6 @@ temporary name and renamed, so a killed run never leaves a half-written file.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import shutil
@@ -28,7 +27,7 @@ from backends import ScoreCache, open_backend
 from checkpoints import checkpoint_meta, last_checkpoint, resumable_checkpoint
 from cli import PATH_ARGS, SIDE_ARGS, CpuArgs, alias
 from data import DEFAULT_DATA, Dataset, Quality, RewardArgs, compute_reward, data_digest, filter_queries
-from files import append_line, atomic_write_text, read_json, read_jsonl
+from files import append_line, atomic_write_text, read_json, read_jsonl, sha256
 from locks import exclusive
 from model import PointerSelector, SelectorConfig, reward_spread
 from tracking import ReportTo, check_installed, open_tracker
@@ -361,7 +360,7 @@ def continue_with_more_or_fewer_epochs(out: Path, done: int, args, config: dict)
 
 
 def file_sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    return sha256(path)[:16]
 
 
 def flag_values(args) -> dict:

@@ -1,5 +1,6 @@
-"""compare.py on crafted run folders whose per-question scores give known accuracies."""
+"""compare.py on crafted run folders whose per-question scores give known accuracies, and on a tiny simulator run."""
 
+import hashlib
 import json
 import math
 import re
@@ -478,3 +479,31 @@ def test_trained_runs_table_shows_the_lvlm_calls_each_run_spent(tmp_path):
     )
     rows = {r[0]: r for r in cells(report(Args(runs=[a, b])), "| run | stage |")}
     assert rows["budget"][4] == "34,836" and rows["offline"][4] == "-"
+
+
+def test_an_evaluation_of_weights_the_run_no_longer_holds_is_stale_and_says_how_to_refresh_it(small_data, tmp_path):
+    import evaluate
+    import grpo
+    import rce
+
+    fast = dict(batch_size=8, val_frac=0.25)
+    rce.main(rce.Args(data=small_data, out=tmp_path / "rce", epochs=1, **fast))
+    run = tmp_path / "grpo"
+    grpo.main(grpo.Args(data=small_data, init=tmp_path / "rce", out=run, epochs=1, **fast))
+    evaluate.main(evaluate.Args(data=small_data, runs=[run], num_samples=[50]))
+    doc = json.loads((run / "eval" / "val.json").read_text())
+    weights = hashlib.sha256((run / "model.safetensors").read_bytes()).hexdigest()
+    assert doc["selector_epoch"] == 1 and doc["selector_sha256"] == weights
+    assert "STALE" not in report(Args(runs=[run], bootstrap=100))
+
+    grpo.main(grpo.Args(data=small_data, init=tmp_path / "rce", out=run, epochs=2, **fast))  # training goes on
+    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["best_epoch"] == 2  # a better epoch
+    text = report(Args(runs=[run], bootstrap=100))
+    assert glance(text)["grpo"][0] == "GRPO offline, 2 epochs, STALE evaluation"
+    assert cells(text, "| run | stage")[0][3] == "2 (evaluated: epoch 1, STALE)"
+    refresh = f"python evaluate.py {run} --data {small_data} --shots 1 2 3 4 --num-samples 50"
+    assert re.search(rf"\*\*Stale:\*\* grpo's evaluation is of epoch 1, .*now epoch 2.*`{re.escape(refresh)}`", text)
+
+    evaluate.main(evaluate.Args(data=small_data, runs=[run], num_samples=[50]))  # the refresh it names
+    assert json.loads((run / "eval" / "val.json").read_text())["selector_epoch"] == 2
+    assert "STALE" not in report(Args(runs=[run], bootstrap=100))
