@@ -163,6 +163,21 @@ def load_selector(source: Path) -> PointerSelector:
     return model
 
 
+def settings_file(source: Path) -> Path:
+    """Where the settings of the selector at `source` (as `load_selector` takes it) are read from: a run folder's
+    model.json, or the epoch checkpoint itself."""
+    return source / "model.json" if source.is_dir() else source
+
+
+def check_width(model: PointerSelector, source: Path, data: Path, dim: int) -> None:
+    """The selector loaded from `source` reads embeddings as wide as those of the dataset `data` (`dim`)."""
+    if model.cfg.dim != dim:
+        raise DataError(
+            f"{settings_file(source)}: field 'dim' is {model.cfg.dim}, but the embeddings of {data} are {dim}-d; "
+            "use a selector trained on embeddings of this dataset's encoder"
+        )
+
+
 def read_config(path: Path) -> SelectorConfig:
     """model.json: every field of SelectorConfig, each of its type (int, float or str), and nothing else."""
     return selector_config(read_json(path), str(path))

@@ -42,7 +42,7 @@ from tqdm import tqdm
 import pools
 import sharding
 from backends import open_backend
-from checkpoints import checkpoints, load_selector
+from checkpoints import check_width, checkpoints, load_selector, settings_file
 from cli import CpuArgs, default_is, help_first, run_cli
 from compare import read_args, read_metrics, unfinished
 from data import DEFAULT_DATA, Dataset, data_digest, load_dataset
@@ -396,12 +396,12 @@ def preflight(args: Args, ds: Dataset, jobs: list[Job]) -> None:
     after the model has loaded."""
     rows, pool, items = questions(ds, args.split, max(args.num_samples))
     k = max(args.shots)
-    for job in jobs:
-        if job.model is not None and k > (picks := job.model.cfg.picks):
-            where = job.selector / "model.json" if job.selector.is_dir() else job.selector
+    for job in (j for j in jobs if j.model is not None):
+        check_width(job.model, job.selector, ds.folder, ds.emb[args.split].shape[1])
+        if k > (picks := job.model.cfg.picks):
             raise ValueError(
-                f"--shots {k}: this selector makes {picks} picks ({where}: field 'picks', the sequence length it is "
-                f"trained on); evaluate at most {picks} shots"
+                f"--shots {k}: this selector makes {picks} picks ({settings_file(job.selector)}: field 'picks', the "
+                f"sequence length it is trained on); evaluate at most {picks} shots"
             )
     smallest = int((pool >= 0).sum(1).min())
     if args.baseline != "zero-shot" and k > smallest:

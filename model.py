@@ -178,7 +178,7 @@ class PointerSelector(nn.Module):
         Masked sequences may hold anything (e.g. -1 padding); their outputs are exactly 0. `temperature` gives the
         distributions of `sample(..., temperature)`, whose samples online GRPO scores.
         """
-        check_inputs(query, pool, pool_mask, seqs, seq_mask)
+        check_shapes(query, pool, pool_mask, seqs, seq_mask)
         B, G, S = seqs.shape
         # Masked sequences get a harmless stand-in (the first S valid candidates) so no garbage index is touched.
         filler = pool_mask.float().argsort(dim=-1, descending=True, stable=True)[:, :S]  # (B, S)
@@ -211,7 +211,7 @@ class PointerSelector(nn.Module):
     @torch.no_grad()
     def greedy(self, query: Tensor, pool: Tensor, pool_mask: Tensor, steps: int) -> tuple[Tensor, Tensor]:
         """Argmax decoding: -> picks (B, S) and their summed log-prob (B,)."""
-        _check_pool(query, pool, pool_mask, steps)
+        check_shapes(query, pool, pool_mask)
         seqs, logp = in_chunks(lambda *b: self._decode(*b, steps, 1, argmax), query, pool, pool_mask)
         return seqs[:, 0], logp[:, 0]
 
@@ -232,7 +232,7 @@ class PointerSelector(nn.Module):
         """
         if temperature <= 0:
             raise ValueError(f"sample: temperature must be > 0, got {temperature}")
-        _check_pool(query, pool, pool_mask, steps)
+        check_shapes(query, pool, pool_mask)
 
         def draw(log_dist: Tensor) -> Tensor:  # (B, N, K) -> (B, N)
             probs = (log_dist / temperature).softmax(-1).flatten(0, 1)  # (B*N, K)
@@ -265,7 +265,7 @@ class PointerSelector(nn.Module):
 
         Beams beyond the number of distinct sequences a pool allows come back with score -inf.
         """
-        _check_pool(query, pool, pool_mask, steps)
+        check_shapes(query, pool, pool_mask)
         return in_chunks(lambda *b: self._beam(*b, steps, width), query, pool, pool_mask)
 
     def _beam(self, query: Tensor, pool: Tensor, pool_mask: Tensor, steps: int, width: int) -> tuple[Tensor, Tensor]:
@@ -338,68 +338,26 @@ def _entropy(log_dist: Tensor, avail: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Input validation: one ValueError naming the query/sequence and what was expected (cheap; message built on failure)
+# Shapes: the values (ids inside their pools, distinct picks, pools no smaller than the picks, finite embeddings) are
+# checked where they are read from files (data.py, evaluate.py's preflight), with one line naming file and field
 
 
-def _check_pool(query: Tensor, pool: Tensor, pool_mask: Tensor, steps: int) -> None:
-    if query.dim() != 2 or pool.dim() != 3 or pool_mask.dim() != 2:
-        raise ValueError(
-            f"expected query (B, d), pool (B, K, d), pool_mask (B, K); got {tuple(query.shape)}, "
-            f"{tuple(pool.shape)}, {tuple(pool_mask.shape)}"
+def check_shapes(query: Tensor, pool: Tensor, pool_mask: Tensor, seqs: Tensor | None = None, seq_mask=None) -> None:
+    """Assert that a batch's tensors fit together: query (B, d), pool (B, K, d), bool pool_mask (B, K), and for
+    teacher forcing long seqs (B, G, S) with bool seq_mask (B, G)."""
+    B, d = query.shape[0], query.shape[-1]
+    assert query.dim() == 2 and pool.dim() == 3 and (pool.shape[0], pool.shape[2]) == (B, d), (
+        f"expected query (B, d) and pool (B, K, d), got {tuple(query.shape)} and {tuple(pool.shape)}"
+    )
+    assert pool_mask.shape == pool.shape[:2] and pool_mask.dtype == torch.bool, (
+        f"expected a bool pool_mask {tuple(pool.shape[:2])}, got {pool_mask.dtype} {tuple(pool_mask.shape)}"
+    )
+    if seqs is not None:
+        assert seqs.dim() == 3 and seqs.shape[0] == B and seqs.dtype == torch.long, (
+            f"expected long seqs (B={B}, G, S), got {seqs.dtype} {tuple(seqs.shape)}"
         )
-    B, K, d = pool.shape
-    if query.shape != (B, d) or pool_mask.shape != (B, K):
-        raise ValueError(
-            f"shape mismatch: pool is {tuple(pool.shape)} so query must be {(B, d)} and pool_mask {(B, K)}; "
-            f"got query {tuple(query.shape)}, pool_mask {tuple(pool_mask.shape)}"
-        )
-    if pool_mask.dtype != torch.bool:
-        raise ValueError(f"pool_mask must be bool, got {pool_mask.dtype}")
-    n_valid = pool_mask.sum(-1)  # (B,)
-    if (n_valid < steps).any():
-        b = int((n_valid < steps).nonzero()[0, 0])
-        raise ValueError(f"query {b}: its pool has {int(n_valid[b])} valid candidates, fewer than {steps} steps")
-    if not (all_finite(query) and all_finite(pool)):
-        raise ValueError("query or pool embeddings contain NaN or inf")
-
-
-def all_finite(x: Tensor) -> bool:
-    """No NaN or inf in x: its min and max are finite exactly then (NaN propagates through both). One reduction pass,
-    where isfinite(x).all() writes a bool per element first."""
-    if x.numel() == 0:
-        return True
-    return bool(torch.isfinite(torch.stack(torch.aminmax(x))).all())
-
-
-def check_inputs(query: Tensor, pool: Tensor, pool_mask: Tensor, seqs: Tensor, seq_mask: Tensor) -> None:
-    """Validate a teacher-forcing batch; raises ValueError naming the first bad query/sequence."""
-    if seqs.dim() != 3 or seq_mask.shape != seqs.shape[:2] or seqs.shape[0] != query.shape[0]:
-        raise ValueError(
-            f"expected seqs (B, G, S) and seq_mask (B, G) with B={query.shape[0]}; "
-            f"got {tuple(seqs.shape)} and {tuple(seq_mask.shape)}"
-        )
-    if seq_mask.dtype != torch.bool or seqs.dtype != torch.long:
-        raise ValueError(f"seqs must be long and seq_mask bool, got {seqs.dtype} and {seq_mask.dtype}")
-    B, G, S = seqs.shape
-    K = pool.shape[1]
-    _check_pool(query, pool, pool_mask, S)
-    live = seq_mask[..., None].expand(B, G, S)  # (B, G, S)
-    outside = live & ((seqs < 0) | (seqs >= K))
-    if outside.any():
-        b, g, t = outside.nonzero()[0].tolist()
-        raise ValueError(
-            f"query {b}, sequence {g}: step {t} points to {int(seqs[b, g, t])}, outside its pool 0..{K - 1}"
-        )
-    inside = seqs.clamp(0, K - 1)
-    padded = live & ~pool_mask.gather(1, inside.flatten(1)).view(B, G, S)
-    if padded.any():
-        b, g, t = padded.nonzero()[0].tolist()
-        raise ValueError(f"query {b}, sequence {g}: step {t} points to padded candidate {int(seqs[b, g, t])}")
-    repeats = (inside[..., :, None] == inside[..., None, :]).triu(1).any(-1) & live  # (B, G, S)
-    if repeats.any():
-        b, g, t = repeats.nonzero()[0].tolist()
-        raise ValueError(
-            f"query {b}, sequence {g}: candidate {int(seqs[b, g, t])} is picked twice: {seqs[b, g].tolist()}"
+        assert seq_mask.shape == seqs.shape[:2] and seq_mask.dtype == torch.bool, (
+            f"expected a bool seq_mask {tuple(seqs.shape[:2])}, got {seq_mask.dtype} {tuple(seq_mask.shape)}"
         )
 
 

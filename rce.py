@@ -25,7 +25,7 @@ import torch
 import tyro
 from torch import Tensor
 
-from checkpoints import load_checkpoint, load_selector, prune_checkpoints, save_checkpoint
+from checkpoints import check_width, load_checkpoint, load_selector, prune_checkpoints, save_checkpoint
 from cli import alias, help_first, run_cli
 from data import Quality, load_dataset
 from model import PointerSelector, SelectorConfig, rce_weights
@@ -109,6 +109,7 @@ def main(args: Args) -> None:
         torch.manual_seed(args.seed)
         if args.init is not None:
             model = load_selector(args.init)
+            check_width(model, args.init, ds.folder, ds.emb["train"].shape[1])
             model.cfg = replace(model.cfg, picks=ds.seq_len)  # what it learns to pick from here on
         else:
             settings = {f.name: getattr(args, f.name) for f in fields(SelectorConfig)}

@@ -12,6 +12,7 @@ import rce
 from data import load_dataset
 from gen_rl_data import Args as GenArgs
 from gen_rl_data import generate
+from model import PointerSelector, SelectorConfig
 
 N = [50, 100, 150]
 
@@ -224,6 +225,13 @@ def test_shots_beyond_the_selector_or_the_pools_are_refused_up_front(small_data,
             run_eval(data=small, baseline=b, out=tmp_path / b)
         assert not (tmp_path / b).exists()
     run_eval(data=small, baseline="zero-shot", out=tmp_path / "zero-shot")  # needs no pool
+
+
+def test_a_selector_of_other_embeddings_is_one_line_naming_its_model_json(small_data, tmp_path):
+    PointerSelector(SelectorConfig(dim=16, hidden=32, num_heads=2)).save(tmp_path / "d16")
+    with pytest.raises(ValueError, match=r"d16/model\.json: field 'dim' is 16, but the embeddings of .* are 512-d"):
+        run_eval(data=small_data, runs=[tmp_path / "d16"])
+    assert not (tmp_path / "d16" / "eval").exists()
 
 
 def test_every_run_is_checked_before_any_evaluation_is_written(small_data, run, tmp_path):

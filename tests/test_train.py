@@ -336,6 +336,12 @@ def test_init_architecture_mismatch_names_tensor(small_data, tmp_path):
     with pytest.raises(ValueError, match=r"d16.*16.*512"):
         PointerSelector(SelectorConfig(dim=16, hidden=32, num_heads=2)).save(tmp_path / "d16")
         grpo.main(grpo.Args(data=small_data, init=tmp_path / "d16", out=tmp_path / "o", epochs=1, **FAST))
+    # rce.py --init: the selector's settings file and field
+    with pytest.raises(
+        ValueError, match=rf"d16/model\.json: field 'dim' is 16, but the embeddings of {small_data} are 512"
+    ):
+        rce.main(rce.Args(data=small_data, init=tmp_path / "d16", out=tmp_path / "r", epochs=1, **FAST))
+    assert not (tmp_path / "r").exists()
 
 
 def test_data_of_another_version_is_refused(small_data, tmp_path):
