@@ -263,17 +263,20 @@ def make_pools(
     )
 
 
-def init_candidates(args: Args, query: Tensor, pool: Tensor) -> tuple[Tensor, list[str]]:
-    """Sequences decoded by a trained selector: greedy, beams, samples -> (Q, C, S) and their sources."""
+def init_candidates(args: Args, train: Tensor, anchors: Tensor, pool: Tensor) -> tuple[Tensor, list[str]]:
+    """Sequences decoded by a trained selector: greedy, beams, samples -> (Q, C, S) and their sources. The anchors
+    go a chunk at a time (their pools' embeddings are never gathered for all anchors at once); the samples of a
+    chunk are the next draws of one generator."""
     model = load_selector(args.init).eval()
-    mask = torch.ones(pool.shape[:2], dtype=torch.bool)
-    greedy, _ = model.greedy(query, pool, mask, args.seq_len)
-    beams, _ = model.beam_search(query, pool, mask, args.seq_len, args.init_beams)
-    samples, _ = model.sample(
-        query, pool, mask, args.seq_len, args.init_samples, rng(args.seed, 4), args.init_temperature
-    )
-    seqs = model.cfg.to_prompt(torch.cat([greedy[:, None], beams, samples], 1))  # (Q, C, S) prompt order
-    return seqs, ["greedy"] + ["beam"] * args.init_beams + ["sample"] * args.init_samples
+    gen, seqs = rng(args.seed, 4), []
+    for c in pools.pool_chunks(*pool.shape, train.shape[1]):
+        query, pool_emb = train[anchors[c]], train[pool[c]]  # (C, d), (C, K, d)
+        mask = torch.ones(pool_emb.shape[:2], dtype=torch.bool)
+        greedy, _ = model.greedy(query, pool_emb, mask, args.seq_len)
+        beams, _ = model.beam_search(query, pool_emb, mask, args.seq_len, args.init_beams)
+        samples, _ = model.sample(query, pool_emb, mask, args.seq_len, args.init_samples, gen, args.init_temperature)
+        seqs.append(model.cfg.to_prompt(torch.cat([greedy[:, None], beams, samples], 1)))  # (C, 1+B+N, S) prompt order
+    return torch.cat(seqs), ["greedy"] + ["beam"] * args.init_beams + ["sample"] * args.init_samples
 
 
 def anchor_groups(args: Args, items: dict, emb: dict, anchors: Tensor) -> tuple[Tensor, Tensor, list[list[str]]]:
@@ -283,9 +286,10 @@ def anchor_groups(args: Args, items: dict, emb: dict, anchors: Tensor) -> tuple[
     train = emb["train"]
     prefix, prefix_sources = None, None
     if args.init is not None:
-        prefix, prefix_sources = init_candidates(args, train[anchors], train[anchor_pools])
+        prefix, prefix_sources = init_candidates(args, train, anchors, anchor_pools)
+    ranking = pools.pool_ranking(train[anchors], train, anchor_pools)  # (Q, K)
     groups, sources = pools.candidate_groups(
-        train[anchors], train[anchor_pools], args.group_size, args.seq_len, rng(args.seed, 3), prefix, prefix_sources
+        ranking, args.group_size, args.seq_len, rng(args.seed, 3), prefix, prefix_sources
     )
     return anchor_pools, groups, sources
 

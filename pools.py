@@ -35,6 +35,8 @@ __all__ = [
     "random_sequences",
     "first_distinct",
     "similarity_ranking",
+    "pool_ranking",
+    "pool_chunks",
     "candidate_groups",
 ]
 
@@ -260,9 +262,22 @@ def similarity_ranking(query_emb: Tensor, pool_emb: Tensor, pool_mask: Tensor) -
     return cos.argsort(dim=1, descending=True, stable=True)  # (Q, K)
 
 
+def pool_chunks(num_queries: int, pool_size: int, dim: int) -> tuple[Tensor, ...]:
+    """Query indices in near-equal chunks whose (chunk, K, d) pool embeddings hold at most CHUNK_ELEMENTS floats:
+    whatever gathers a pool's embeddings does it a chunk at a time, never for all Q queries at once."""
+    n = max(1, min(num_queries, math.ceil(num_queries * pool_size * dim / CHUNK_ELEMENTS)))  # none empty
+    return torch.arange(num_queries).tensor_split(n)
+
+
+def pool_ranking(query_emb: Tensor, train_emb: Tensor, pool: Tensor) -> Tensor:
+    """`similarity_ranking` of each query's pool (Q, K) of train rows (-1 = padding) -> (Q, K) pool positions, most
+    similar first; computed by `pool_chunks`, each row as in one whole (Q, K, d) call."""
+    parts = pool_chunks(*pool.shape, train_emb.shape[1])
+    return torch.cat([similarity_ranking(query_emb[c], train_emb[pool[c].clamp_min(0)], pool[c] >= 0) for c in parts])
+
+
 def candidate_groups(
-    query_emb: Tensor,
-    pool_emb: Tensor,
+    ranking: Tensor,
     group_size: int,
     seq_len: int,
     generator: torch.Generator,
@@ -271,14 +286,12 @@ def candidate_groups(
 ) -> tuple[Tensor, list[list[str]]]:
     """The G distinct sequences scored per anchor query, in priority order, with their sources.
 
-    query_emb (Q, d), pool_emb (Q, K, d) (full pools); `prefix` (Q, C, S) are sequences that come first (e.g. a
-    trained selector's picks). Then one similarity-retrieval sequence (the S most similar, most similar last,
-    next to the query), then random sequences; duplicates are dropped and the first G kept.
-    Returns (Q, G, S) pool positions and per query the source of each sequence.
+    ranking (Q, K): each full pool's positions, most similar to the query first (`pool_ranking`); `prefix` (Q, C, S)
+    are sequences that come first (e.g. a trained selector's picks). Then one similarity-retrieval sequence (the S
+    most similar, most similar last, next to the query), then random sequences; duplicates are dropped and the first
+    G kept. Returns (Q, G, S) pool positions and per query the source of each sequence.
     """
-    Q, K, _ = pool_emb.shape
-    mask = torch.ones(Q, K, dtype=torch.bool)
-    ranking = similarity_ranking(query_emb, pool_emb, mask)  # (Q, K) most similar first
+    mask = torch.ones(ranking.shape, dtype=torch.bool)
     parts = [] if prefix is None else [prefix]
     sources = list(prefix_sources or [])
     parts += [ranking[:, None, :seq_len].flip(-1), random_sequences(mask, group_size, seq_len, generator)]

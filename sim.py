@@ -698,9 +698,8 @@ def calibrate(
 
     anchors = torch.randperm(len(train_img), generator=gen)[:num_anchors]  # (A,)
     anchor_pools = pools.query_pools("random", pool_size, {}, ids, "train", anchors, anchors, gen)  # (A, K)
-    group, _ = pools.candidate_groups(
-        sim.emb["train"][anchors], sim.emb["train"][anchor_pools], group_size, seq_len, gen
-    )
+    ranking = pools.pool_ranking(sim.emb["train"][anchors], sim.emb["train"], anchor_pools)  # (A, K)
+    group, _ = pools.candidate_groups(ranking, group_size, seq_len, gen)
     icds = anchor_pools.gather(1, group.flatten(1)).view(-1, seq_len)  # (A*G, S)
     res = sim.score("train", anchors.repeat_interleave(group_size), icds)
     reward = (res["correct"].float() + res["acc"]).view(-1, group_size)  # (A, G)

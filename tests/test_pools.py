@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import math
 import re
+from unittest.mock import patch
 
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import seeds
+from strategies import rng, seeds
 
 import pools
 
@@ -353,3 +354,24 @@ def test_query_pools_never_builds_a_queries_by_train_matrix(monkeypatch):
         seen.clear()
         got = pools.query_pools("mix", 5, emb, image_ids, "train", rows, rows, g, chunk)
         assert got.shape == (n_queries, 5) and sum(seen) == n_queries and max(seen) <= most, (chunk, seen)
+
+
+@given(
+    seed=seeds,
+    num_queries=st.integers(1, 40),
+    pool_len=st.integers(1, 12),
+    dim=st.integers(2, 16),
+    budget=st.integers(1, 2000),
+)
+def test_pool_ranking_in_chunks_equals_one_whole_call(seed, num_queries, pool_len, dim, budget):
+    """Any chunk budget gives the ranking of one (Q, K, d) call, padded positions last."""
+    g = rng(seed)
+    train = torch.randn(30, dim, generator=g).round(decimals=1)  # coarse values: exact ties happen
+    query = torch.randn(num_queries, dim, generator=g).round(decimals=1)
+    pool = torch.randint(-1, 30, (num_queries, pool_len), generator=g)
+    whole = pools.similarity_ranking(query, train[pool.clamp_min(0)], pool >= 0)
+    with patch.object(pools, "CHUNK_ELEMENTS", budget):
+        chunks = pools.pool_chunks(num_queries, pool_len, dim)
+        assert torch.equal(pools.pool_ranking(query, train, pool), whole)
+    assert torch.equal(torch.cat(chunks), torch.arange(num_queries))
+    assert len(chunks) == min(num_queries, -(-num_queries * pool_len * dim // budget))  # as large as the budget allows
