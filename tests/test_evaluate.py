@@ -5,10 +5,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 import data
 import evaluate
 import rce
+from checkpoints import load_selector
 from data import load_dataset
 from gen_rl_data import Args as GenArgs
 from gen_rl_data import generate
@@ -95,8 +97,9 @@ def test_selector_run_orders_epochs_and_train_split(small_data, tmp_path):
     assert all(r["row"] not in r["icds"] for r in train["results"])
 
 
-def interrupted_eval(monkeypatch, data, out, batch_size):
-    """A random-baseline evaluation killed while scoring its second chunk; returns its progress file."""
+def interrupted_eval(monkeypatch, data, out, batch_size, run=False):
+    """A random-baseline evaluation into `out` (with `run`: an evaluation of the run folder `out`) killed while
+    scoring its second chunk; returns its progress file."""
     real_open = evaluate.open_backend
 
     def dying_backend(*a, **kw):
@@ -114,7 +117,7 @@ def interrupted_eval(monkeypatch, data, out, batch_size):
 
     with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
         m.setattr(evaluate, "open_backend", dying_backend)
-        run_eval(data=data, baseline="random", out=out, batch_size=batch_size)
+        run_eval(data=data, batch_size=batch_size, **(dict(runs=[out]) if run else dict(baseline="random", out=out)))
     [partial] = (out / "eval").glob("*.partial.jsonl")
     return partial
 
@@ -225,6 +228,18 @@ def test_shots_beyond_the_selector_or_the_pools_are_refused_up_front(small_data,
             run_eval(data=small, baseline=b, out=tmp_path / b)
         assert not (tmp_path / b).exists()
     run_eval(data=small, baseline="zero-shot", out=tmp_path / "zero-shot")  # needs no pool
+
+
+def test_progress_left_by_other_weights_is_scored_again(small_data, run, tmp_path, monkeypatch):
+    r = copy_run(run, tmp_path / "r")
+    interrupted_eval(monkeypatch, small_data, r, 20, run=True)
+    torch.manual_seed(1)
+    PointerSelector(load_selector(r).cfg).save(r)  # other weights in the run (its training went on, say)
+    run_eval(data=small_data, runs=[r], batch_size=20)
+    fresh = copy_run(r, tmp_path / "fresh")
+    run_eval(data=small_data, runs=[fresh], batch_size=20)
+    resumed, anew = (json.loads((f / "eval" / "val.json").read_text()) for f in (r, fresh))
+    assert resumed["results"] == anew["results"] and resumed["selector_sha256"] == anew["selector_sha256"]
 
 
 def test_a_selector_of_other_embeddings_is_one_line_naming_its_model_json(small_data, tmp_path):
