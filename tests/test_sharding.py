@@ -7,6 +7,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
 from conftest import SMALL
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -112,6 +113,7 @@ runpy.run_path("grpo.py", run_name="__main__")
 """
 
 
+@pytest.mark.slow  # three trainings, two of them torchrun jobs
 def test_online_grpo_two_ranks_train_the_bytes_of_one_and_resume_after_a_kill(small_data, tmp_path):
     """Each rank scores its chunk of every batch of new sequences and all apply the same update: the run folder of 2
     ranks, killed and resumed, is the one-process run's, byte for byte, and no sequence is scored by both ranks."""
