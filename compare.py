@@ -787,7 +787,9 @@ def curve_section(runs: list[Run]) -> list[str]:
 def epoch_section(run: Run) -> list[str]:
     """Test accuracy of earlier epochs (evaluate.py --epochs), beside the selected model's."""
     docs = {f"epoch {e}": d for e, d in sorted(run.epoch_evals.items())}
-    if run.eval is not None:
+    if run.stale:
+        docs[f"evaluated ({evaluated_weights(run.eval)}, STALE)"] = run.eval
+    elif run.eval is not None:
         docs[f"selected (epoch {run.selected})" if run.selected is not None else "selected"] = run.eval
     n = min(max(map(int, d["summary"])) for d in docs.values())
     shots = sorted(set.intersection(*(set(d["shots"]) for d in docs.values())))

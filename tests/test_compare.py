@@ -490,7 +490,7 @@ def test_an_evaluation_of_weights_the_run_no_longer_holds_is_stale_and_says_how_
     rce.main(rce.Args(data=small_data, out=tmp_path / "rce", epochs=1, **fast))
     run = tmp_path / "grpo"
     grpo.main(grpo.Args(data=small_data, init=tmp_path / "rce", out=run, epochs=1, **fast))
-    evaluate.main(evaluate.Args(data=small_data, runs=[run], num_samples=[50]))
+    evaluate.main(evaluate.Args(data=small_data, runs=[run], num_samples=[50], epochs=[1]))
     doc = json.loads((run / "eval" / "val.json").read_text())
     weights = hashlib.sha256((run / "model.safetensors").read_bytes()).hexdigest()
     assert doc["selector_epoch"] == 1 and doc["selector_sha256"] == weights
@@ -503,6 +503,7 @@ def test_an_evaluation_of_weights_the_run_no_longer_holds_is_stale_and_says_how_
     assert cells(text, "| run | stage")[0][3] == "2 (evaluated: epoch 1, STALE)"
     refresh = f"python evaluate.py {run} --data {small_data} --shots 1 2 3 4 --num-samples 50"
     assert re.search(rf"\*\*Stale:\*\* grpo's evaluation is of epoch 1, .*now epoch 2.*`{re.escape(refresh)}`", text)
+    assert [r[0] for r in cells(text, "| epoch |")] == ["epoch 1", "evaluated (epoch 1, STALE)"]
 
     evaluate.main(evaluate.Args(data=small_data, runs=[run], num_samples=[50]))  # the refresh it names
     assert json.loads((run / "eval" / "val.json").read_text())["selector_epoch"] == 2
