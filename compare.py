@@ -5,8 +5,8 @@ delta to the reference run (the RCE run by default) and a significance mark, the
 every unfinished run and every stale evaluation (of weights the run no longer holds) marked. Then the trained runs
 (flags that differ, epochs trained, the selected epoch), paired deltas with 95% CIs against the reference and between
 trained runs, the share of the room to the simulator's ceilings, how often runs pick the same ICDs, and what moved
-during training. Tables and rows that say nothing
-(constant curves, pairs that never pick alike, baselines' share of a room they are below) are left out.
+during training. Tables and rows that say nothing (constant curves, pairs that never pick alike, baselines' share of
+a room they are below) are left out.
 
 One verdict rule, stated once in the report: a delta is significant only when its paired bootstrap 95% CI excludes 0
 and its exact sign-test p-value passes Holm's correction over the pair's cells (every shot and their average). Runs

@@ -255,7 +255,7 @@ def run_status(run: Path) -> str:
 @dataclass
 class Job:
     """One evaluation file to write: a run's model or epoch checkpoint (`selector`, loaded as `model`: the weights
-    of `epoch`, whose file has the SHA-256 `sha256`), or a baseline (all None)."""
+    of `epoch`, whose file has the SHA-256 `sha256`), or a baseline (no selector: those are None)."""
 
     target: Path
     selector: Path | None

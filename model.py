@@ -342,7 +342,9 @@ def _entropy(log_dist: Tensor, avail: Tensor) -> Tensor:
 # checked where they are read from files (data.py, evaluate.py's preflight), with one line naming file and field
 
 
-def check_shapes(query: Tensor, pool: Tensor, pool_mask: Tensor, seqs: Tensor | None = None, seq_mask=None) -> None:
+def check_shapes(
+    query: Tensor, pool: Tensor, pool_mask: Tensor, seqs: Tensor | None = None, seq_mask: Tensor | None = None
+) -> None:
     """Assert that a batch's tensors fit together: query (B, d), pool (B, K, d), bool pool_mask (B, K), and for
     teacher forcing long seqs (B, G, S) with bool seq_mask (B, G)."""
     B, d = query.shape[0], query.shape[-1]
