@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 import sharding
 from backends import ScoreCache, open_backend
-from checkpoints import load_checkpoint, load_selector, prune_checkpoints, save_checkpoint
+from checkpoints import check_width, load_checkpoint, load_selector, prune_checkpoints, save_checkpoint
 from cli import alias, default_is, help_first, run_cli
 from data import Dataset, RewardMode, compute_reward, load_dataset
 from files import read_tensors, save_tensors
@@ -347,11 +347,8 @@ def main(args: Args) -> None:
 
         # policy, frozen reference and optimizer
         policy = load_selector(args.init)
-        if policy.cfg.dim != ds.emb["train"].shape[1]:
-            raise ValueError(
-                f"--init {args.init}: selector expects {policy.cfg.dim}-d embeddings, the data has "
-                f"{ds.emb['train'].shape[1]}"
-            )
+        check_width(policy, args.init, ds.folder, ds.emb["train"].shape[1])
+        policy.cfg = replace(policy.cfg, picks=ds.seq_len)  # what it learns to pick from here on
         ref = copy.deepcopy(policy).eval().requires_grad_(False)
         if args.freeze_backbone:
             for p in policy.backbone_parameters():

@@ -333,15 +333,21 @@ def test_init_architecture_mismatch_names_tensor(small_data, tmp_path):
     (tmp_path / "small" / "model.json").write_text(json.dumps(cfg | {"hidden": 64}))
     with pytest.raises(ValueError, match=r"in_proj.weight: \(32, 512\) in file, \(64, 512\) in model"):
         grpo.main(grpo.Args(data=small_data, init=tmp_path / "small", out=tmp_path / "o", epochs=1, **FAST))
-    with pytest.raises(ValueError, match=r"d16.*16.*512"):
-        PointerSelector(SelectorConfig(dim=16, hidden=32, num_heads=2)).save(tmp_path / "d16")
-        grpo.main(grpo.Args(data=small_data, init=tmp_path / "d16", out=tmp_path / "o", epochs=1, **FAST))
-    # rce.py --init: the selector's settings file and field
-    with pytest.raises(
-        ValueError, match=rf"d16/model\.json: field 'dim' is 16, but the embeddings of {small_data} are 512"
-    ):
-        rce.main(rce.Args(data=small_data, init=tmp_path / "d16", out=tmp_path / "r", epochs=1, **FAST))
-    assert not (tmp_path / "r").exists()
+    # rce.py and grpo.py --init: the selector's settings file and field
+    PointerSelector(SelectorConfig(dim=16, hidden=32, num_heads=2)).save(tmp_path / "d16")
+    for stage in (rce, grpo):
+        with pytest.raises(
+            ValueError, match=rf"d16/model\.json: field 'dim' is 16, but the embeddings of {small_data} are 512"
+        ):
+            stage.main(stage.Args(data=small_data, init=tmp_path / "d16", out=tmp_path / "r", epochs=1, **FAST))
+        assert not (tmp_path / "r").exists()
+
+
+def test_grpo_selector_records_the_picks_of_its_data_not_of_its_init(small_data, tmp_path):
+    ds = load_dataset(small_data)
+    PointerSelector(SelectorConfig(dim=512, hidden=32, num_heads=2, picks=ds.seq_len + 3)).save(tmp_path / "init")
+    grpo.main(grpo.Args(data=small_data, init=tmp_path / "init", out=tmp_path / "o", epochs=1, **FAST))
+    assert json.loads((tmp_path / "o" / "model.json").read_text())["picks"] == ds.seq_len
 
 
 def test_data_of_another_version_is_refused(small_data, tmp_path):
