@@ -153,9 +153,7 @@ def baseline_icds(
         view = "image" if args.baseline == "image-sim" else "text"
         if f"{split}_{view}" not in ds.emb:
             raise ValueError(f"{ds.folder}: no '{split}_{view}' embeddings for --baseline {args.baseline}")
-        order = pools.similarity_ranking(
-            ds.emb[f"{split}_{view}"][rows], ds.emb[f"train_{view}"][pool.clamp_min(0)], pool >= 0
-        )[:, :k]
+        order = pools.pool_ranking(ds.emb[f"{split}_{view}"][rows], ds.emb[f"train_{view}"], pool)[:, :k]
     icds = pool.gather(1, order)
     return [icds[:, :s] for s in shots]
 

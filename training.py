@@ -29,7 +29,8 @@ from cli import PATH_ARGS, SIDE_ARGS, CpuArgs, alias
 from data import DEFAULT_DATA, Dataset, Quality, RewardArgs, compute_reward, data_digest, filter_queries
 from files import append_line, atomic_write_text, read_json, read_jsonl, sha256
 from locks import exclusive
-from model import PointerSelector, SelectorConfig, reward_spread
+from model import DECODE_CHUNK, PointerSelector, SelectorConfig, reward_spread, slices
+from pools import CHUNK_ELEMENTS
 from tracking import ReportTo, check_installed, open_tracker
 
 
@@ -179,10 +180,17 @@ def make_batch(ds: Dataset, idx: Tensor, reward: Tensor, cfg: SelectorConfig) ->
 @torch.no_grad()
 def greedy_icds(model: PointerSelector, ds: Dataset, split: str, rows: Tensor, pool: Tensor, k: int) -> Tensor:
     """The selector's greedy demonstrations for the questions `rows` (n,) of `split`, from their pools (n, K) of train
-    rows (-1 = padding): (n, k) train rows in pick order."""
-    emb = ds.emb
-    picks, _ = model.eval().greedy(emb[split][rows], emb["train"][pool.clamp_min(0)], pool >= 0, k)  # (n, k)
-    return pool.gather(1, picks)
+    rows (-1 = padding): (n, k) train rows in pick order.
+
+    The pools' embeddings are gathered for parts of whole decoder slices (DECODE_CHUNK rows, `model.slices`), never
+    for all n questions at once, and every question is decoded in the slice one whole call would put it in."""
+    emb, (n, K) = ds.emb, pool.shape
+    part = DECODE_CHUNK * max(1, CHUNK_ELEMENTS // (DECODE_CHUNK * K * emb["train"].shape[1]))
+    picks = []
+    for s in slices(n, part):
+        query, pool_emb = emb[split][rows[s]], emb["train"][pool[s].clamp_min(0)]  # (P, d), (P, K, d)
+        picks.append(model.eval().greedy(query, pool_emb, pool[s] >= 0, k)[0])  # (P, k)
+    return pool.gather(1, torch.cat(picks))
 
 
 @torch.no_grad()

@@ -8,11 +8,13 @@ import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
+from unittest.mock import patch
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import grpo
@@ -682,3 +684,23 @@ def test_a_damaged_last_checkpoint_falls_back_to_the_one_before(small_data, rce_
         path.write_bytes(b"")
     with pytest.raises(ValueError, match=r"every epoch checkpoint of .* is damaged"):
         rce.main(rce.Args(data=small_data, out=out, epochs=3, **FAST))
+
+
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 300), budget=st.integers(1, 2**16))
+@settings(max_examples=15)
+def test_greedy_icds_in_parts_equal_one_whole_call(seed, n, budget):
+    """However few pool embeddings a part may hold, each question is decoded in the slice of one whole call."""
+    g = torch.Generator().manual_seed(seed)
+    model = PointerSelector(SelectorConfig(dim=8, hidden=16, num_heads=2))
+    ds = SimpleNamespace(emb={"train": torch.randn(40, 8, generator=g), "val": torch.randn(n, 8, generator=g)})
+    pool = torch.randint(-1, 40, (n, 6), generator=g)
+    pool[:, :3] = torch.randint(0, 40, (n, 3), generator=g)  # at least as many candidates as picks
+    rows = torch.randperm(n, generator=g)
+    sizes, decode = [], model._decode
+    model._decode = lambda query, *a: sizes.append(len(query)) or decode(query, *a)  # the decoder's slice sizes
+    with torch.no_grad():
+        whole, _ = model.eval().greedy(ds.emb["val"][rows], ds.emb["train"][pool.clamp_min(0)], pool >= 0, 3)
+    whole_sizes, sizes[:] = sizes[:], []
+    with patch.object(training, "CHUNK_ELEMENTS", budget):
+        assert torch.equal(training.greedy_icds(model, ds, "val", rows, pool, 3), pool.gather(1, whole))
+    assert sizes == whole_sizes  # BLAS may round a slice of other rows otherwise: same slices, same bits
