@@ -756,8 +756,9 @@ def moves(values: list[float]) -> bool:
     return max(values) - min(values) > max(1e-6, 0.01 * max(map(abs, values)))
 
 
-def fmt(x: float) -> str:
-    return f"{x:.4g}"
+def fmt(x: float, sign: str = "") -> str:
+    """Four significant digits; a whole number (a count such as LVLM calls) in full, with thousands separators."""
+    return f"{x:{sign},.0f}" if float(x).is_integer() and abs(x) >= 1e4 else f"{x:{sign}.4g}"
 
 
 def curve_section(runs: list[Run]) -> list[str]:
@@ -773,7 +774,7 @@ def curve_section(runs: list[Run]) -> list[str]:
             sel = f"{fmt(pts[r.selected])} (epoch {r.selected})" if r.selected in pts else "-"
             start = fmt(first[1]) if first[0] == 0 else f"{fmt(first[1])} (epoch {first[0]})"
             end = fmt(last[1]) + (f" (epoch {last[0]}, UNFINISHED)" if r.unfinished else "")
-            rows.append([label, r.name, start, sel, end, f"{last[1] - first[1]:+.4g}"])
+            rows.append([label, r.name, start, sel, end, fmt(last[1] - first[1], "+")])
     if not rows:
         return []
     header = ["metric", "run", "start (epoch 0)", "selected epoch", "last epoch", "change, last - start"]

@@ -508,3 +508,16 @@ def test_an_evaluation_of_weights_the_run_no_longer_holds_is_stale_and_says_how_
     evaluate.main(evaluate.Args(data=small_data, runs=[run], num_samples=[50]))  # the refresh it names
     assert json.loads((run / "eval" / "val.json").read_text())["selector_epoch"] == 2
     assert "STALE" not in report(Args(runs=[run], bootstrap=100))
+
+
+def test_training_table_numbers_read_as_numbers():
+    """Counts in full (LVLM calls: 349,369, not 3.494e+05); everything else to four significant digits."""
+    from compare import fmt
+
+    assert [fmt(349369.0), fmt(349369.0, "+"), fmt(992.0), fmt(0.01234567), fmt(-1.1714, "+")] == [
+        "349,369",
+        "+349,369",
+        "992",
+        "0.01235",
+        "-1.171",
+    ]
