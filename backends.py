@@ -148,7 +148,7 @@ def lvlm_backend(model: str, items: dict[str, list[dict]], opts: LVLMOptions):
     )
     # The fast path against plain transformers on a few prompts of this data, before any long run (raises if off).
     backend.check = None if opts.skip_self_check else backend.self_check()
-    if backend.check is not None:
+    if backend.check is not None and sharding.rank_world()[0] == 0:  # one line per job, not per torchrun rank
         c = backend.check
         print(
             f"self-check of {model}: {c['prompts']} prompts, {c['answers_differ']} answers differ from plain "

@@ -315,6 +315,10 @@ def main(args: Args) -> None:
     split = split_queries(ds, args)
     S = ds.seq_len
     steps = steps_per_epoch(split, args.batch_size)
+    # Under torchrun every rank trains the same policy on the same batches and scores its chunk of each batch's new
+    # sequences (backends.ScoreCache); rank 0 alone writes the run folder, the log and the terminal.
+    rank, world = sharding.init()
+    lead = rank == 0
     backend = validation_backend(ds, args)  # answers the validation anchors' greedy picks, where it can
     metric = selection_metric(backend)
     cap = None if ds.is_sim else args.val_max_queries
@@ -329,10 +333,6 @@ def main(args: Args) -> None:
     image_ids = {"train": torch.tensor([it["image_id"] for it in ds.items["train"]])}
     eligible = (~torch.isin(image_ids["train"], image_ids["train"][ds.groups.queries[split.val]])).nonzero()[:, 0]
 
-    # Under torchrun every rank trains the same policy on the same batches and scores its chunk of each batch's new
-    # sequences (backends.ScoreCache); rank 0 alone writes the run folder, the log and the terminal.
-    rank, world = sharding.init()
-    lead = rank == 0
     with run_folder(out) if lead else contextlib.nullcontext():
         resume_from = prepare_out(out, args, ds) if lead else None
         resume_from = sharding.from_rank0(resume_from, world)  # the last checkpoint of this run, if it continues
