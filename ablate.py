@@ -90,6 +90,12 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
         {"online": True, "lvlm_budget": 35000, "init": "offline"},
         "online, budget 35k",
     ),
+    "online, replay 4 steps": ("grpo", {"online": True, "replay_steps": 4}, "online"),
+    "online, budget 35k, replay 2 steps": (
+        "grpo",
+        {"online": True, "lvlm_budget": 35000, "replay_steps": 2},
+        "online, budget 35k",
+    ),
     "online, budget 35k, replay 4 steps": (
         "grpo",
         {"online": True, "lvlm_budget": 35000, "replay_steps": 4},
@@ -99,6 +105,11 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
         "grpo",
         {"online": True, "lvlm_budget": 35000, "replay_steps": 8},
         "online, budget 35k",
+    ),
+    "online, budget 35k, replay 4 steps, lr 2e-3": (
+        "grpo",
+        {"online": True, "lvlm_budget": 35000, "replay_steps": 4, "lr": 2e-3},
+        "online, budget 35k, replay 4 steps",
     ),
 }
 BASELINES = ("image-sim", "oracle", "observable")
