@@ -111,6 +111,11 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
         {"online": True, "lvlm_budget": 35000, "replay_steps": 4, "lr": 2e-3},
         "online, budget 35k, replay 4 steps",
     ),
+    "online, budget 35k, replay 4 steps, groups of 8 x 64 queries": (
+        "grpo",
+        {"online": True, "lvlm_budget": 35000, "replay_steps": 4, "group_size": 8, "batch_size": 64},
+        "online, budget 35k, replay 4 steps",
+    ),
 }
 BASELINES = ("image-sim", "oracle", "observable")
 
