@@ -90,6 +90,32 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
         {"online": True, "lvlm_budget": 35000, "init": "offline"},
         "online, budget 35k",
     ),
+    "online, replay 4 steps": ("grpo", {"online": True, "replay_steps": 4}, "online"),
+    "online, budget 35k, replay 2 steps": (
+        "grpo",
+        {"online": True, "lvlm_budget": 35000, "replay_steps": 2},
+        "online, budget 35k",
+    ),
+    "online, budget 35k, replay 4 steps": (
+        "grpo",
+        {"online": True, "lvlm_budget": 35000, "replay_steps": 4},
+        "online, budget 35k",
+    ),
+    "online, budget 35k, replay 8 steps": (
+        "grpo",
+        {"online": True, "lvlm_budget": 35000, "replay_steps": 8},
+        "online, budget 35k",
+    ),
+    "online, budget 35k, replay 4 steps, lr 2e-3": (
+        "grpo",
+        {"online": True, "lvlm_budget": 35000, "replay_steps": 4, "lr": 2e-3},
+        "online, budget 35k, replay 4 steps",
+    ),
+    "online, budget 35k, replay 4 steps, groups of 8 x 64 queries": (
+        "grpo",
+        {"online": True, "lvlm_budget": 35000, "replay_steps": 4, "group_size": 8, "batch_size": 64},
+        "online, budget 35k, replay 4 steps",
+    ),
 }
 BASELINES = ("image-sim", "oracle", "observable")
 
@@ -136,6 +162,7 @@ def build(args: Args, seed: int, names: list[str]) -> None:
             then = read_args(run / "config.json")
             now = flag_values(run_args)
             planned = ("epochs",) if now.get("lvlm_budget") and now["epochs"] is None else ()  # grpo plans them
+            then = flag_values(type(run_args)()) | then  # a run from before a flag existed was made with its default
             if diff := sorted(k for k in now if k not in ("out", *SIDE_ARGS, *planned) and now[k] != then.get(k)):
                 raise ValueError(f"{run} was made with other flags ({', '.join(diff)}): delete it to rebuild it")
         if (run / "eval" / "val.json").is_file():

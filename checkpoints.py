@@ -52,8 +52,10 @@ def save_checkpoint(
     opt: torch.optim.Optimizer,
     rngs: dict[str, torch.Generator],
     loop: dict,
+    extra: dict[str, Tensor] | None = None,
 ) -> None:
-    """ckpt/epoch_NNN.safetensors: model, optimizer and RNG states, plus loop state (best so far, step, beta...).
+    """ckpt/epoch_NNN.safetensors: model, optimizer and RNG states, plus loop state (best so far, step, beta...) and
+    the trainer's `extra` tensors (stored as "extra.<name>").
 
     All metadata sits in one JSON string: safetensors writes metadata keys in no fixed order, and a resumed run must
     write byte-identical files.
@@ -63,6 +65,7 @@ def save_checkpoint(
     tensors.update(opt_tensors)
     tensors["rng.torch"] = torch.get_rng_state()
     tensors.update({f"rng.{name}": g.get_state() for name, g in rngs.items()})
+    tensors.update({f"extra.{name}": v for name, v in (extra or {}).items()})
     (out / "ckpt").mkdir(exist_ok=True)
     meta = {"epoch": epoch, "optimizer": opt_meta, "loop": loop, "config": asdict(model.cfg)}
     save_tensors(out / "ckpt" / f"epoch_{epoch:03d}.safetensors", tensors, {"checkpoint": json.dumps(meta)})

@@ -125,6 +125,10 @@ class Args(TrainArgs):
     """Online: sequences the LVLM may score in the whole run, training and validation, counted after the score
     cache. The steps, the learning-rate schedule and the epochs are planned from it at the start (each step and each
     validation counted at its most calls), and the last step is cut to the calls left."""
+    replay_steps: int = 0
+    """Online: also update, each step, on the groups of the last N steps, PPO-clipped against the log-prob each was
+    sampled with, so every scored sequence teaches more than one step where LVLM calls are what is scarce (0 = off:
+    each group is used once, as it is scored)."""
 
     def fixed_length_reason(self) -> str | None:
         if self.lvlm_budget is not None:
@@ -160,6 +164,7 @@ def default_out(args: Args) -> Path:
         f"t{args.temperature:g}": args.online and args.temperature != 1.0,
         f"g{args.group_size}": args.online and args.group_size != 16,
         f"budget{args.lvlm_budget}": args.lvlm_budget is not None,
+        f"replay{args.replay_steps}": args.online and args.replay_steps > 0,
         f"seed{args.seed}": args.seed != 0,
         f"from-{init_tag(args.init)}": Path(args.init) != Args.init,  # never the --init folder itself
     }
@@ -175,6 +180,8 @@ def init_tag(init: Path) -> str:
 def check_args(args: Args) -> None:
     if args.lvlm_budget is not None and (not args.online or args.lvlm_budget < 1):
         raise ValueError(f"--lvlm-budget needs --online and must be >= 1, got {args.lvlm_budget}")
+    if args.replay_steps < 0 or (args.replay_steps and not args.online):
+        raise ValueError(f"--replay-steps needs --online and must be >= 0, got {args.replay_steps}")
     check_train_args(args)
     numbers = {"--kl-beta": args.kl_beta, "--kl-target": args.kl_target, "--epsilon": args.epsilon}
     numbers |= {"--epsilon-high": args.epsilon_high, "--temperature": args.temperature}
@@ -294,6 +301,44 @@ def sample_and_score(
     return Batch(query, pool_emb, pool_mask, seqs, ok, reward)
 
 
+def with_replay(ds: Dataset, b: Batch, adv: Tensor, buffer: list[dict[str, Tensor]]) -> tuple[Batch, Tensor, Tensor]:
+    """The fresh batch followed by the buffer's groups, for one update: the batch (B', G, S), the advantages (B', G),
+    each replayed group's as computed when it was scored, and the replayed groups' sampling log-probs (B' - B, G).
+    The batch's rewards stay the fresh ones: replayed groups enter the loss only through their advantages."""
+    emb = ds.emb["train"]
+    parts = [(b.query, b.pool, b.pool_mask, b.seqs, b.seq_mask, adv)]
+    for e in buffer:
+        parts.append((emb[e["rows"]], emb[e["pool"].clamp_min(0)], e["pool"] >= 0, e["seqs"], e["mask"], e["adv"]))
+    query, pool, pool_mask, seqs, mask, advs = (torch.cat(x) for x in zip(*parts))
+    sampled = torch.cat([e["logp"] for e in buffer]) if buffer else adv.new_zeros(0, adv.shape[1])
+    return Batch(query, pool, pool_mask, seqs, mask, b.reward), advs, sampled
+
+
+def replay_old(logp: Tensor, sampled: Tensor) -> Tensor:
+    """What the PPO ratio of each sequence is taken against, (B', G), for a batch whose last len(sampled) groups are
+    replayed: logp (B', G) the current policy's, sampled (R, G) the replayed groups' sampling log-probs. A fresh group
+    was sampled by the current policy: its ratio starts at exactly 1. A replayed one is the importance ratio to the
+    policy that sampled it, clipped as PPO clips it: once the policy has moved past the clip, an old group stops
+    pushing it further."""
+    now = logp.detach()
+    return torch.cat([now[: len(now) - len(sampled)], sampled])
+
+
+def replay_tensors(buffer: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """The replay buffer as named tensors, for the epoch checkpoint."""
+    return {f"replay.{i}.{k}": v.contiguous() for i, e in enumerate(buffer) for k, v in e.items()}
+
+
+def replay_buffer(tensors: dict[str, Tensor]) -> list[dict[str, Tensor]]:
+    """replay_tensors' inverse, from a checkpoint's "extra." tensors (none: an empty buffer)."""
+    buffer: dict[int, dict[str, Tensor]] = {}
+    for name, v in tensors.items():
+        if name.startswith("extra.replay."):
+            i, k = name.removeprefix("extra.replay.").split(".")
+            buffer.setdefault(int(i), {})[k] = v
+    return [buffer[i] for i in sorted(buffer)]
+
+
 def val_greedy(model: PointerSelector, ds: Dataset, split: Split) -> Tensor:
     """The greedy demonstrations of the validation anchors, (V, S) train rows."""
     g = ds.groups
@@ -366,8 +411,10 @@ def main(args: Args) -> None:
         draws = torch.Generator().manual_seed(args.seed + 3)
         rngs = {"shuffle": torch.Generator().manual_seed(args.seed + 1), "sampler": sampler, "queries": draws}
         loop = new_loop({"beta": args.kl_beta})  # beta moves only with --kl-target
+        buffer: list[dict[str, Tensor]] = []  # --replay-steps: the last steps' groups, oldest first
         if resume_from is not None:
             loop = load_checkpoint(resume_from, policy, opt, rngs)
+            buffer = replay_buffer(read_tensors(resume_from))
             if lvlm is not None and "lvlm_calls" in loop["state"]:  # the scores made until that checkpoint
                 lvlm.restore(read_tensors(out / "scores.safetensors"), loop["state"]["lvlm_calls"])
         elif lead:
@@ -404,33 +451,37 @@ def main(args: Args) -> None:
                     policy.eval()  # sampling and every log-prob (new, old, reference) without dropout
                     if not args.online:
                         b = make_batch(ds, idx, split.reward, policy.cfg)
-                    elif args.queries == "anchors":
-                        b = sample_and_score(
-                            policy, scorer, ds, ds.groups.queries[idx], ds.groups.pools[idx], args, sampler
-                        )
-                    else:  # as many questions as the batch has anchors, with replacement, each with a fresh pool
-                        rows = eligible[torch.randint(len(eligible), (len(idx),), generator=draws)]  # (B,)
-                        K = ds.groups.pools.shape[1]
-                        pool = query_pools(ds.meta["sampler"], K, ds.emb, image_ids, "train", rows, rows, draws)
+                    else:
+                        if args.queries == "anchors":
+                            rows, pool = ds.groups.queries[idx], ds.groups.pools[idx]  # (B,), (B, K)
+                        else:  # as many questions as the batch has anchors, with replacement, each with a fresh pool
+                            rows = eligible[torch.randint(len(eligible), (len(idx),), generator=draws)]  # (B,)
+                            K = ds.groups.pools.shape[1]
+                            pool = query_pools(ds.meta["sampler"], K, ds.emb, image_ids, "train", rows, rows, draws)
                         b = sample_and_score(policy, scorer, ds, rows, pool, args, sampler)
                     m = b.seq_mask  # (B, G)
                     adv = group_advantages(b.reward, m, args.scale_rewards, args.rank_advantage).float()  # (B, G)
-                    step_mask = m[..., None].expand(-1, -1, S)  # (B, G, S)
+                    t, t_adv, sampled = b, adv, None  # what this step updates on: the fresh groups ...
+                    if args.replay_steps:  # ... and the buffer's
+                        t, t_adv, sampled = with_replay(ds, b, adv, buffer)
+                    tm = t.seq_mask  # (B', G)
+                    step_mask = tm[..., None].expand(-1, -1, S)  # (B', G, S)
                     if ref_cache is not None:
                         ref_dist = ref_cache[idx]  # (B, G, S, K)
                     else:
                         with torch.no_grad():
-                            ref_dist = ref(b.query, b.pool, b.pool_mask, b.seqs, m, True, temp).log_dist
+                            ref_dist = ref(t.query, t.pool, t.pool_mask, t.seqs, tm, True, temp).log_dist
 
                     # --num-iterations updates against the policy as it was before this batch
                     beta = loop["state"]["beta"]
                     old, extra = None, {}
                     for _ in range(args.num_iterations):
-                        cur = policy(b.query, b.pool, b.pool_mask, b.seqs, m, True, temp)
-                        logp = cur.logp.sum(-1)  # (B, G)
-                        old = logp.detach() if old is None else old
-                        ppo, st = ppo_clip_loss(logp, old, adv, m, args.epsilon, args.epsilon_high)
-                        kl = exact_kl(cur.log_dist, ref_dist, step_mask)[m].mean()
+                        cur = policy(t.query, t.pool, t.pool_mask, t.seqs, tm, True, temp)
+                        logp = cur.logp.sum(-1)  # (B', G)
+                        if old is None:  # a replayed group's ratio is to the policy that sampled it
+                            old = logp.detach() if sampled is None else replay_old(logp, sampled)
+                        ppo, st = ppo_clip_loss(logp, old, t_adv, tm, args.epsilon, args.epsilon_high)
+                        kl = exact_kl(cur.log_dist, ref_dist, step_mask)[tm].mean()
                         loss = ppo + beta * kl
                         opt.zero_grad(set_to_none=True)
                         if last_of_epoch:  # once per epoch, where the policy has left the reference
@@ -442,13 +493,16 @@ def main(args: Args) -> None:
                     if last_of_epoch:  # how far one batch's updates moved the policy, KL(old || new)
                         with torch.no_grad():
                             new = policy(b.query, b.pool, b.pool_mask, b.seqs, m, temperature=temp).logp.sum(-1)
-                        extra["grpo/approx_kl_old"] = k3_kl(old, new, m).item()
+                        extra["grpo/approx_kl_old"] = k3_kl(old[: len(m)], new, m).item()
                     if args.kl_target is not None:  # adaptive beta, only on request
                         if kl.item() > 1.5 * args.kl_target:
                             loop["state"]["beta"] = beta * 1.5
                         elif kl.item() < args.kl_target / 1.5:
                             loop["state"]["beta"] = beta / 1.5
 
+                    if args.replay_steps:  # the fresh groups with the log-probs they were sampled with
+                        fresh = {"rows": rows, "pool": pool, "seqs": b.seqs, "mask": m, "adv": adv}
+                        buffer = [*buffer, {**fresh, "logp": old[: len(m)]}][-args.replay_steps :]
                     loop["step"] += 1
                     r = b.reward[m]
                     metrics = {
@@ -498,7 +552,7 @@ def main(args: Args) -> None:
                     log.write(record)  # before the checkpoint: a resume from epoch - 1 drops this line again
                     if lvlm is not None:  # before the checkpoint, which names how many of these scores are its own
                         save_tensors(out / "scores.safetensors", lvlm.state())
-                    save_checkpoint(out, epoch, policy, opt, rngs, loop)
+                    save_checkpoint(out, epoch, policy, opt, rngs, loop, replay_tensors(buffer))
                     prune_checkpoints(out, args.keep_every, loop["best_epoch"])
                     summary = log_line(record, (*SHOWN, "val/reward", "val/acc"))
                     warned = "".join(f"\n  warning: {w}" for w in warnings)

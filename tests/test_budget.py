@@ -167,3 +167,58 @@ def test_score_cache_restores_any_earlier_state_from_a_later_one(requests, data)
     for key in then:  # a restored score is never asked again
         again.score(key[0], torch.tensor([key[1]]), torch.tensor([key[2]]))
     assert again.backend.asked == 0
+
+
+def test_replay_keeps_fresh_ratios_at_one_and_clips_replayed_groups_against_their_sampler():
+    import torch
+
+    logp = torch.tensor([[-1.0, -2.0], [-3.0, -4.0], [-5.0, -6.0]])  # (B', G): one fresh group, two replayed
+    sampled = torch.tensor([[-3.5, -4.0], [-4.0, -8.0]])  # (R, G)
+    old = grpo.replay_old(logp, sampled)
+    assert torch.equal(old[0], logp[0]) and torch.equal(old[1:], sampled)
+
+
+def test_replay_buffer_holds_the_last_steps_with_their_sampling_log_probs_and_resumes_identically(
+    small_data, init, tmp_path, monkeypatch
+):
+    import torch
+
+    from checkpoints import load_selector
+    from files import read_tensors
+
+    common = dict(data=small_data, init=init, epochs=3, replay_steps=3, temperature=0.7, **FAST)
+    full, part = tmp_path / "full", tmp_path / "part"
+    grpo.main(grpo.Args(out=full, **common))
+    # an epoch is 5 steps of 8 queries, the last of 4: its checkpoint holds the last 3 steps' groups of 6 sequences
+    buffer = grpo.replay_buffer(read_tensors(full / "ckpt" / "epoch_001.safetensors"))
+    assert [e["logp"].shape for e in buffer] == [(8, 6), (8, 6), (4, 6)]
+    assert all(e["seqs"].shape[:2] == e["mask"].shape == e["adv"].shape == e["logp"].shape for e in buffer)
+    # with room for the whole first epoch, the oldest group is the first step's, sampled by the --init policy: its
+    # stored log-prob is that policy's at --temperature
+    one = tmp_path / "one"
+    grpo.main(grpo.Args(out=one, **{**common, "epochs": 1, "replay_steps": 5}))
+    first = grpo.replay_buffer(read_tensors(one / "ckpt" / "epoch_001.safetensors"))[0]
+    emb = grpo.load_dataset(small_data).emb["train"]
+    seqs = (emb[first["rows"]], emb[first["pool"].clamp_min(0)], first["pool"] >= 0, first["seqs"], first["mask"])
+    with torch.no_grad():
+        policy = load_selector(init).eval()
+        at_temp, plain = (policy(*seqs, temperature=t).logp.sum(-1) for t in (0.7, 1.0))
+    assert torch.allclose(first["logp"], at_temp, atol=1e-6) and not torch.allclose(first["logp"], plain, atol=1e-3)
+
+    def save_then_die(out, e, *a):
+        save_checkpoint(out, e, *a)
+        if e == 2:
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
+        m.setattr(grpo, "save_checkpoint", save_then_die)
+        grpo.main(grpo.Args(out=part, **common))
+    grpo.main(grpo.Args(out=part, **common))
+    for name in ("model.safetensors", "metrics.jsonl", "scores.safetensors", "ckpt/epoch_003.safetensors"):
+        assert (part / name).read_bytes() == (full / name).read_bytes(), name
+
+
+def test_replay_needs_online(small_data, init, tmp_path):
+    with pytest.raises(ValueError, match="--replay-steps needs --online"):
+        grpo.main(grpo.Args(data=small_data, init=init, out=tmp_path / "r", replay_steps=2))
+    assert not (tmp_path / "r").exists()
