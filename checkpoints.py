@@ -140,8 +140,8 @@ def load_model_part(model: PointerSelector, tensors: dict[str, Tensor], path: Pa
 
 def load_checkpoint(
     path: Path, model: PointerSelector, opt: torch.optim.Optimizer | None, rngs: dict[str, torch.Generator]
-) -> dict:
-    """Restore everything save_checkpoint wrote; returns the loop state."""
+) -> tuple[dict, dict[str, Tensor]]:
+    """Restore everything save_checkpoint wrote; returns the loop state and the trainer's `extra` tensors."""
     tensors, meta = read_tensors(path), checkpoint_meta(path)
     load_model_part(model, tensors, path)
     if opt is not None:
@@ -149,7 +149,7 @@ def load_checkpoint(
     torch.set_rng_state(tensors["rng.torch"])
     for name, g in rngs.items():
         g.set_state(tensors[f"rng.{name}"])
-    return meta["loop"]
+    return meta["loop"], {k.removeprefix("extra."): v for k, v in tensors.items() if k.startswith("extra.")}
 
 
 def load_selector(source: Path) -> PointerSelector:

@@ -330,11 +330,11 @@ def replay_tensors(buffer: list[dict[str, Tensor]]) -> dict[str, Tensor]:
 
 
 def replay_buffer(tensors: dict[str, Tensor]) -> list[dict[str, Tensor]]:
-    """replay_tensors' inverse, from a checkpoint's "extra." tensors (none: an empty buffer)."""
+    """replay_tensors' inverse, from a checkpoint's extra tensors (none: an empty buffer)."""
     buffer: dict[int, dict[str, Tensor]] = {}
     for name, v in tensors.items():
-        if name.startswith("extra.replay."):
-            i, k = name.removeprefix("extra.replay.").split(".")
+        if name.startswith("replay."):
+            i, k = name.removeprefix("replay.").split(".")
             buffer.setdefault(int(i), {})[k] = v
     return [buffer[i] for i in sorted(buffer)]
 
@@ -413,8 +413,8 @@ def main(args: Args) -> None:
         loop = new_loop({"beta": args.kl_beta})  # beta moves only with --kl-target
         buffer: list[dict[str, Tensor]] = []  # --replay-steps: the last steps' groups, oldest first
         if resume_from is not None:
-            loop = load_checkpoint(resume_from, policy, opt, rngs)
-            buffer = replay_buffer(read_tensors(resume_from))
+            loop, extra = load_checkpoint(resume_from, policy, opt, rngs)
+            buffer = replay_buffer(extra)
             if lvlm is not None and "lvlm_calls" in loop["state"]:  # the scores made until that checkpoint
                 lvlm.restore(read_tensors(out / "scores.safetensors"), loop["state"]["lvlm_calls"])
         elif lead:

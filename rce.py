@@ -120,7 +120,7 @@ def main(args: Args) -> None:
         rngs = {"shuffle": torch.Generator().manual_seed(args.seed + 1)}
         loop = new_loop()
         if resume_from is not None:
-            loop = load_checkpoint(resume_from, model, opt, rngs)
+            loop, _ = load_checkpoint(resume_from, model, opt, rngs)
         else:
             write_config(out, args, ds, split)
 

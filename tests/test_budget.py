@@ -186,18 +186,21 @@ def test_replay_buffer_holds_the_last_steps_with_their_sampling_log_probs_and_re
     from checkpoints import load_selector
     from files import read_tensors
 
+    def stored_buffer(ckpt):  # the checkpoint's extra tensors, as load_checkpoint hands them over
+        return grpo.replay_buffer({k.removeprefix("extra."): v for k, v in read_tensors(ckpt).items()})
+
     common = dict(data=small_data, init=init, epochs=3, replay_steps=3, temperature=0.7, **FAST)
     full, part = tmp_path / "full", tmp_path / "part"
     grpo.main(grpo.Args(out=full, **common))
     # an epoch is 5 steps of 8 queries, the last of 4: its checkpoint holds the last 3 steps' groups of 6 sequences
-    buffer = grpo.replay_buffer(read_tensors(full / "ckpt" / "epoch_001.safetensors"))
+    buffer = stored_buffer(full / "ckpt" / "epoch_001.safetensors")
     assert [e["logp"].shape for e in buffer] == [(8, 6), (8, 6), (4, 6)]
     assert all(e["seqs"].shape[:2] == e["mask"].shape == e["adv"].shape == e["logp"].shape for e in buffer)
     # with room for the whole first epoch, the oldest group is the first step's, sampled by the --init policy: its
     # stored log-prob is that policy's at --temperature
     one = tmp_path / "one"
     grpo.main(grpo.Args(out=one, **{**common, "epochs": 1, "replay_steps": 5}))
-    first = grpo.replay_buffer(read_tensors(one / "ckpt" / "epoch_001.safetensors"))[0]
+    first = stored_buffer(one / "ckpt" / "epoch_001.safetensors")[0]
     emb = grpo.load_dataset(small_data).emb["train"]
     seqs = (emb[first["rows"]], emb[first["pool"].clamp_min(0)], first["pool"] >= 0, first["seqs"], first["mask"])
     with torch.no_grad():
