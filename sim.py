@@ -684,7 +684,7 @@ def calibrate(
     )  # (V, K)
     full = torch.ones_like(val_pools, dtype=torch.bool)  # (V, K)
     rand_seq = val_pools.gather(1, pools.random_sequences(full, 1, seq_len, gen)[:, 0])  # (V, S)
-    ranking = pools.similarity_ranking(sim.emb["val"], sim.emb["train"][val_pools], full)  # (V, K)
+    ranking = pools.pool_ranking(sim.emb["val"], sim.emb["train"], val_pools)  # (V, K)
     similar = val_pools.gather(1, ranking[:, :seq_len])  # (V, S) most similar first
 
     def pct(icds: Tensor) -> float:
