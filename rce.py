@@ -28,6 +28,7 @@ from torch import Tensor
 from checkpoints import check_width, load_checkpoint, load_selector, prune_checkpoints, save_checkpoint
 from cli import alias, help_first, run_cli
 from data import Quality, load_dataset
+from files import read_tensors, save_tensors
 from model import PointerSelector, SelectorConfig, rce_weights
 from training import (
     EpochMeans,
@@ -118,15 +119,18 @@ def main(args: Args) -> None:
 
         # resume
         rngs = {"shuffle": torch.Generator().manual_seed(args.seed + 1)}
-        loop = new_loop()
+        loop = new_loop({"lvlm_calls": 0})
         if resume_from is not None:
             loop, _ = load_checkpoint(resume_from, model, opt, rngs)
+            if backend is not None and "lvlm_calls" in loop["state"]:  # its scores: never paid or counted twice
+                backend.restore(read_tensors(out / "scores.safetensors"), loop["state"]["lvlm_calls"])
         else:
             write_config(out, args, ds, split)
 
         with contextlib.closing(open_log(out, args, loop, resume_from is not None)) as log:
             if resume_from is None:  # epoch 0 = the initial selector, the start of every curve
-                log.write({"phase": "rce", "epoch": 0, "step": 0, **validate(model, ds, split, backend, cap)})
+                record = {"phase": "rce", "epoch": 0, "step": 0, **validate(model, ds, split, backend, cap)}
+                log.write(record | ({"lvlm/calls": backend.calls} if backend else {}))
             for epoch in range(loop["epoch"] + 1, args.epochs + 1):
                 order = split.train[torch.randperm(len(split.train), generator=rngs["shuffle"])]
                 means = EpochMeans()
@@ -159,12 +163,16 @@ def main(args: Args) -> None:
                 # validation, best and checkpoint
                 record = {"phase": "rce", "epoch": epoch, "step": loop["step"], **means.result()}
                 record.update(validate(model, ds, split, backend, cap))
+                if backend is not None:  # cumulative over the run, as grpo logs it
+                    record["lvlm/calls"] = loop["state"]["lvlm_calls"] = backend.calls
                 if record[metric] > loop["best"]:  # epoch 0 is no candidate: see training.selection_metric
                     loop["best"], loop["best_epoch"] = record[metric], epoch
                     model.save(out)
                 record["best_epoch"] = loop["best_epoch"]
                 loop["epoch"] = epoch
                 log.write(record)  # before the checkpoint: a resume from epoch - 1 drops this line again
+                if backend is not None:  # before the checkpoint, which names how many of these scores are its own
+                    save_tensors(out / "scores.safetensors", backend.state())
                 save_checkpoint(out, epoch, model, opt, rngs, loop)
                 prune_checkpoints(out, args.keep_every, loop["best_epoch"])
                 print(f"{out.name} epoch {epoch}: {log_line(record, (*SHOWN, 'val/reward', 'val/acc'))}", flush=True)

@@ -225,3 +225,24 @@ def test_replay_needs_online(small_data, init, tmp_path):
     with pytest.raises(ValueError, match="--replay-steps needs --online"):
         grpo.main(grpo.Args(data=small_data, init=init, out=tmp_path / "r", replay_steps=2))
     assert not (tmp_path / "r").exists()
+
+
+def test_rce_logs_the_calls_its_validations_make_resume_included(small_data, tmp_path, counted, monkeypatch):
+    import rce
+
+    common = dict(data=small_data, out=tmp_path / "rce", epochs=3, batch_size=8, val_frac=0.25)
+
+    def save_then_die(out, e, *a):
+        save_checkpoint(out, e, *a)
+        if e == 2:
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
+        m.setattr(rce, "save_checkpoint", save_then_die)
+        rce.main(rce.Args(**common))
+    killed = counted[0]
+    assert [r["lvlm/calls"] for r in records(tmp_path / "rce")][-1] == killed
+    rce.main(rce.Args(**common))
+    calls = [r["lvlm/calls"] for r in records(tmp_path / "rce")]
+    # cumulative over both processes: the resumed run restores the scores it saved and pays only for new prompts
+    assert len(calls) == 4 and calls == sorted(calls) and calls[0] > 0 and calls[-1] == counted[0] > killed
