@@ -111,6 +111,46 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
         {"online": True, "lvlm_budget": 35000, "replay_steps": 4, "lr": 2e-3},
         "online, budget 35k, replay 4 steps",
     ),
+    "online, budget 35k, replay 4 steps, rewards scaled by the batch std": (
+        "grpo",
+        {"online": True, "lvlm_budget": 35000, "replay_steps": 4, "scale_rewards": "batch"},
+        "online, budget 35k, replay 4 steps",
+    ),
+    "online, budget 35k, replay 4 steps, one epoch": (
+        "grpo",
+        {"online": True, "lvlm_budget": 35000, "replay_steps": 4, "epochs": 1},
+        "online, budget 35k, replay 4 steps",
+    ),
+    "online, budget 35k, replay 4 steps, beta 0.1": (
+        "grpo",
+        {"online": True, "lvlm_budget": 35000, "replay_steps": 4, "kl_beta": 0.1},
+        "online, budget 35k, replay 4 steps",
+    ),
+    "online, budget 35k, replay 4 steps, batch 16": (
+        "grpo",
+        {"online": True, "lvlm_budget": 35000, "replay_steps": 4, "batch_size": 16},
+        "online, budget 35k, replay 4 steps",
+    ),
+    "online, budget 35k, replay 4 steps, groups of 32 x 16 queries": (
+        "grpo",
+        {"online": True, "lvlm_budget": 35000, "replay_steps": 4, "group_size": 32, "batch_size": 16},
+        "online, budget 35k, replay 4 steps",
+    ),
+    "online, budget 35k, replay 4 steps, rank advantage": (
+        "grpo",
+        {"online": True, "lvlm_budget": 35000, "replay_steps": 4, "rank_advantage": True},
+        "online, budget 35k, replay 4 steps",
+    ),
+    "online, budget 35k, replay 4 steps, temperature 1.5": (
+        "grpo",
+        {"online": True, "lvlm_budget": 35000, "replay_steps": 4, "temperature": 1.5},
+        "online, budget 35k, replay 4 steps",
+    ),
+    "online, budget 35k, replay 4 steps, frozen backbone": (
+        "grpo",
+        {"online": True, "lvlm_budget": 35000, "replay_steps": 4, "freeze_backbone": True},
+        "online, budget 35k, replay 4 steps",
+    ),
     "online, budget 35k, replay 4 steps, groups of 8 x 64 queries": (
         "grpo",
         {"online": True, "lvlm_budget": 35000, "replay_steps": 4, "group_size": 8, "batch_size": 64},
