@@ -649,7 +649,7 @@ def trained_section(runs: list[Run]) -> list[str]:
     keys = sorted({k for r in trained for k in flags[r.name]})
     # A flag only one stage has (RCE's tau, GRPO's epsilon) is not a difference; one that two runs set apart is.
     differ = [k for k in keys if len({repr(flags[r.name][k]) for r in trained if k in flags[r.name]}) > 1]
-    # What online training cost: the LVLM calls (scored sequences after the cache) spent in all, where logged.
+    # What a run cost: the LVLM calls (scored sequences after the cache, its validations' included), where logged.
     calls = {r.name: r.epochs[-1].get("lvlm/calls") for r in trained}
     rows = []
     for r in trained:
