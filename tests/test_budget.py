@@ -17,6 +17,13 @@ def records(run):
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def save_then_die(out, e, *a):
+    """A stage's save_checkpoint, then a kill right after epoch 2's checkpoint."""
+    save_checkpoint(out, e, *a)
+    if e == 2:
+        raise KeyboardInterrupt
+
+
 @pytest.fixture
 def counted(monkeypatch):
     """Sequences the simulator is asked to score, whoever asks (not grpo's own counter)."""
@@ -56,11 +63,6 @@ def test_budget_run_stops_within_budget_logs_calls_and_resumes_identically(
     calls = [r["lvlm/calls"] for r in recs]
     assert calls == sorted(calls) and calls[0] > 0  # cumulative, from the start's validation on
     assert [r["epoch"] for r in recs] == list(range(plan["epochs"] + 1)) and recs[-1]["step"] == plan["steps"]
-
-    def save_then_die(out, e, *a):
-        save_checkpoint(out, e, *a)
-        if e == 2:
-            raise KeyboardInterrupt
 
     counted[0] = 0
     with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
@@ -208,11 +210,6 @@ def test_replay_buffer_holds_the_last_steps_with_their_sampling_log_probs_and_re
         at_temp, plain = (policy(*seqs, temperature=t).logp.sum(-1) for t in (0.7, 1.0))
     assert torch.allclose(first["logp"], at_temp, atol=1e-6) and not torch.allclose(first["logp"], plain, atol=1e-3)
 
-    def save_then_die(out, e, *a):
-        save_checkpoint(out, e, *a)
-        if e == 2:
-            raise KeyboardInterrupt
-
     with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
         m.setattr(grpo, "save_checkpoint", save_then_die)
         grpo.main(grpo.Args(out=part, **common))
@@ -231,11 +228,6 @@ def test_rce_logs_the_calls_its_validations_make_resume_included(small_data, tmp
     import rce
 
     common = dict(data=small_data, out=tmp_path / "rce", epochs=3, batch_size=8, val_frac=0.25)
-
-    def save_then_die(out, e, *a):
-        save_checkpoint(out, e, *a)
-        if e == 2:
-            raise KeyboardInterrupt
 
     with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
         m.setattr(rce, "save_checkpoint", save_then_die)
