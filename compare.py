@@ -757,8 +757,9 @@ def moves(values: list[float]) -> bool:
 
 
 def fmt(x: float, sign: str = "") -> str:
-    """Four significant digits; a whole number (a count such as LVLM calls) in full, with thousands separators."""
-    return f"{x:{sign},.0f}" if float(x).is_integer() and abs(x) >= 1e4 else f"{x:{sign}.4g}"
+    """Four significant digits; a whole number (a count such as LVLM calls) in full, with thousands separators as
+    the trained-runs table writes them."""
+    return f"{x:{sign},.0f}" if float(x).is_integer() else f"{x:{sign}.4g}"
 
 
 def curve_section(runs: list[Run]) -> list[str]:

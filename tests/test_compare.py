@@ -514,9 +514,10 @@ def test_training_table_numbers_read_as_numbers():
     """Counts in full (LVLM calls: 349,369, not 3.494e+05); everything else to four significant digits."""
     from compare import fmt
 
-    assert [fmt(349369.0), fmt(349369.0, "+"), fmt(992.0), fmt(0.01234567), fmt(-1.1714, "+")] == [
+    assert [fmt(349369.0), fmt(349369.0, "+"), fmt(1009.0), fmt(992.0), fmt(0.01234567), fmt(-1.1714, "+")] == [
         "349,369",
         "+349,369",
+        "1,009",
         "992",
         "0.01235",
         "-1.171",
