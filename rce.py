@@ -119,7 +119,7 @@ def main(args: Args) -> None:
 
         # resume
         rngs = {"shuffle": torch.Generator().manual_seed(args.seed + 1)}
-        loop = new_loop({"lvlm_calls": 0})
+        loop = new_loop()
         if resume_from is not None:
             loop, _ = load_checkpoint(resume_from, model, opt, rngs)
             if backend is not None and "lvlm_calls" in loop["state"]:  # its scores: never paid or counted twice
