@@ -151,6 +151,16 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
         {"online": True, "lvlm_budget": 35000, "replay_steps": 4, "freeze_backbone": True},
         "online, budget 35k, replay 4 steps",
     ),
+    "online, budget 35k, beta 1": (
+        "grpo",
+        {"online": True, "lvlm_budget": 35000, "kl_beta": 1.0},
+        "online, budget 35k",
+    ),
+    "online, budget 35k, replay 4 steps, beta 1": (
+        "grpo",
+        {"online": True, "lvlm_budget": 35000, "replay_steps": 4, "kl_beta": 1.0},
+        "online, budget 35k, replay 4 steps",
+    ),
     "online, budget 35k, replay 4 steps, groups of 8 x 64 queries": (
         "grpo",
         {"online": True, "lvlm_budget": 35000, "replay_steps": 4, "group_size": 8, "batch_size": 64},
