@@ -37,7 +37,6 @@ from backends import ScoreCache, open_backend
 from checkpoints import check_width, load_checkpoint, load_selector, prune_checkpoints, save_checkpoint
 from cli import alias, default_is, help_first, run_cli
 from data import Dataset, RewardMode, compute_reward, load_dataset
-from files import read_tensors, save_tensors
 from model import PointerSelector, exact_kl, group_advantages, k3_kl, ppo_clip_loss, reward_spread, slices
 from pools import first_distinct, query_pools
 from training import (
@@ -54,7 +53,9 @@ from training import (
     open_log,
     prepare_out,
     progress,
+    restore_scores,
     run_folder,
+    save_scores,
     selection_metric,
     split_queries,
     steps_per_epoch,
@@ -415,8 +416,8 @@ def main(args: Args) -> None:
         if resume_from is not None:
             loop, extra = load_checkpoint(resume_from, policy, opt, rngs)
             buffer = replay_buffer(extra)
-            if lvlm is not None and "lvlm_calls" in loop["state"]:  # the scores made until that checkpoint
-                lvlm.restore(read_tensors(out / "scores.safetensors"), loop["state"]["lvlm_calls"])
+            if lvlm is not None:
+                restore_scores(out, lvlm, loop)
         elif lead:
             write_config(out, args, ds, split, {"out": str(out), **({"budget_plan": asdict(plan)} if plan else {})})
 
@@ -550,8 +551,8 @@ def main(args: Args) -> None:
                     if improved:
                         policy.save(out)
                     log.write(record)  # before the checkpoint: a resume from epoch - 1 drops this line again
-                    if lvlm is not None:  # before the checkpoint, which names how many of these scores are its own
-                        save_tensors(out / "scores.safetensors", lvlm.state())
+                    if lvlm is not None:
+                        save_scores(out, lvlm)
                     save_checkpoint(out, epoch, policy, opt, rngs, loop, replay_tensors(buffer))
                     prune_checkpoints(out, args.keep_every, loop["best_epoch"])
                     summary = log_line(record, (*SHOWN, "val/reward", "val/acc"))

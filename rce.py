@@ -28,7 +28,6 @@ from torch import Tensor
 from checkpoints import check_width, load_checkpoint, load_selector, prune_checkpoints, save_checkpoint
 from cli import alias, help_first, run_cli
 from data import Quality, load_dataset
-from files import read_tensors, save_tensors
 from model import PointerSelector, SelectorConfig, rce_weights
 from training import (
     EpochMeans,
@@ -41,7 +40,9 @@ from training import (
     open_log,
     prepare_out,
     progress,
+    restore_scores,
     run_folder,
+    save_scores,
     selection_metric,
     split_queries,
     steps_per_epoch,
@@ -122,8 +123,8 @@ def main(args: Args) -> None:
         loop = new_loop()
         if resume_from is not None:
             loop, _ = load_checkpoint(resume_from, model, opt, rngs)
-            if backend is not None and "lvlm_calls" in loop["state"]:  # its scores: never paid or counted twice
-                backend.restore(read_tensors(out / "scores.safetensors"), loop["state"]["lvlm_calls"])
+            if backend is not None:
+                restore_scores(out, backend, loop)
         else:
             write_config(out, args, ds, split)
 
@@ -171,8 +172,8 @@ def main(args: Args) -> None:
                 record["best_epoch"] = loop["best_epoch"]
                 loop["epoch"] = epoch
                 log.write(record)  # before the checkpoint: a resume from epoch - 1 drops this line again
-                if backend is not None:  # before the checkpoint, which names how many of these scores are its own
-                    save_tensors(out / "scores.safetensors", backend.state())
+                if backend is not None:
+                    save_scores(out, backend)
                 save_checkpoint(out, epoch, model, opt, rngs, loop)
                 prune_checkpoints(out, args.keep_every, loop["best_epoch"])
                 print(f"{out.name} epoch {epoch}: {log_line(record, (*SHOWN, 'val/reward', 'val/acc'))}", flush=True)

@@ -27,7 +27,7 @@ from backends import ScoreCache, open_backend
 from checkpoints import checkpoint_meta, last_checkpoint, resumable_checkpoint
 from cli import PATH_ARGS, SIDE_ARGS, CpuArgs, alias
 from data import DEFAULT_DATA, Dataset, Quality, RewardArgs, compute_reward, data_digest, filter_queries
-from files import append_line, atomic_write_text, read_json, read_jsonl, sha256
+from files import append_line, atomic_write_text, read_json, read_jsonl, read_tensors, save_tensors, sha256
 from locks import exclusive
 from model import DECODE_CHUNK, PointerSelector, SelectorConfig, reward_spread, slices
 from pools import CHUNK_ELEMENTS
@@ -442,6 +442,19 @@ def open_log(out: Path, args: TrainArgs, loop: dict, resumed: bool) -> MetricsLo
     if loop["epoch"] < args.epochs:
         log.tracker = open_tracker(args.report_to, out, flag_values(args), loop["step"] if resumed else None)
     return log
+
+
+def save_scores(out: Path, cache: ScoreCache) -> None:
+    """The run's LVLM scores so far (scores.safetensors), written before each checkpoint, which names how many of
+    them are its own (loop state "lvlm_calls")."""
+    save_tensors(out / "scores.safetensors", cache.state())
+
+
+def restore_scores(out: Path, cache: ScoreCache, loop: dict) -> None:
+    """The cache as it was at the checkpoint `loop` came from, so a resumed run neither pays nor counts a score
+    twice (a checkpoint that counted none leaves it empty)."""
+    if "lvlm_calls" in loop["state"]:
+        cache.restore(read_tensors(out / "scores.safetensors"), loop["state"]["lvlm_calls"])
 
 
 def new_loop(state: dict | None = None) -> dict:
