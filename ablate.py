@@ -32,6 +32,21 @@ from compare import bootstrap_ci, gap_share, paired, per_question, read_args, re
 from tables import md_table
 from training import flag_values
 
+
+def on_budget(**flags) -> tuple[str, dict, str]:
+    """Online GRPO on a budget of 35k LVLM calls with `flags`, against the budgeted run with the defaults."""
+    return "grpo", {"online": True, "lvlm_budget": 35000, **flags}, "online, budget 35k"
+
+
+def on_replay(**flags) -> tuple[str, dict, str]:
+    """Online GRPO on a budget of 35k LVLM calls with --replay-steps 4 and `flags`, against that run alone."""
+    return (
+        "grpo",
+        {"online": True, "lvlm_budget": 35000, "replay_steps": 4, **flags},
+        "online, budget 35k, replay 4 steps",
+    )
+
+
 # name -> (stage, flags, reference). GRPO variants start from the default RCE run of their seed unless they name
 # another init; their reference is the default online run.
 VARIANTS: dict[str, tuple[str, dict, str | None]] = {
@@ -65,107 +80,27 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
     ),
     "offline": ("grpo", {}, "online"),
     "online, budget 35k": ("grpo", {"online": True, "lvlm_budget": 35000}, "online"),
-    "online, budget 35k, lr 3e-3 linear decay": (
-        "grpo",
-        {"online": True, "lvlm_budget": 35000, "lr": 3e-3, "lr_schedule": "linear"},
-        "online, budget 35k",
-    ),
-    "online, budget 35k, 4 iterations per batch": (
-        "grpo",
-        {"online": True, "lvlm_budget": 35000, "num_iterations": 4},
-        "online, budget 35k",
-    ),
-    "online, budget 35k, groups of 8 x 64 queries": (
-        "grpo",
-        {"online": True, "lvlm_budget": 35000, "group_size": 8, "batch_size": 64},
-        "online, budget 35k",
-    ),
-    "online, budget 35k, beta 0.1": (
-        "grpo",
-        {"online": True, "lvlm_budget": 35000, "kl_beta": 0.1},
-        "online, budget 35k",
-    ),
-    "online, budget 35k, from offline GRPO": (
-        "grpo",
-        {"online": True, "lvlm_budget": 35000, "init": "offline"},
-        "online, budget 35k",
-    ),
+    "online, budget 35k, lr 3e-3 linear decay": on_budget(lr=3e-3, lr_schedule="linear"),
+    "online, budget 35k, 4 iterations per batch": on_budget(num_iterations=4),
+    "online, budget 35k, groups of 8 x 64 queries": on_budget(group_size=8, batch_size=64),
+    "online, budget 35k, beta 0.1": on_budget(kl_beta=0.1),
+    "online, budget 35k, from offline GRPO": on_budget(init="offline"),
     "online, replay 4 steps": ("grpo", {"online": True, "replay_steps": 4}, "online"),
-    "online, budget 35k, replay 2 steps": (
-        "grpo",
-        {"online": True, "lvlm_budget": 35000, "replay_steps": 2},
-        "online, budget 35k",
-    ),
-    "online, budget 35k, replay 4 steps": (
-        "grpo",
-        {"online": True, "lvlm_budget": 35000, "replay_steps": 4},
-        "online, budget 35k",
-    ),
-    "online, budget 35k, replay 8 steps": (
-        "grpo",
-        {"online": True, "lvlm_budget": 35000, "replay_steps": 8},
-        "online, budget 35k",
-    ),
-    "online, budget 35k, replay 4 steps, lr 2e-3": (
-        "grpo",
-        {"online": True, "lvlm_budget": 35000, "replay_steps": 4, "lr": 2e-3},
-        "online, budget 35k, replay 4 steps",
-    ),
-    "online, budget 35k, replay 4 steps, rewards scaled by the batch std": (
-        "grpo",
-        {"online": True, "lvlm_budget": 35000, "replay_steps": 4, "scale_rewards": "batch"},
-        "online, budget 35k, replay 4 steps",
-    ),
-    "online, budget 35k, replay 4 steps, one epoch": (
-        "grpo",
-        {"online": True, "lvlm_budget": 35000, "replay_steps": 4, "epochs": 1},
-        "online, budget 35k, replay 4 steps",
-    ),
-    "online, budget 35k, replay 4 steps, beta 0.1": (
-        "grpo",
-        {"online": True, "lvlm_budget": 35000, "replay_steps": 4, "kl_beta": 0.1},
-        "online, budget 35k, replay 4 steps",
-    ),
-    "online, budget 35k, replay 4 steps, batch 16": (
-        "grpo",
-        {"online": True, "lvlm_budget": 35000, "replay_steps": 4, "batch_size": 16},
-        "online, budget 35k, replay 4 steps",
-    ),
-    "online, budget 35k, replay 4 steps, groups of 32 x 16 queries": (
-        "grpo",
-        {"online": True, "lvlm_budget": 35000, "replay_steps": 4, "group_size": 32, "batch_size": 16},
-        "online, budget 35k, replay 4 steps",
-    ),
-    "online, budget 35k, replay 4 steps, rank advantage": (
-        "grpo",
-        {"online": True, "lvlm_budget": 35000, "replay_steps": 4, "rank_advantage": True},
-        "online, budget 35k, replay 4 steps",
-    ),
-    "online, budget 35k, replay 4 steps, temperature 1.5": (
-        "grpo",
-        {"online": True, "lvlm_budget": 35000, "replay_steps": 4, "temperature": 1.5},
-        "online, budget 35k, replay 4 steps",
-    ),
-    "online, budget 35k, replay 4 steps, frozen backbone": (
-        "grpo",
-        {"online": True, "lvlm_budget": 35000, "replay_steps": 4, "freeze_backbone": True},
-        "online, budget 35k, replay 4 steps",
-    ),
-    "online, budget 35k, beta 1": (
-        "grpo",
-        {"online": True, "lvlm_budget": 35000, "kl_beta": 1.0},
-        "online, budget 35k",
-    ),
-    "online, budget 35k, replay 4 steps, beta 1": (
-        "grpo",
-        {"online": True, "lvlm_budget": 35000, "replay_steps": 4, "kl_beta": 1.0},
-        "online, budget 35k, replay 4 steps",
-    ),
-    "online, budget 35k, replay 4 steps, groups of 8 x 64 queries": (
-        "grpo",
-        {"online": True, "lvlm_budget": 35000, "replay_steps": 4, "group_size": 8, "batch_size": 64},
-        "online, budget 35k, replay 4 steps",
-    ),
+    "online, budget 35k, replay 2 steps": on_budget(replay_steps=2),
+    "online, budget 35k, replay 4 steps": on_budget(replay_steps=4),
+    "online, budget 35k, replay 8 steps": on_budget(replay_steps=8),
+    "online, budget 35k, replay 4 steps, lr 2e-3": on_replay(lr=2e-3),
+    "online, budget 35k, replay 4 steps, rewards scaled by the batch std": on_replay(scale_rewards="batch"),
+    "online, budget 35k, replay 4 steps, one epoch": on_replay(epochs=1),
+    "online, budget 35k, replay 4 steps, beta 0.1": on_replay(kl_beta=0.1),
+    "online, budget 35k, replay 4 steps, batch 16": on_replay(batch_size=16),
+    "online, budget 35k, replay 4 steps, groups of 32 x 16 queries": on_replay(group_size=32, batch_size=16),
+    "online, budget 35k, replay 4 steps, rank advantage": on_replay(rank_advantage=True),
+    "online, budget 35k, replay 4 steps, temperature 1.5": on_replay(temperature=1.5),
+    "online, budget 35k, replay 4 steps, frozen backbone": on_replay(freeze_backbone=True),
+    "online, budget 35k, beta 1": on_budget(kl_beta=1.0),
+    "online, budget 35k, replay 4 steps, beta 1": on_replay(kl_beta=1.0),
+    "online, budget 35k, replay 4 steps, groups of 8 x 64 queries": on_replay(group_size=8, batch_size=64),
 }
 BASELINES = ("image-sim", "oracle", "observable")
 
