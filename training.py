@@ -186,10 +186,11 @@ def greedy_icds(model: PointerSelector, ds: Dataset, split: str, rows: Tensor, p
     for all n questions at once, and every question is decoded in the slice one whole call would put it in."""
     emb, (n, K) = ds.emb, pool.shape
     part = DECODE_CHUNK * max(1, CHUNK_ELEMENTS // (DECODE_CHUNK * K * emb["train"].shape[1]))
+    model.eval()
     picks = []
     for s in slices(n, part):
         query, pool_emb = emb[split][rows[s]], emb["train"][pool[s].clamp_min(0)]  # (P, d), (P, K, d)
-        picks.append(model.eval().greedy(query, pool_emb, pool[s] >= 0, k)[0])  # (P, k)
+        picks.append(model.greedy(query, pool_emb, pool[s] >= 0, k)[0])  # (P, k)
     return pool.gather(1, torch.cat(picks))
 
 
