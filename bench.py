@@ -10,6 +10,7 @@ Usage:
     python bench.py --only decode                                  # greedy decoding vs Lever-Plus's decoder
     python bench.py --only pools --pool-whole-rows 50000          # pool building: time and peak memory by size
     python bench.py --only lvlm --lvlm Qwen/Qwen2.5-VL-3B-Instruct --vqa-root /data/okvqa --device cuda
+    python bench.py --only lvlm --lvlm random-3b --queries 8 --group-size 16 --lvlm-batch-size 16   # a GPU, no weights
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ class Args:
     """Dataset folder for the epoch benchmarks."""
     lvlm: str | None = None
     """LVLM benchmark: the model (hub id in the local cache, or a folder); "tiny" = the tiny random-weight checkpoint
-    of every family tested here (tests/real_fixtures.py) on its mixed-image OK-VQA folder, one line per family."""
+    of every family tested here (tests/real_fixtures.py) on its mixed-image OK-VQA folder, one line per family;
+    "random-3b" = random weights in Qwen2.5-VL-3B-Instruct's shape on 640 x 480 pictures (a GPU's cost of scoring
+    without the checkpoint; the answers are noise)."""
     vqa_root: Path | None = None
     """LVLM benchmark: folder of the official OK-VQA / VQAv2 files and COCO images."""
     dataset: Literal["okvqa", "vqav2"] = "okvqa"
@@ -457,6 +460,8 @@ def bench_lvlm(args: Args) -> dict:
 
     if args.lvlm == "tiny":
         return bench_tiny_families(args)
+    if args.lvlm == "random-3b":
+        return bench_random_3b(args)
     if args.lvlm is None or args.vqa_root is None:
         raise ValueError("--only lvlm needs --lvlm MODEL and --vqa-root FOLDER (the official VQA files and images)")
     items = {s: load_vqa_split(args.dataset, args.vqa_root, s) for s in ("train", "val")}
@@ -512,20 +517,39 @@ def bench_lvlm(args: Args) -> dict:
 TINY_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "llava", "llava_next", "llava_onevision", "gemma3")
 
 
-def bench_tiny_families(args: Args) -> dict:
-    """bench_lvlm for the tiny checkpoint of every family tested here, built offline in a temporary folder."""
+def real_fixtures():
+    """tests/real_fixtures.py, the offline builders of tiny checkpoints and OK-VQA-format folders."""
+    import importlib
     import sys
-    from dataclasses import replace
 
     sys.path.insert(0, str(Path(__file__).resolve().parent / "tests"))
-    import real_fixtures
+    return importlib.import_module("real_fixtures")
 
-    root = Path(tempfile.mkdtemp(prefix="icl-select-bench-"))
-    vqa = real_fixtures.build_okvqa_fixture(root / "okvqa", mixed=True)
+
+def bench_random_3b(args: Args) -> dict:
+    """bench_lvlm on random weights in Qwen2.5-VL-3B-Instruct's shape, in bfloat16, over an OK-VQA-format folder of
+    640 x 480 pictures (COCO's usual size), all built in a temporary folder: the GPU time scoring takes, measured
+    without the checkpoint. A random model rarely stops before --max-new-tokens, so generation runs longer than a real
+    model's short answers would, and the 16 train pictures stay in the image cache: the rate is a floor on the LVLM's
+    side, not a forecast of a whole run."""
+    from dataclasses import replace
+
+    fixtures, root = real_fixtures(), Path(tempfile.mkdtemp(prefix="icl-select-bench-"))
+    vqa = fixtures.build_okvqa_fixture(root / "okvqa", image_size=(640, 480))
+    folder = fixtures.build_qwen2_5_vl_3b_shape(root / "qwen2.5-vl-3b-shape")
+    return bench_lvlm(replace(args, lvlm=str(folder), vqa_root=vqa))
+
+
+def bench_tiny_families(args: Args) -> dict:
+    """bench_lvlm for the tiny checkpoint of every family tested here, built offline in a temporary folder."""
+    from dataclasses import replace
+
+    fixtures, root = real_fixtures(), Path(tempfile.mkdtemp(prefix="icl-select-bench-"))
+    vqa = fixtures.build_okvqa_fixture(root / "okvqa", mixed=True)
     rows = {}
     for family in TINY_FAMILIES:
         builder = "build_tiny_qwen" if family == "qwen2_5_vl" else f"build_tiny_{family}"
-        folder = getattr(real_fixtures, builder)(root / family)
+        folder = getattr(fixtures, builder)(root / family)
         rows[family] = bench_lvlm(replace(args, lvlm=str(folder), vqa_root=vqa, device="cpu"))
     print("\n| family | prompt tokens per sequence (shared) | fewer than unshared | same answers | max gt_prob diff |")
     print("|---|---|---|---|---|")

@@ -207,6 +207,67 @@ def build_tiny_qwen(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
+def build_qwen2_5_vl_3b_shape(folder: Path, seed: int = 0) -> Path:
+    """Random weights in Qwen2.5-VL-3B-Instruct's published shape (text: 36 layers of width 2048, 16 query and 2
+    key/value heads; vision: 32 blocks of width 1280, 14-pixel patches merged 2x2) with its image processor's defaults,
+    in bfloat16: what scoring costs on a GPU, without the checkpoint. Only the vocabulary is this file's tiny one (the
+    real 151,936-token head adds about a tenth to each generated token's work, next to nothing to a prompt's), and the
+    answers are noise: a random model rarely stops before max_new_tokens, where real short answers do."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = _qwen_tokenizer(QWEN_SPECIAL_TOKENS, QWEN_CHAT_TEMPLATE)
+    ids = dict(zip(QWEN_SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(list(QWEN_SPECIAL_TOKENS))))
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=3136, max_pixels=12845056
+    )
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": 2048,
+            "intermediate_size": 11008,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 128000,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+        },
+        vision_config={
+            "depth": 32,
+            "hidden_size": 1280,
+            "intermediate_size": 3420,
+            "num_heads": 16,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 112,
+            "fullatt_block_indexes": [7, 15, 23, 31],
+            "out_hidden_size": 2048,
+        },
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    torch.manual_seed(seed)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen2_5_VLForConditionalGeneration(config).to(torch.bfloat16)
+    model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    image_processor.save_pretrained(folder)
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": QWEN_CHAT_TEMPLATE}, indent=2))
+    return folder
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # One tiny checkpoint per model family: each with its family's processor files and the chat template published with
 # its instruct checkpoint (named per builder), so that what the kit does with a family's template, special tokens,
@@ -922,13 +983,16 @@ def _annotators(rng: random.Random, truth: str, distractors: list[str]) -> list[
     return answers
 
 
-def build_okvqa_fixture(root: Path, seed: int = 0, mixed: bool = False) -> Path:
+def build_okvqa_fixture(
+    root: Path, seed: int = 0, mixed: bool = False, image_size: tuple[int, int] | None = None
+) -> Path:
     """An OK-VQA-format dataset under `root` with the official file names and JSON layout; returns `root`.
 
     train: TRAIN_IMAGES images with two questions each (several questions share an image); val: VAL_IMAGES images
     with one question each. Question ids follow OK-VQA's image_id * 10 + index convention. `mixed`: the images cycle
     through MIXED_IMAGES' sizes, modes and formats (wide, tall, tiny, grayscale, palette, CMYK) instead of RGB JPEGs
-    of IMAGE_SIZES; questions and answers are the same either way.
+    of IMAGE_SIZES; `image_size` (width, height): every image that size instead (COCO's are about 640 x 480).
+    Questions and answers are the same either way.
     """
     root = Path(root)
     rng = random.Random(seed)
@@ -950,7 +1014,7 @@ def build_okvqa_fixture(root: Path, seed: int = 0, mixed: bool = False) -> Path:
                 size, mode, fmt = MIXED_IMAGES[(i if split == "train" else TRAIN_IMAGES + i) % len(MIXED_IMAGES)]
                 _draw(shape, color, background, size).convert(mode).save(path, format=fmt, quality=95)
             else:
-                _draw(shape, color, background, size).save(path, quality=95)
+                _draw(shape, color, background, image_size or size).save(path, quality=95)
             for j, (text, truth_of, choices) in enumerate(rng.sample(questions, per_image)):
                 truth = truth_of(shape, color, background)
                 answers = _annotators(rng, truth, [c for c in choices if c != truth])

@@ -103,10 +103,10 @@ def stock_processor(folder: Path):
 class Reference:
     """Plain transformers on one prompt at a time."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
         self.processor = stock_processor(folder)
         self.tokenizer = self.processor.tokenizer
-        self.model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+        self.model = AutoModelForImageTextToText.from_pretrained(folder, dtype=dtype).to(device).eval()
         eos = GenerationConfig.from_pretrained(folder).eos_token_id
         self.stop_ids = [eos] if isinstance(eos, int) else list(eos)
         self.model.generation_config = GenerationConfig(
@@ -124,7 +124,8 @@ class Reference:
         # As the processor's apply_chat_template tokenizes: no second BOS where the template writes one.
         bos = self.tokenizer.bos_token
         special = not (bos is not None and text.startswith(bos))
-        return self.processor(text=[text], images=[images], add_special_tokens=special, return_tensors="pt")
+        inputs = self.processor(text=[text], images=[images], add_special_tokens=special, return_tensors="pt")
+        return inputs.to(self.model.device, dtype=self.model.dtype)  # casts only the pixels
 
     @torch.no_grad()
     def answer(self, chat: list[dict], images: list[Image.Image]) -> str:
