@@ -10,7 +10,7 @@ Usage:
     python bench.py --only decode                                  # greedy decoding vs Lever-Plus's decoder
     python bench.py --only pools --pool-whole-rows 50000          # pool building: time and peak memory by size
     python bench.py --only lvlm --lvlm Qwen/Qwen2.5-VL-3B-Instruct --vqa-root /data/okvqa --device cuda
-    python bench.py --only lvlm --lvlm random-3b --queries 8 --group-size 16 --lvlm-batch-size 16   # a GPU, no weights
+    python bench.py --only lvlm --lvlm random-3b --group-size 16 --lvlm-batch-size 16 --pool-size 64   # GPU, no weights
 """
 
 from __future__ import annotations
@@ -72,6 +72,9 @@ class Args:
     """LVLM benchmark: validation questions, each with --group-size sequences."""
     group_size: int = 8
     """LVLM benchmark: sequences (G) per question."""
+    pool_size: int = 0
+    """LVLM benchmark: draw each question's sequences from its own pool of this many train questions, as a GRPO
+    group does (0 = from all of them)."""
     shots: int = 4
     """LVLM benchmark: ICDs (S) per sequence."""
     lvlm_batch_size: int = 8
@@ -450,11 +453,13 @@ def unshared_scores(backend, examples: list) -> tuple[list[str], Tensor]:
 
 def bench_lvlm(args: Args) -> dict:
     """G sequences of S shots for a few validation questions, scored (greedy answer + gt_prob) with each prompt run
-    once (LVLMBackend) and with the unshared reference: prompt tokens per scored sequence, sequences/s, peak memory,
-    and the largest difference between the two."""
+    once (LVLMBackend), the same without its vision-encoder cache where it has one, and with the unshared reference:
+    prompt tokens per scored sequence, sequences/s, peak memory, and the largest difference from the reference. Each
+    timed pass starts with the picture caches empty, so the rate counts only the reuse within its own groups."""
     import random
     import resource
 
+    import lvlm
     from lvlm import LVLMBackend
     from vqa_data import load_vqa_split
 
@@ -467,18 +472,24 @@ def bench_lvlm(args: Args) -> dict:
     items = {s: load_vqa_split(args.dataset, args.vqa_root, s) for s in ("train", "val")}
     backend = LVLMBackend(args.lvlm, items, batch_size=args.lvlm_batch_size, device=args.device)
     rng = random.Random(0)
-    examples = [
-        (items["val"][q], rng.sample(items["train"], args.shots))
-        for q in range(args.queries)
-        for _ in range(args.group_size)
-    ]
+    examples = []
+    for q in range(args.queries):
+        pool = rng.sample(items["train"], args.pool_size) if args.pool_size else items["train"]
+        examples += [(items["val"][q], rng.sample(pool, args.shots)) for _ in range(args.group_size)]
     cuda = backend.model.device.type == "cuda"
+    encoder_cache = backend.encoder_cache
+    passes = {"shared": lambda: backend.score_examples(examples)}
+    if encoder_cache is not None:
+        passes["shared, no encoder cache"] = lambda: backend.score_examples(examples)
+    passes["unshared"] = lambda: unshared_scores(backend, examples)
     results = {}
-    for name, score in (
-        ("shared", lambda: backend.score_examples(examples)),
-        ("unshared", lambda: unshared_scores(backend, examples)),
-    ):
-        score()  # warm-up (image caches, kernels)
+    for name, score in passes.items():
+        backend.encoder_cache = None if name == "shared, no encoder cache" else encoder_cache
+        score()  # warm-up (kernels)
+        patches = getattr(backend.processor.image_processor, "cache", None)
+        for cache in (lvlm.DECODED_IMAGES, patches, encoder_cache and encoder_cache.cache):
+            if cache is not None:
+                cache.clear()
         backend.prompt_tokens = 0
         if cuda:
             torch.cuda.synchronize()
@@ -489,7 +500,7 @@ def bench_lvlm(args: Args) -> dict:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        answers, gt = (out["prediction"], out["gt_prob"]) if name == "shared" else out
+        answers, gt = out if name == "unshared" else (out["prediction"], out["gt_prob"])
         results[name] = {
             "tokens": backend.prompt_tokens / len(examples),
             "rate": len(examples) / seconds,
@@ -497,6 +508,7 @@ def bench_lvlm(args: Args) -> dict:
             "answers": answers,
             "gt_prob": gt,
         }
+    backend.encoder_cache = encoder_cache
     shared, ref = results["shared"], results["unshared"]
     from vqa import postprocess
 
@@ -508,7 +520,7 @@ def bench_lvlm(args: Args) -> dict:
     memory = "peak GPU memory" if cuda else "peak process RSS"
     for name, r in results.items():
         rate = f"{r['rate']:7.2f} sequences/s"
-        print(f"  {name:9s} prompt tokens/sequence {r['tokens']:9.1f}  {rate}  {memory} {r['peak'] / 2**30:6.2f} GiB")
+        print(f"  {name:24s} prompt tokens/sequence {r['tokens']:7.1f}  {rate}  {memory} {r['peak'] / 2**30:6.2f} GiB")
     ratio = ref["tokens"] / shared["tokens"]
     print(f"  {ratio:.2f}x fewer prompt tokens shared; same answers: {same}; max |gt_prob difference| {diff:.2e}")
     return {"token_ratio": ratio, "tokens": shared["tokens"], "same_answers": same, "max_diff": diff}
@@ -528,14 +540,13 @@ def real_fixtures():
 
 def bench_random_3b(args: Args) -> dict:
     """bench_lvlm on random weights in Qwen2.5-VL-3B-Instruct's shape, in bfloat16, over an OK-VQA-format folder of
-    640 x 480 pictures (COCO's usual size), all built in a temporary folder: the GPU time scoring takes, measured
-    without the checkpoint. A random model rarely stops before --max-new-tokens, so generation runs longer than a real
-    model's short answers would, and the 16 train pictures stay in the image cache: the rate is a floor on the LVLM's
-    side, not a forecast of a whole run."""
+    1,000 train pictures of 640 x 480 (COCO's usual size), all built in a temporary folder: the GPU time scoring takes,
+    measured without the checkpoint. A random model rarely stops before its 10 new tokens (the default), where a real
+    model's short answers stop after a few, so the rate is a floor for the LVLM's side of a run."""
     from dataclasses import replace
 
     fixtures, root = real_fixtures(), Path(tempfile.mkdtemp(prefix="icl-select-bench-"))
-    vqa = fixtures.build_okvqa_fixture(root / "okvqa", image_size=(640, 480))
+    vqa = fixtures.build_okvqa_fixture(root / "okvqa", image_size=(640, 480), train_images=1000)
     folder = fixtures.build_qwen2_5_vl_3b_shape(root / "qwen2.5-vl-3b-shape")
     return bench_lvlm(replace(args, lvlm=str(folder), vqa_root=vqa))
 

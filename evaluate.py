@@ -96,6 +96,9 @@ class Args(CpuArgs):
     """Real LVLM: auto = this rank's CUDA device in bf16, else CPU float32."""
     image_cache_mib: int = 4096
     """Real LVLM: memory per process for images decoded and preprocessed once and reused (half each)."""
+    encoder_cache_mib: int = 4096
+    """Real LVLM: GPU memory per process for each picture's vision-encoder output, reused across prompts (Qwen2/2.5/
+    3-VL; 0 = off)."""
     skip_self_check: bool = False
     """Real LVLM: skip the check that batched scoring matches plain transformers on a few prompts, before the run."""
     data_root: Path | None = None
@@ -111,6 +114,8 @@ def check_args(args: Args) -> None:
         raise ValueError("--shots and --num-samples must be positive")
     if args.seeds < 1 or args.batch_size < 1 or args.image_cache_mib < 1:
         raise ValueError("--seeds, --batch-size and --image-cache-mib must be >= 1")
+    if args.encoder_cache_mib < 0:
+        raise ValueError(f"--encoder-cache-mib must be >= 0 (0 = off), got {args.encoder_cache_mib}")
     for run in args.runs:
         if not (run / "model.safetensors").is_file():
             raise ValueError(f"{run}: no model.safetensors; is this a finished rce/grpo run?")
@@ -430,6 +435,7 @@ def main(args: Args) -> None:
         args.lvlm_batch_size,
         args.device,
         args.image_cache_mib,
+        args.encoder_cache_mib,
         args.skip_self_check,
     )
     digest = data_digest(ds.folder)

@@ -157,6 +157,8 @@ def check_args(args: Args) -> None:
     for name in ("num_queries", "num_train", "num_val", "pool_size", "group_size", "seq_len", "image_cache_mib"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.encoder_cache_mib < 0:
+        raise ValueError(f"--encoder-cache-mib must be >= 0 (0 = off), got {args.encoder_cache_mib}")
     if args.seq_len > args.pool_size:
         raise ValueError(f"--seq-len {args.seq_len} is larger than --pool-size {args.pool_size}")
     if math.perm(args.pool_size, args.seq_len) < args.group_size:

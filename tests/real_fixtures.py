@@ -984,7 +984,11 @@ def _annotators(rng: random.Random, truth: str, distractors: list[str]) -> list[
 
 
 def build_okvqa_fixture(
-    root: Path, seed: int = 0, mixed: bool = False, image_size: tuple[int, int] | None = None
+    root: Path,
+    seed: int = 0,
+    mixed: bool = False,
+    image_size: tuple[int, int] | None = None,
+    train_images: int = TRAIN_IMAGES,
 ) -> Path:
     """An OK-VQA-format dataset under `root` with the official file names and JSON layout; returns `root`.
 
@@ -992,7 +996,8 @@ def build_okvqa_fixture(
     with one question each. Question ids follow OK-VQA's image_id * 10 + index convention. `mixed`: the images cycle
     through MIXED_IMAGES' sizes, modes and formats (wide, tall, tiny, grayscale, palette, CMYK) instead of RGB JPEGs
     of IMAGE_SIZES; `image_size` (width, height): every image that size instead (COCO's are about 640 x 480).
-    Questions and answers are the same either way.
+    Questions and answers are the same either way. `train_images` beyond the distinct scenes repeat scenes in files of
+    their own (a benchmark's pools need many pictures, not many different ones).
     """
     root = Path(root)
     rng = random.Random(seed)
@@ -1002,8 +1007,9 @@ def build_okvqa_fixture(
         ("What color is the background?", lambda s, c, b: b, list(BACKGROUNDS)),
     ]
     # Every image is a distinct (shape, color, background, size); the sizes differ so image token counts do too.
-    scenes = rng.sample(list(product(SHAPES, COLORS, BACKGROUNDS, IMAGE_SIZES)), TRAIN_IMAGES + VAL_IMAGES)
-    for split, n_images, per_image, first_id in (("train", TRAIN_IMAGES, 2, 9000), ("val", VAL_IMAGES, 1, 500)):
+    every, n = list(product(SHAPES, COLORS, BACKGROUNDS, IMAGE_SIZES)), train_images + VAL_IMAGES
+    scenes = rng.sample(every, n) if n <= len(every) else rng.choices(every, k=n)
+    for split, n_images, per_image, first_id in (("train", train_images, 2, 9000), ("val", VAL_IMAGES, 1, 500)):
         (root / f"{split}2014").mkdir(parents=True, exist_ok=True)
         qs, anns = [], []
         for i in range(n_images):

@@ -118,6 +118,35 @@ def test_image_caches_follow_the_budget_flag(assets, items):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_each_picture_is_encoded_once_and_changes_nothing(assets, items, monkeypatch):
+    """The vision encoder's output of a picture that recurs across prompts (a group's query, a pool's ICDs) is
+    computed once while it stays cached, and answers and P(reply) are those of the pixels path, also when the cache is
+    too small to keep more than the newest picture."""
+    pool = [items["train"][i] for i in (1, 2, 4)]  # three pictures (train items 2k and 2k + 1 share one)
+    examples = [(items["val"][q], [pool[(q + j) % 3] for j in range(2)]) for q in range(2) for _ in range(3)]
+    replies = [[query["answers"][0], "Yes"] for query, _ in examples]
+    pixels = LVLMBackend(str(assets["qwen"]), items, batch_size=4, max_new_tokens=4, encoder_cache_mib=0)
+    assert pixels.encoder_cache is None
+    want = pixels.run(examples, replies)
+    for budget in (None, 1):  # the default, then 1 byte: every new picture evicts the last
+        kit = LVLMBackend(str(assets["qwen"]), items, batch_size=4, max_new_tokens=4)
+        if budget is not None:
+            kit.encoder_cache.cache.budget = budget
+        encoded, inner = [], kit.model.get_image_features
+
+        def counted(pixels, grid, encoded=encoded, inner=inner, **kwargs):
+            encoded.append(len(grid))  # pictures in this encoder pass
+            return inner(pixels, grid, **kwargs)
+
+        monkeypatch.setattr(kit.model, "get_image_features", counted)
+        answers, probs = kit.run(examples, replies)
+        assert answers == want[0]
+        assert all(torch.allclose(p, q, rtol=1e-5, atol=0) for p, q in zip(probs, want[1]))
+        # 5 distinct pictures, all in the first batch of 4 prompts; the second (2 prompts) finds its 3 cached, or with
+        # 1 byte only the first batch's last (the query's), so it encodes the 2 ICD pictures again
+        assert encoded == ([5] if budget is None else [5, 2]), encoded
+
+
 def test_processor_gets_images_in_prompt_order(backend, items):
     icds = [items["train"][i] for i in (5, 0, 9)]
     query = items["val"][2]
