@@ -144,8 +144,10 @@ def _qwen_tokenizer(special_tokens: tuple[str, ...], chat_template: str):
     return tokenizer
 
 
-def build_tiny_qwen(folder: Path, seed: int = 0) -> Path:
-    """A random-weight Qwen2.5-VL checkpoint in `folder` (about 0.2M parameters), loadable like a real one."""
+def _build_qwen2_5_vl(folder: Path, seed: int, text: dict, vision: dict, pixels: dict, dtype: torch.dtype) -> Path:
+    """A random-weight Qwen2.5-VL checkpoint in `folder`, loadable like a real one: this file's tokenizer and the
+    published chat template, the text and vision sizes given (config entries), an image processor with 2x2 merged
+    patches and `pixels` (patch_size, min_pixels, max_pixels)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -153,39 +155,21 @@ def build_tiny_qwen(folder: Path, seed: int = 0) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = _qwen_tokenizer(QWEN_SPECIAL_TOKENS, QWEN_CHAT_TEMPLATE)
     ids = dict(zip(QWEN_SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(list(QWEN_SPECIAL_TOKENS))))
-
-    # 7-pixel patches merged 2x2: one LLM token per 14x14 pixels; the pixel bounds keep every image at 4..16 tokens.
-    patch, merge = 7, 2
-    image_processor = Qwen2VLImageProcessorPil(
-        patch_size=patch, merge_size=merge, temporal_patch_size=2, min_pixels=28 * 28, max_pixels=56 * 56
-    )
-    head_dim = 16
+    image_processor = Qwen2VLImageProcessorPil(merge_size=2, temporal_patch_size=2, **pixels)
     config = Qwen2_5_VLConfig(
         text_config={
             "vocab_size": len(tokenizer),
-            "hidden_size": 4 * head_dim,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 2048,
-            # The multimodal rotary split (temporal, height, width) must sum to head_dim / 2.
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
             "bos_token_id": ids["<|endoftext|>"],
             "eos_token_id": ids["<|im_end|>"],
             "pad_token_id": ids["<|endoftext|>"],
+            **text,
         },
         vision_config={
-            "depth": 2,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_heads": 2,
-            "patch_size": patch,
-            "spatial_merge_size": merge,
+            "patch_size": pixels["patch_size"],
+            "spatial_merge_size": 2,
             "temporal_patch_size": 2,
-            "window_size": 2 * patch * merge,  # windows of 2x2 merged tokens
-            "fullatt_block_indexes": [1],
-            "out_hidden_size": 4 * head_dim,
+            "out_hidden_size": text["hidden_size"],
+            **vision,
         },
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
@@ -193,7 +177,8 @@ def build_tiny_qwen(folder: Path, seed: int = 0) -> Path:
         vision_end_token_id=ids["<|vision_end|>"],
     )
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config)
+    with torch.device("cuda" if dtype != torch.float32 and torch.cuda.is_available() else "cpu"):
+        model = Qwen2_5_VLForConditionalGeneration(config).to(dtype)
     # The published generation config samples (with a near-greedy top_k=1 and a repetition penalty); mirrored here
     # so that the backend's explicit plain greedy decoding is what gets tested.
     gen = model.generation_config
@@ -207,65 +192,60 @@ def build_tiny_qwen(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
+def build_tiny_qwen(folder: Path, seed: int = 0) -> Path:
+    """A random-weight Qwen2.5-VL checkpoint in `folder` (about 0.2M parameters), loadable like a real one."""
+    head_dim, patch = 16, 7
+    text = {
+        "hidden_size": 4 * head_dim,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        # The multimodal rotary split (temporal, height, width) must sum to head_dim / 2.
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    }
+    vision = {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "window_size": 2 * patch * 2,  # windows of 2x2 merged tokens
+        "fullatt_block_indexes": [1],
+    }
+    # 7-pixel patches merged 2x2: one LLM token per 14x14 pixels; the pixel bounds keep every image at 4..16 tokens.
+    pixels = {"patch_size": patch, "min_pixels": 28 * 28, "max_pixels": 56 * 56}
+    return _build_qwen2_5_vl(folder, seed, text, vision, pixels, torch.float32)
+
+
 def build_qwen2_5_vl_3b_shape(folder: Path, seed: int = 0) -> Path:
     """Random weights in Qwen2.5-VL-3B-Instruct's published shape (text: 36 layers of width 2048, 16 query and 2
     key/value heads; vision: 32 blocks of width 1280, 14-pixel patches merged 2x2) with its image processor's defaults,
-    in bfloat16: what scoring costs on a GPU, without the checkpoint. Only the vocabulary is this file's tiny one (the
-    real 151,936-token head adds about a tenth to each generated token's work, next to nothing to a prompt's), and the
-    answers are noise: a random model rarely stops before max_new_tokens, where real short answers do."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = _qwen_tokenizer(QWEN_SPECIAL_TOKENS, QWEN_CHAT_TEMPLATE)
-    ids = dict(zip(QWEN_SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(list(QWEN_SPECIAL_TOKENS))))
-    image_processor = Qwen2VLImageProcessorPil(
-        patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=3136, max_pixels=12845056
-    )
-    config = Qwen2_5_VLConfig(
-        text_config={
-            "vocab_size": len(tokenizer),
-            "hidden_size": 2048,
-            "intermediate_size": 11008,
-            "num_hidden_layers": 36,
-            "num_attention_heads": 16,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 128000,
-            "rms_norm_eps": 1e-6,
-            "tie_word_embeddings": True,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
-            "bos_token_id": ids["<|endoftext|>"],
-            "eos_token_id": ids["<|im_end|>"],
-            "pad_token_id": ids["<|endoftext|>"],
-        },
-        vision_config={
-            "depth": 32,
-            "hidden_size": 1280,
-            "intermediate_size": 3420,
-            "num_heads": 16,
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "window_size": 112,
-            "fullatt_block_indexes": [7, 15, 23, 31],
-            "out_hidden_size": 2048,
-        },
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-    )
-    torch.manual_seed(seed)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen2_5_VLForConditionalGeneration(config).to(torch.bfloat16)
-    model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
-    model.generation_config.pad_token_id = ids["<|endoftext|>"]
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    image_processor.save_pretrained(folder)
-    (folder / "chat_template.json").write_text(json.dumps({"chat_template": QWEN_CHAT_TEMPLATE}, indent=2))
-    return folder
+    in bfloat16 (built on the GPU where there is one): what scoring costs on a GPU, without the checkpoint. Only the
+    vocabulary is this file's tiny one (the real 151,936-token head adds about a tenth to each generated token's work,
+    next to nothing to a prompt's), and the answers are noise: a random model rarely stops before max_new_tokens, where
+    real short answers do."""
+    text = {
+        "hidden_size": 2048,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128000,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+    }
+    vision = {
+        "depth": 32,
+        "hidden_size": 1280,
+        "intermediate_size": 3420,
+        "num_heads": 16,
+        "window_size": 112,
+        "fullatt_block_indexes": [7, 15, 23, 31],
+    }
+    pixels = {"patch_size": 14, "min_pixels": 3136, "max_pixels": 12845056}
+    return _build_qwen2_5_vl(folder, seed, text, vision, pixels, torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------------------------------------------
