@@ -135,14 +135,21 @@ class ByteLRU:
 
     def get(self, key, make: Callable[[], object]):
         if key in self.entries:
-            self.entries.move_to_end(key)
-            return self.entries[key][0]
+            return self.lookup(key)
         value = make()
         self.misses += 1
         self.put(key, value)
         return value
 
+    def lookup(self, key):
+        """The value held under `key`, now the most recently used, or None."""
+        if key not in self.entries:
+            return None
+        self.entries.move_to_end(key)
+        return self.entries[key][0]
+
     def put(self, key, value) -> None:
+        """Hold `value` under a `key` not held yet, as the most recently used."""
         self.entries[key] = (value, self.sizeof(value))
         self.bytes += self.entries[key][1]
         while self.bytes > self.budget and len(self.entries) > 1:
@@ -228,8 +235,7 @@ class EncoderCache:
     every picture alone (Qwen2/2.5/3-VL: patch rows and attention per picture). A picture that recurs across prompts,
     as a pool's pictures do across a group's sequences and a query's across its group, is encoded once while it stays
     cached, and the model takes the outputs through its own `mm_encoder_outputs` input in place of the pixels. The
-    encoder is most of a multi-image prompt's cost (for Qwen2.5-VL-3B, 1.6 of 2.0 s for 8 prompts of 5 COCO pictures
-    on an H100, docs/real-models.md)."""
+    encoder is most of a multi-image prompt's cost (docs/real-models.md)."""
 
     def __init__(self, model, budget: int):
         self.model = model
@@ -240,7 +246,7 @@ class EncoderCache:
         """The model's inputs for a batch whose pictures are `paths` in processor order, the pixels replaced by the
         encoder's outputs: the cached ones, and the others from one encoder pass over their patch rows."""
         grid = inputs["image_grid_thw"]  # (N, 3) per picture: its patch rows are the product
-        found = {p: self.cache.entries[p][0] for p in paths if p in self.cache.entries}
+        found = {p: v for p in dict.fromkeys(paths) if (v := self.cache.lookup(p)) is not None}
         new = list({p: i for i, p in enumerate(paths) if p not in found}.items())  # (path, first index)
         if new:
             rows = inputs["pixel_values"].split(grid.prod(-1).tolist())
@@ -250,8 +256,7 @@ class EncoderCache:
             deep = getattr(out, "deepstack_features", None) or []  # per layer, per picture
             for j, (path, _) in enumerate(new):
                 found[path] = (out.pooler_output[j], *(layer[j] for layer in deep))
-        for path in dict.fromkeys(paths):
-            self.cache.put(path, found[path])  # newly made or, for a hit, most recently used again
+                self.cache.put(path, found[path])
         parts = [found[p] for p in paths]
         deep = {"deepstack_features": [tuple(x[k] for x in parts) for k in range(1, len(parts[0]))]}
         out = self.output_type(pooler_output=tuple(x[0] for x in parts), **(deep if len(parts[0]) > 1 else {}))

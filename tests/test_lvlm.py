@@ -145,6 +145,9 @@ def test_each_picture_is_encoded_once_and_changes_nothing(assets, items, monkeyp
         # 5 distinct pictures, all in the first batch of 4 prompts; the second (2 prompts) finds its 3 cached, or with
         # 1 byte only the first batch's last (the query's), so it encodes the 2 ICD pictures again
         assert encoded == ([5] if budget is None else [5, 2]), encoded
+        held = kit.encoder_cache.cache
+        assert held.bytes == sum(size for _, size in held.entries.values())  # hits are not counted twice
+        assert len(held.entries) == (5 if budget is None else 1)
 
 
 def test_processor_gets_images_in_prompt_order(backend, items):
