@@ -387,7 +387,9 @@ def main(args: Args) -> None:
         scorer = None
         if args.online:
             scorer = backend or ScoreCache(
-                open_backend(ds.meta, ds.items, ds.emb, skip_self_check=args.skip_self_check)
+                open_backend(
+                    ds.meta, ds.items, ds.emb, batch_size=args.lvlm_batch_size, skip_self_check=args.skip_self_check
+                )
             )
         lvlm = scorer or backend  # the one cache in front of the LVLM: its misses are the calls counted
 

@@ -72,6 +72,9 @@ class TrainArgs(RewardArgs, CpuArgs):
     epoch by that accuracy. The simulator always does this (it answers instantly)."""
     val_max_queries: int = 200
     """--val-lvlm: validation anchors answered per epoch (the first N of the held-out split)."""
+    lvlm_batch_size: int = 8
+    """Real LVLM (--val-lvlm, online GRPO): prompts per forward pass; a large GPU scores faster with more (in
+    bfloat16 the scores' last bits depend on the batch)."""
     skip_self_check: bool = False
     """Real LVLM (--val-lvlm, online GRPO): skip the check that batched scoring matches plain transformers on a few
     prompts, before the run."""
@@ -87,7 +90,7 @@ class TrainArgs(RewardArgs, CpuArgs):
 
 
 def check_train_args(args: TrainArgs) -> None:
-    for name in ("epochs", "batch_size"):
+    for name in ("epochs", "batch_size", "lvlm_batch_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:  # None: planned later (grpo --lvlm-budget)
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.keep_every < 0:
@@ -220,7 +223,10 @@ def validation_backend(ds: Dataset, args: TrainArgs) -> ScoreCache | None:
     """What answers the validation anchors' greedy picks (cached): the simulator of a simulated dataset, the
     dataset's LVLM with --val-lvlm, else None (then the best epoch is chosen by val/reward)."""
     if ds.is_sim or args.val_lvlm:
-        return ScoreCache(open_backend(ds.meta, ds.items, ds.emb, skip_self_check=args.skip_self_check))
+        backend = open_backend(
+            ds.meta, ds.items, ds.emb, batch_size=args.lvlm_batch_size, skip_self_check=args.skip_self_check
+        )
+        return ScoreCache(backend)
     return None
 
 

@@ -68,9 +68,13 @@ def test_train_evaluate_compare(data, assets, tmp_path):
     offline = [json.loads(x) for x in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()][-1]
     assert "val/acc" not in offline and offline["select_metric"] == "val/reward"  # the LVLM is not asked by default
     online_args = dict(online=True, group_size=2, val_lvlm=True, val_max_queries=2, skip_self_check=True, **small)
-    with pytest.MonkeyPatch.context() as m:  # --skip-self-check reaches both of online GRPO's backends
+    batches = []
+    with pytest.MonkeyPatch.context() as m:  # --skip-self-check and --lvlm-batch-size reach online GRPO's backend
         m.setattr(lvlm.LVLMBackend, "self_check", lambda *a: pytest.fail("self-check run despite --skip-self-check"))
-        grpo.main(grpo.Args(init=tmp_path / "rce", out=tmp_path / "online", **online_args))
+        init = lvlm.LVLMBackend.__init__
+        m.setattr(lvlm.LVLMBackend, "__init__", lambda self, *a, **k: batches.append(a[2]) or init(self, *a, **k))
+        grpo.main(grpo.Args(init=tmp_path / "rce", out=tmp_path / "online", lvlm_batch_size=3, **online_args))
+    assert batches == [3]  # one LVLM for training and validation, 3 prompts per forward pass
     online = [json.loads(x) for x in (tmp_path / "online" / "metrics.jsonl").read_text().splitlines()][-1]
     assert online["grpo/group_size"] <= 2 and online["select_metric"] == "val/acc" and 0 <= online["val/acc"] <= 100
     ev = dict(data=data, shots=[1, 2], num_samples=[4, 8])
