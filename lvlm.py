@@ -235,7 +235,7 @@ class EncoderCache:
     every picture alone (Qwen2/2.5/3-VL: patch rows and attention per picture). A picture that recurs across prompts,
     as a pool's pictures do across a group's sequences and a query's across its group, is encoded once while it stays
     cached, and the model takes the outputs through its own `mm_encoder_outputs` input in place of the pixels. The
-    encoder is most of a multi-image prompt's cost (docs/real-models.md)."""
+    encoder is a large share of a multi-image prompt's cost (docs/real-models.md measures what the cache saves)."""
 
     def __init__(self, model, budget: int):
         self.model = model

@@ -222,9 +222,9 @@ def build_qwen2_5_vl_3b_shape(folder: Path, seed: int = 0) -> Path:
     """Random weights in Qwen2.5-VL-3B-Instruct's published shape (text: 36 layers of width 2048, 16 query and 2
     key/value heads; vision: 32 blocks of width 1280, 14-pixel patches merged 2x2) with its image processor's defaults,
     in bfloat16 (built on the GPU where there is one): what scoring costs on a GPU, without the checkpoint. Only the
-    vocabulary is this file's tiny one (the real 151,936-token head adds about a tenth to each generated token's work,
-    next to nothing to a prompt's), and the answers are noise: a random model rarely stops before max_new_tokens, where
-    real short answers do."""
+    vocabulary is this file's tiny one (the real head's 151,936 rows are 311M of the model's 3.75B parameters, and a
+    prompt pass computes them for its last position only), and the answers are noise: a random model rarely stops
+    before max_new_tokens, where real short answers do."""
     text = {
         "hidden_size": 2048,
         "intermediate_size": 11008,
