@@ -33,7 +33,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 import sharding
-from backends import ScoreCache, open_backend
+from backends import ScoreCache
 from checkpoints import check_width, load_checkpoint, load_selector, prune_checkpoints, save_checkpoint
 from cli import alias, default_is, help_first, run_cli
 from data import Dataset, RewardMode, compute_reward, load_dataset
@@ -45,6 +45,7 @@ from training import (
     Split,
     TrainArgs,
     check_train_args,
+    dataset_backend,
     greedy_icds,
     log_line,
     lr_factor,
@@ -386,11 +387,7 @@ def main(args: Args) -> None:
         # online groups are scored by the dataset's backend, through the same cache as validation
         scorer = None
         if args.online:
-            scorer = backend or ScoreCache(
-                open_backend(
-                    ds.meta, ds.items, ds.emb, batch_size=args.lvlm_batch_size, skip_self_check=args.skip_self_check
-                )
-            )
+            scorer = backend or dataset_backend(ds, args)
         lvlm = scorer or backend  # the one cache in front of the LVLM: its misses are the calls counted
 
         # policy, frozen reference and optimizer

@@ -219,15 +219,18 @@ def validate(model: PointerSelector, ds: Dataset, split: Split, backend=None, ma
     return out
 
 
+def dataset_backend(ds: Dataset, args: TrainArgs) -> ScoreCache:
+    """The backend that scored the dataset (the simulator, or its LVLM with the run's flags), behind a score cache."""
+    backend = open_backend(
+        ds.meta, ds.items, ds.emb, batch_size=args.lvlm_batch_size, skip_self_check=args.skip_self_check
+    )
+    return ScoreCache(backend)
+
+
 def validation_backend(ds: Dataset, args: TrainArgs) -> ScoreCache | None:
     """What answers the validation anchors' greedy picks (cached): the simulator of a simulated dataset, the
     dataset's LVLM with --val-lvlm, else None (then the best epoch is chosen by val/reward)."""
-    if ds.is_sim or args.val_lvlm:
-        backend = open_backend(
-            ds.meta, ds.items, ds.emb, batch_size=args.lvlm_batch_size, skip_self_check=args.skip_self_check
-        )
-        return ScoreCache(backend)
-    return None
+    return dataset_backend(ds, args) if ds.is_sim or args.val_lvlm else None
 
 
 def selection_metric(backend) -> str:
