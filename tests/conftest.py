@@ -71,3 +71,11 @@ def mixed_okvqa(tmp_path_factory):
     from real_fixtures import build_okvqa_fixture
 
     return build_okvqa_fixture(tmp_path_factory.mktemp("real") / "okvqa-mixed", mixed=True)
+
+
+@pytest.fixture(scope="session")
+def mixed_items(mixed_okvqa) -> dict[str, list[dict]]:
+    """mixed_okvqa's questions, as vqa_data reads them, per split."""
+    from vqa_data import load_vqa_split
+
+    return {split: load_vqa_split("okvqa", mixed_okvqa, split) for split in ("train", "val")}

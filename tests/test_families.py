@@ -38,7 +38,6 @@ from transformers import (
 from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
 from lvlm import LVLMBackend
-from vqa_data import load_vqa_split
 
 pytestmark = [
     # llava-v1.6-mistral's published template writes "<\s>", which jinja reads as an invalid escape.
@@ -51,14 +50,9 @@ REPLIES = ["black", "Yes", "fire hydrant"]  # an annotator answer, a capitalised
 
 
 @pytest.fixture(scope="module")
-def items(mixed_okvqa) -> dict[str, list[dict]]:
-    return {split: load_vqa_split("okvqa", mixed_okvqa, split) for split in ("train", "val")}
-
-
-@pytest.fixture(scope="module")
-def examples(items) -> list[tuple[dict, list[dict]]]:
+def examples(mixed_items) -> list[tuple[dict, list[dict]]]:
     """8 prompts of 0-4 ICDs; the 7 image kinds cycle through the folder, so every kind occurs in several prompts."""
-    train, val = items["train"], items["val"]
+    train, val = mixed_items["train"], mixed_items["val"]
     return [(val[i], [train[(3 * i + j) % len(train)] for j in range(i % 5)]) for i in range(8)]
 
 
@@ -182,12 +176,12 @@ def n_images(chat: list[dict]) -> int:
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def family(request, family_models, items, examples, replies) -> dict:
+def family(request, family_models, mixed_items, examples, replies) -> dict:
     """A family's folder and the reference answers and log P(reply) of every example (computed once)."""
     folder = Path(family_models[request.param])
     ref = Reference(folder)
     # The kit lays the prompt out (its messages()); everything after that is the reference's.
-    layout = LVLMBackend(str(folder), items, batch_size=1, max_new_tokens=MAX_NEW, device="cpu")
+    layout = LVLMBackend(str(folder), mixed_items, batch_size=1, max_new_tokens=MAX_NEW, device="cpu")
     chats = [layout.messages(query, icds) for query, icds in examples]
     images = [rgb_images(query, icds) for query, icds in examples]
     assert all(n_images(c) == len(icds) + 1 for c, (_, icds) in zip(chats, examples))
@@ -205,10 +199,10 @@ def family(request, family_models, items, examples, replies) -> dict:
     }
 
 
-def kit(family: dict, items: dict, batch_size: int) -> LVLMBackend:
+def kit(family: dict, mixed_items: dict, batch_size: int) -> LVLMBackend:
     if batch_size not in family["kit"]:
         family["kit"][batch_size] = LVLMBackend(
-            str(family["folder"]), items, batch_size=batch_size, max_new_tokens=MAX_NEW, device="cpu"
+            str(family["folder"]), mixed_items, batch_size=batch_size, max_new_tokens=MAX_NEW, device="cpu"
         )
     return family["kit"][batch_size]
 
@@ -226,9 +220,9 @@ def test_fixture_bites(family, examples):
     assert max(lengths) < 600
 
 
-def test_inputs_are_the_stock_processors(family, items, examples):
+def test_inputs_are_the_stock_processors(family, mixed_items, examples):
     ref = family["ref"]
-    backend = kit(family, items, 1)
+    backend = kit(family, mixed_items, 1)
     for (query, icds), chat, images in zip(examples, family["chats"], family["images"]):
         got = backend.encode([(query, icds)])
         want = ref.encode(ref.render(chat, True), images)
@@ -239,8 +233,8 @@ def test_inputs_are_the_stock_processors(family, items, examples):
 
 
 @pytest.mark.parametrize("batch_size", [1, 4])
-def test_answers_and_reply_probs_are_plain_transformers(family, items, examples, replies, batch_size):
-    backend = kit(family, items, batch_size)
+def test_answers_and_reply_probs_are_plain_transformers(family, mixed_items, examples, replies, batch_size):
+    backend = kit(family, mixed_items, batch_size)
     answers, probs = backend.run(examples, replies)
     wrong = [(i, a, w) for i, (a, w) in enumerate(zip(answers, family["answers"])) if a != w]
     assert not wrong, f"{len(wrong)} of {len(answers)} answers differ (prompt, kit, reference): {wrong}"

@@ -19,7 +19,6 @@ from conftest import FAMILIES
 from test_families import MAX_NEW, Reference, rgb_images
 
 from lvlm import LVLMBackend
-from vqa_data import load_vqa_split
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -30,21 +29,16 @@ ATOL, RTOL = 0.1, 0.005  # on log P(reply): the self-check's bound in half preci
 
 
 @pytest.fixture(scope="module")
-def items(mixed_okvqa) -> dict[str, list[dict]]:
-    return {split: load_vqa_split("okvqa", mixed_okvqa, split) for split in ("train", "val")}
-
-
-@pytest.fixture(scope="module")
-def examples(items) -> list[tuple[dict, list[dict]]]:
+def examples(mixed_items) -> list[tuple[dict, list[dict]]]:
     """16 prompts of 0-4 ICDs (test_families' 8 and 8 more), so that one flip in four has room to show."""
-    train, val = items["train"], items["val"]
+    train, val = mixed_items["train"], mixed_items["val"]
     return [(val[i % len(val)], [train[(3 * i + j) % len(train)] for j in range(i % 5)]) for i in range(16)]
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_bfloat16_on_cuda_stays_within_the_self_checks_bounds(name, family_models, items, examples):
+def test_bfloat16_on_cuda_stays_within_the_self_checks_bounds(name, family_models, mixed_items, examples):
     folder = family_models[name]
-    backend = LVLMBackend(str(folder), items, batch_size=4, max_new_tokens=MAX_NEW, device="cuda")
+    backend = LVLMBackend(str(folder), mixed_items, batch_size=4, max_new_tokens=MAX_NEW, device="cuda")
     assert backend.model.dtype == torch.bfloat16 and backend.model.device.type == "cuda"
     ref = Reference(folder, device="cuda", dtype=torch.bfloat16)
     replies = [[query["answers"][0], "Yes", "fire hydrant"] for query, _ in examples]
