@@ -645,8 +645,8 @@ class LVLMBackend:
             if answer:
                 new = self._greedy(last, cache, mask, after)
                 texts += self.tokenizer.batch_decode(new, skip_special_tokens=True)
-                if kept is cache and new.shape[1] > 1:  # the last token was never fed: the cache holds new - 1
-                    cache.crop(-(new.shape[1] - 1))
+                if wanted is not None and kept is cache and new.shape[1] > 1:  # the replies reuse the prompt's
+                    cache.crop(-(new.shape[1] - 1))  # cache: the last token was never fed, so it holds new - 1
             if wanted is not None:
                 chats = [self.messages(query, icds) for query, icds in batch]
                 probs += self._replies([self.reply_ids(c, rs) for c, rs in zip(chats, wanted)], last, kept, mask, after)
