@@ -244,6 +244,8 @@ def test_answers_and_reply_probs_are_plain_transformers(family, mixed_items, exa
     # gt_prob's path: the replies alone, no answer decoded from the cache first.
     _, alone = backend.run(examples, replies, answer=False)
     assert all(torch.allclose(a, p, rtol=1e-4, atol=0) for a, p in zip(alone, probs))
+    # evaluate.py's path: the answers alone, the cache left as decoding made it.
+    assert backend.run(examples)[0] == family["answers"]
 
 
 def test_each_demonstration_keeps_its_image(family, examples):
