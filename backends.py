@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
 import torch
@@ -36,8 +36,35 @@ class SimBackend:
 
 
 @dataclass
-class LVLMOptions:
-    """How the real backend is run (recorded in meta.json; evaluate.py and grpo.py reuse the dataset's)."""
+class LVLMRun:
+    """How a real LVLM runs in this process: speed and memory, never results (so not recorded with them)."""
+
+    lvlm_batch_size: int = 8
+    """Real LVLM: prompts per forward pass at most."""
+    lvlm_batch_tokens: int = 0
+    """Real LVLM: padded prompt tokens per forward pass at most, a memory bound (0 = none)."""
+    lvlm_workers: int = 0
+    """Real LVLM: threads that decode and preprocess pictures ahead of the model (0 = one per CPU core, at most 8)."""
+    device: str = "auto"
+    """Real LVLM: auto = this rank's CUDA device in bf16 when present, else CPU float32."""
+    image_cache_mib: int = 4096
+    """Real LVLM: memory per process for pictures decoded and preprocessed once and reused (half each)."""
+    encoder_cache_mib: int = 4096
+    """Real LVLM: GPU memory per process for each picture's vision-encoder output (Qwen2/2.5/3-VL; 0 = off)."""
+    skip_self_check: bool = False
+    """Real LVLM: skip the check, before a long run, that batched scoring gives plain transformers' results."""
+
+
+def check_lvlm_run(run: LVLMRun) -> None:
+    least = {"lvlm_batch_size": 1, "image_cache_mib": 1, "lvlm_batch_tokens": 0, "lvlm_workers": 0}
+    for name, lo in (least | {"encoder_cache_mib": 0}).items():
+        if getattr(run, name) < lo:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {lo}, got {getattr(run, name)}")
+
+
+@dataclass
+class LVLMOptions(LVLMRun):
+    """How the real backend prompts (recorded in meta.json; evaluate.py and grpo.py reuse the dataset's)."""
 
     system_prompt: str | None = None
     """Optional system prompt before the user turn."""
@@ -46,24 +73,10 @@ class LVLMOptions:
     query_template: str = "Question: {question} Short answer:"
     """Text after the query's image (the end of the user turn); in turn-per-demo also each ICD's question."""
     prompt_style: Literal["single-turn", "turn-per-demo"] = "single-turn"
-    """single-turn: every ICD and the query in one user turn; turn-per-demo: each ICD its own user turn (image and
-    question) answered by an assistant turn, then the query's user turn."""
+    """single-turn: every ICD and the query in one user turn; turn-per-demo: each ICD its own user and assistant
+    turn, then the query's user turn."""
     max_new_tokens: int = 10
     """Greedy generation length."""
-    lvlm_batch_size: int = 8
-    """Prompts per forward pass."""
-    device: str = "auto"
-    """auto = this rank's CUDA device in bf16 when present, else CPU float32."""
-    image_cache_mib: int = 4096
-    """Memory for images decoded and preprocessed once and reused, per process: half decoded (a COCO image 0.9 MiB),
-    half preprocessed (about 7 MiB of patches at Qwen2.5-VL's default pixel bounds). Least recently used go first."""
-    encoder_cache_mib: int = 4096
-    """GPU memory (the model's device) per process for each picture's vision-encoder output, computed once and
-    reused across prompts by the families whose encoder sees each picture alone (Qwen2/2.5/3-VL; a COCO picture is
-    about 1.6 MiB for Qwen2.5-VL-3B); 0 = off. Least recently used go first."""
-    skip_self_check: bool = False
-    """Skip the check, before any long run, that the batched scoring path gives plain transformers' answers and
-    P(reply) on a few prompts of this data (a family nobody tested could otherwise write wrong scores silently)."""
 
 
 class ScoreCache:
@@ -150,6 +163,8 @@ def lvlm_backend(model: str, items: dict[str, list[dict]], opts: LVLMOptions):
         opts.device,
         opts.image_cache_mib,
         opts.encoder_cache_mib,
+        opts.lvlm_batch_tokens,
+        opts.lvlm_workers,
     )
     # The fast path against plain transformers on a few prompts of this data, before any long run (raises if off).
     backend.check = None if opts.skip_self_check else backend.self_check()
@@ -170,17 +185,10 @@ def sim_from_meta(meta: dict) -> Simulator:
 
 
 def open_backend(
-    meta: dict,
-    items: dict[str, list[dict]],
-    emb: dict[str, Tensor],
-    lvlm: str | None = None,
-    batch_size: int = 8,
-    device: str = "auto",
-    image_cache_mib: int = 4096,
-    encoder_cache_mib: int = 4096,
-    skip_self_check: bool = False,
+    meta: dict, items: dict[str, list[dict]], emb: dict[str, Tensor], run: LVLMRun, lvlm: str | None = None
 ):
-    """The backend a dataset folder was scored with (or another LVLM, `lvlm`), rebuilt from its meta.json.
+    """The backend a dataset folder was scored with (or another LVLM, `lvlm`), rebuilt from its meta.json and run
+    as `run` says.
 
     For the simulator the folder's embeddings must be the ones the rebuilt simulator produces, else the stored
     scores and the backend would disagree.
@@ -193,15 +201,11 @@ def open_backend(
     if meta.get("source") == "sim" or lvlm == "sim":
         raise ValueError("a simulated dataset can only be answered by the simulator, and a real one by a real LVLM")
     opts = LVLMOptions(
+        **{f.name: getattr(run, f.name) for f in fields(LVLMRun)},
         system_prompt=meta.get("system_prompt"),
         icd_template=meta["prompt_template"]["icd"],
         query_template=meta["prompt_template"]["query"],
-        prompt_style=meta["prompt_template"].get("style", "single-turn"),  # folders from before the option
+        prompt_style=meta["prompt_template"]["style"],
         max_new_tokens=meta["generation"]["max_new_tokens"],
-        lvlm_batch_size=batch_size,
-        device=device,
-        image_cache_mib=image_cache_mib,
-        encoder_cache_mib=encoder_cache_mib,
-        skip_self_check=skip_self_check,
     )
     return lvlm_backend(lvlm or meta["lvlm"], items, opts)

@@ -79,6 +79,8 @@ class Args:
     """LVLM benchmark: ICDs (S) per sequence."""
     lvlm_batch_size: int = 8
     """LVLM benchmark: prompts per forward pass."""
+    lvlm_batch_tokens: int = 0
+    """LVLM benchmark: padded prompt tokens per forward pass at most (0 = no limit)."""
 
 
 def median_seconds(fn: Callable[[], None], repeats: int) -> float:
@@ -89,6 +91,11 @@ def median_seconds(fn: Callable[[], None], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def mmm(values: list[float], fmt: str = "{:.2f}") -> str:
+    """min / median / max."""
+    return " / ".join(fmt.format(v) for v in (min(values), statistics.median(values), max(values)))
 
 
 def random_batch(B: int, G: int, S: int, K: int, d: int, g: torch.Generator):
@@ -265,12 +272,12 @@ def bench_grpo_epoch(repeats: int, shapes: list[tuple[int, int, int]], reference
                 subprocess.run(cmd, check=True, capture_output=True, cwd=Path(__file__).parent)
                 fresh.append((time.perf_counter() - t0) * 800 / len(train) / epochs)
 
-        def mmm(x: list[float]) -> str:
-            return f"{min(x):6.2f} / {statistics.median(x):6.2f} / {max(x):6.2f}"
-
         ratios = sorted(r / o for r, o in zip(ref, ours))
-        print(f"  K={K:3d} G={G:2d} S={S}: Lever-Plus step {mmm(ref)}   ours {mmm(ours)}   ratio {mmm(ratios)}x")
-        print(f"  {'':17s} ours as a fresh process, start-up included: {mmm(fresh)}")
+        f = "{:6.2f}"
+        print(
+            f"  K={K:3d} G={G:2d} S={S}: Lever-Plus step {mmm(ref, f)}   ours {mmm(ours, f)}   ratio {mmm(ratios, f)}x"
+        )
+        print(f"  {'':17s} ours as a fresh process, start-up included: {mmm(fresh, f)}")
 
 
 def proc_status_bytes(field: str) -> int:
@@ -414,13 +421,13 @@ def bench_decode(repeats: int, B=800, S=4, K=64, d=512) -> None:
 def unshared_scores(backend, examples: list) -> tuple[list[str], Tensor]:
     """The reference the LVLM benchmark compares against: each prompt runs once for transformers' generate() and
     once more per credited reply, teacher-forced behind it (how scoring worked before prompts were shared).
-    Returns (raw answers, gt_prob (N,)) and counts prompt tokens in backend.prompt_tokens like LVLMBackend.run."""
+    Returns (raw answers, gt_prob (N,)) and counts prompt tokens in backend.counts like LVLMBackend.run."""
     from lvlm import credited_replies
 
     texts, rows, replies, credits = [], [], [], []
     for start in range(0, len(examples), backend.batch_size):
         inputs = backend.encode(examples[start : start + backend.batch_size])
-        backend.prompt_tokens += int(inputs["attention_mask"].sum())
+        backend.counts["prompt_tokens"] += int(inputs["attention_mask"].sum())
         out = backend.model.generate(**inputs)  # (B, T + new)
         texts += backend.tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     for i, (query, _) in enumerate(examples):
@@ -430,7 +437,7 @@ def unshared_scores(backend, examples: list) -> tuple[list[str], Tensor]:
     for start in range(0, len(rows), backend.batch_size):
         batch = [examples[i] for i in rows[start : start + backend.batch_size]]
         inputs = backend.encode(batch)
-        backend.prompt_tokens += int(inputs["attention_mask"].sum())
+        backend.counts["prompt_tokens"] += int(inputs["attention_mask"].sum())
         ids = [
             torch.tensor(backend.reply_ids(backend.messages(*examples[i]), [a])[0])
             for i, a in zip(rows[start : start + backend.batch_size], replies[start : start + backend.batch_size])
@@ -451,16 +458,56 @@ def unshared_scores(backend, examples: list) -> tuple[list[str], Tensor]:
     return texts, torch.zeros(len(examples)).index_add_(0, torch.tensor(rows), p).clamp_(max=1.0)
 
 
+# Dense bf16 matrix-multiply peaks from the datasheets (FLOP/s, without sparsity), by a substring of the device name.
+BF16_PEAKS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12), ("L40S", 362e12))
+VISION_MODULES = ("visual", "vision_tower", "vision_model", "multi_modal_projector", "connector")
+
+
+def parameter_counts(model) -> tuple[int, int]:
+    """(language model, vision encoder + projector) parameters; the input embeddings are a lookup, not counted."""
+    vision = lm = 0
+    for name, p in model.named_parameters():
+        if any(part in VISION_MODULES for part in name.split(".")):
+            vision += p.numel()
+        elif p is not model.get_input_embeddings().weight:
+            lm += p.numel()
+    return lm, vision
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of a large dense matrix product in `dtype` on `device`, measured here (the achievable peak)."""
+    n = 8192 if device.type == "cuda" else 1024
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    for _ in range(2):
+        a @ b
+    reps = 10
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync()
+    return 2 * n**3 * reps / (time.perf_counter() - t0)
+
+
+def padding(lengths: list[int], batches: list[list[int]]) -> float:
+    """Padded prompt tokens over real ones for examples of these lengths put in these batches."""
+    return sum(len(b) * max(lengths[i] for i in b) for b in batches) / sum(lengths)
+
+
 def bench_lvlm(args: Args) -> dict:
-    """G sequences of S shots for a few validation questions, scored (greedy answer + gt_prob) with each prompt run
-    once (LVLMBackend), the same without its vision-encoder cache where it has one, and with the unshared reference:
-    prompt tokens per scored sequence, sequences/s, peak memory, and the largest difference from the reference. Each
-    timed pass starts with the picture caches empty, so the rate counts only the reuse within its own groups."""
+    """G sequences of S shots for a few validation questions, scored (greedy answer + gt_prob) by the default path
+    (LVLMBackend: one pass per prompt, batches of similar length prepared in a background thread with parallel
+    picture workers), by the same path with each of its levers off, and by the unshared reference. Every timed pass
+    starts with the picture caches empty, so the rate counts only the reuse within its own groups; passes are
+    interleaved, --repeats of each. Then what the default path achieves against the device's peak, and where its
+    wall time goes (one more pass, synchronised at each phase boundary)."""
     import random
     import resource
 
     import lvlm
     from lvlm import LVLMBackend
+    from vqa import postprocess
     from vqa_data import load_vqa_split
 
     if args.lvlm == "tiny":
@@ -470,60 +517,135 @@ def bench_lvlm(args: Args) -> dict:
     if args.lvlm is None or args.vqa_root is None:
         raise ValueError("--only lvlm needs --lvlm MODEL and --vqa-root FOLDER (the official VQA files and images)")
     items = {s: load_vqa_split(args.dataset, args.vqa_root, s) for s in ("train", "val")}
-    backend = LVLMBackend(args.lvlm, items, batch_size=args.lvlm_batch_size, device=args.device)
+    backend = LVLMBackend(
+        args.lvlm, items, batch_size=args.lvlm_batch_size, device=args.device, batch_tokens=args.lvlm_batch_tokens
+    )
     rng = random.Random(0)
     examples = []
     for q in range(args.queries):
         pool = rng.sample(items["train"], args.pool_size) if args.pool_size else items["train"]
-        examples += [(items["val"][q], rng.sample(pool, args.shots)) for _ in range(args.group_size)]
-    cuda = backend.model.device.type == "cuda"
-    encoder_cache = backend.encoder_cache
-    passes = {"shared": lambda: backend.score_examples(examples)}
-    if encoder_cache is not None:
-        passes["shared, no encoder cache"] = lambda: backend.score_examples(examples)
-    passes["unshared"] = lambda: unshared_scores(backend, examples)
-    results = {}
-    for name, score in passes.items():
-        backend.encoder_cache = None if name == "shared, no encoder cache" else encoder_cache
-        score()  # warm-up (kernels)
-        patches = getattr(backend.processor.image_processor, "cache", None)
-        for cache in (lvlm.DECODED_IMAGES, patches, encoder_cache and encoder_cache.cache):
-            if cache is not None:
-                cache.clear()
-        backend.prompt_tokens = 0
+        query = items["val"][q % len(items["val"])]
+        examples += [(query, rng.sample(pool, args.shots)) for _ in range(args.group_size)]
+    device, cuda = backend.model.device, backend.model.device.type == "cuda"
+    encoder_cache, pool, images = backend.encoder_cache, backend.pool, backend.processor.image_processor
+
+    def levers(cache: bool = True, threads: bool = True) -> None:
+        backend.encoder_cache = encoder_cache if cache else None
+        backend.pool = pool if threads else None
+        backend.prefetch = 2 if threads else 0
+        if hasattr(images, "pool"):
+            images.pool = backend.pool
+
+    def cold() -> None:
+        for c in (lvlm.DECODED_IMAGES, getattr(images, "cache", None), encoder_cache and encoder_cache.cache):
+            if c is not None:
+                c.clear()
+        backend.counts.clear()
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        out = score()
-        if cuda:
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
-        peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        answers, gt = out if name == "unshared" else (out["prediction"], out["gt_prob"])
-        results[name] = {
-            "tokens": backend.prompt_tokens / len(examples),
-            "rate": len(examples) / seconds,
-            "peak": peak,
-            "answers": answers,
-            "gt_prob": gt,
-        }
-    backend.encoder_cache = encoder_cache
-    shared, ref = results["shared"], results["unshared"]
-    from vqa import postprocess
 
-    same = shared["answers"] == [postprocess(t) for t in ref["answers"]]
-    diff = float((shared["gt_prob"] - ref["gt_prob"]).abs().max())
-    where = f"{backend.model.device} ({backend.model.dtype})"
+    passes = {"default": {}}
+    if encoder_cache is not None:
+        passes["no encoder cache"] = {"cache": False}
+    passes["no background thread or workers"] = {"threads": False}
+    passes["unshared: generate(), then a forward per reply"] = {"unshared": True}
+    results = {name: {"rate": [], "seconds": []} for name in passes}
+    levers()
+    backend.score_examples(examples[: args.lvlm_batch_size])  # warm-up: kernels, allocator
+    for _ in range(args.repeats):
+        for name, p in passes.items():
+            levers(**{k: v for k, v in p.items() if k != "unshared"})
+            cold()
+            t0 = time.perf_counter()
+            out = unshared_scores(backend, examples) if p.get("unshared") else backend.score_examples(examples)
+            synchronize = torch.cuda.synchronize if cuda else (lambda: None)
+            synchronize()
+            seconds = time.perf_counter() - t0
+            r = results[name]
+            r["rate"].append(len(examples) / seconds)
+            r["seconds"].append(seconds)
+            r["tokens"] = backend.counts["prompt_tokens"] / len(examples)
+            r["counts"] = dict(backend.counts)
+            r["peak"] = (
+                torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            )
+            r["answers"], r["gt_prob"] = out if p.get("unshared") else (out["prediction"], out["gt_prob"])
+    levers()
+    default, ref = results["default"], results["unshared: generate(), then a forward per reply"]
+    same = default["answers"] == [postprocess(t) for t in ref["answers"]]
+    diff = float((default["gt_prob"] - ref["gt_prob"]).abs().max())
+
+    where = f"{device} ({backend.model.dtype})"
     print(f"LVLM {args.lvlm} on {where}, {args.queries} questions x G={args.group_size} x S={args.shots} shots")
-    print("(each sequence scored for its greedy answer and gt_prob)")
+    print(
+        f"(each sequence scored for its greedy answer and gt_prob; batches of <= {backend.batch_size} prompts; "
+        f"min / median / max of {args.repeats} interleaved cold passes)"
+    )
     memory = "peak GPU memory" if cuda else "peak process RSS"
     for name, r in results.items():
-        rate = f"{r['rate']:7.2f} sequences/s"
-        print(f"  {name:24s} prompt tokens/sequence {r['tokens']:7.1f}  {rate}  {memory} {r['peak'] / 2**30:6.2f} GiB")
-    ratio = ref["tokens"] / shared["tokens"]
-    print(f"  {ratio:.2f}x fewer prompt tokens shared; same answers: {same}; max |gt_prob difference| {diff:.2e}")
-    return {"token_ratio": ratio, "tokens": shared["tokens"], "same_answers": same, "max_diff": diff}
+        tokens_per_s = [x * r["tokens"] for x in r["rate"]]
+        print(
+            f"  {name:48s} {mmm(r['rate'])} sequences/s  {mmm(tokens_per_s, '{:.0f}')} prompt tokens/s  "
+            f"{r['tokens']:.0f} prompt tokens/sequence  {memory} {r['peak'] / 2**30:.2f} GiB"
+        )
+    ratio = ref["tokens"] / default["tokens"]
+    print(f"  {ratio:.2f}x fewer prompt tokens shared; same answers as unshared: {same}; max |gt_prob diff| {diff:.2e}")
+
+    # What the default path achieves: 2 x parameters x tokens (attention's T^2 term left out), against the peak.
+    lm, vision = parameter_counts(backend.model)
+    c, seconds = default["counts"], statistics.median(default["seconds"])
+    lm_tokens = c.get("prompt_tokens", 0) + c.get("new_tokens", 0) + c.get("reply_tokens", 0)
+    lm_rate, vision_rate = 2 * lm * lm_tokens / seconds, 2 * vision * c.get("vision_patches", 0) / seconds
+    name = torch.cuda.get_device_name(device) if cuda else "CPU"
+    sheet = next((peak for key, peak in BF16_PEAKS if key in name), None) if cuda else None
+    measured = matmul_rate(device, backend.model.dtype)
+    print(f"Model FLOP/s of the default path (2 x parameters x tokens), median pass, on {name}:")
+    print(
+        f"  language model {lm / 1e9:.3g} B parameters x {lm_tokens / len(examples):.0f} tokens/sequence "
+        f"(prompt, decoded, replies): {lm_rate / 1e12:.3g} TFLOP/s"
+    )
+    print(
+        f"  vision encoder {vision / 1e9:.3g} B parameters x {c.get('vision_patches', 0) / len(examples):.0f} "
+        f"patches/sequence encoded: {vision_rate / 1e12:.3g} TFLOP/s"
+    )
+    total = lm_rate + vision_rate
+    shares = f"{total / measured:.1%} of a dense {str(backend.model.dtype).removeprefix('torch.')} matmul here "
+    shares += f"({measured / 1e12:.3g} TFLOP/s)"
+    if sheet:
+        shares += f", {total / sheet:.1%} of the datasheet's bf16 peak ({sheet / 1e12:.0f} TFLOP/s)"
+    print(f"  together {total / 1e12:.3g} TFLOP/s: {shares}")
+
+    # Padding: the default's batches (longest first) against the same prompts batched in the order given.
+    lengths = [int(backend.process([ex])["attention_mask"].sum()) for ex in examples]
+    given = [
+        list(range(i, min(i + backend.batch_size, len(examples)))) for i in range(0, len(examples), backend.batch_size)
+    ]
+    formed = [prep.rows for prep in backend.batches(examples, None)]
+    print(
+        f"Padded prompt tokens per real one: {padding(lengths, formed):.3f} in batches by length, "
+        f"{padding(lengths, given):.3f} in the order given"
+    )
+
+    # Where the wall time goes: one more cold pass, the device synchronised at each phase boundary.
+    cold()
+    backend.phases = {}
+    t0 = time.perf_counter()
+    backend.score_examples(examples)
+    wall = time.perf_counter() - t0
+    phases, backend.phases = backend.phases, None
+    phases["other"] = max(wall - sum(phases.values()), 0.0)
+    print(f"Where the wall time goes ({wall:.2f} s, one pass synchronised at each phase boundary):")
+    print("  " + ", ".join(f"{k} {v / wall:.0%}" for k, v in phases.items()))
+    return {
+        "token_ratio": ratio,
+        "tokens": default["tokens"],
+        "same_answers": same,
+        "max_diff": diff,
+        "rates": {name: r["rate"] for name, r in results.items()},
+        "phases": phases,
+        "flops": {"lm": lm_rate, "vision": vision_rate, "matmul": measured},
+    }
 
 
 TINY_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "llava", "llava_next", "llava_onevision", "gemma3")

@@ -32,7 +32,7 @@ class CpuArgs:
 PATH_ARGS = ("out", "data", "init")
 # Flags that change what is kept, shown or how a run is started, never what is trained: a resumed run may change
 # them freely, and compare.py does not list them among the flags that differ.
-SIDE_ARGS = ("keep_every", "report_to", "skip_self_check")
+SIDE_ARGS = ("keep_every", "report_to", "skip_self_check", "lvlm_workers", "image_cache_mib", "encoder_cache_mib")
 
 
 def alias(*names: str):

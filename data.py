@@ -174,6 +174,7 @@ def read_meta(folder: Path) -> dict:
         for group, key, kind in (
             ("prompt_template", "icd", str),
             ("prompt_template", "query", str),
+            ("prompt_template", "style", str),
             ("generation", "max_new_tokens", int),
         ):
             value = meta.get(group, {}).get(key)

@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 import pools
 import sharding
-from backends import open_backend
+from backends import LVLMRun, check_lvlm_run, open_backend
 from checkpoints import check_width, checkpoints, load_selector, settings_file
 from cli import CpuArgs, default_is, help_first, run_cli
 from compare import read_args, read_metrics, unfinished
@@ -58,7 +58,7 @@ Baseline = Literal["zero-shot", "random", "image-sim", "text-sim", "oracle", "ob
 
 @help_first("runs", "baseline", "data", "out", "lvlm")
 @dataclass
-class Args(CpuArgs):
+class Args(LVLMRun, CpuArgs):
     runs: tyro.conf.Positional[list[Path]] = field(default_factory=list)
     """Run folders whose selector (model.safetensors) to evaluate."""
     baseline: Baseline | None = None
@@ -90,17 +90,6 @@ class Args(CpuArgs):
     """Questions per backend call (each one's line is flushed when its call returns)."""
     lvlm: Annotated[str | None, default_is("the dataset's own")] = None
     """Answer with this LVLM (HF id or path) instead of the one that scored the dataset (real datasets only)."""
-    lvlm_batch_size: int = 8
-    """Real LVLM: prompts per forward pass."""
-    device: str = "auto"
-    """Real LVLM: auto = this rank's CUDA device in bf16, else CPU float32."""
-    image_cache_mib: int = 4096
-    """Real LVLM: memory per process for images decoded and preprocessed once and reused (half each)."""
-    encoder_cache_mib: int = 4096
-    """Real LVLM: GPU memory per process for each picture's vision-encoder output, reused across prompts (Qwen2/2.5/
-    3-VL; 0 = off)."""
-    skip_self_check: bool = False
-    """Real LVLM: skip the check that batched scoring matches plain transformers on a few prompts, before the run."""
     data_root: Path | None = None
     """Real data: where the dataset's files live now, if they moved since gen_rl_data.py (image paths re-rooted)."""
 
@@ -112,10 +101,9 @@ def check_args(args: Args) -> None:
         raise ValueError("--out is for baselines; a run's results go to RUN/eval/")
     if not args.shots or min(args.shots) < 1 or not args.num_samples or min(args.num_samples) < 1:
         raise ValueError("--shots and --num-samples must be positive")
-    if args.seeds < 1 or args.batch_size < 1 or args.image_cache_mib < 1:
-        raise ValueError("--seeds, --batch-size and --image-cache-mib must be >= 1")
-    if args.encoder_cache_mib < 0:
-        raise ValueError(f"--encoder-cache-mib must be >= 0 (0 = off), got {args.encoder_cache_mib}")
+    if args.seeds < 1 or args.batch_size < 1:
+        raise ValueError("--seeds and --batch-size must be >= 1")
+    check_lvlm_run(args)
     for run in args.runs:
         if not (run / "model.safetensors").is_file():
             raise ValueError(f"{run}: no model.safetensors; is this a finished rce/grpo run?")
@@ -427,17 +415,7 @@ def main(args: Args) -> None:
         reroot_images(ds, args.data_root)
     jobs = plan(args, ds)
     preflight(args, ds, jobs)
-    backend = open_backend(
-        ds.meta,
-        ds.items,
-        ds.emb,
-        args.lvlm,
-        args.lvlm_batch_size,
-        args.device,
-        args.image_cache_mib,
-        args.encoder_cache_mib,
-        args.skip_self_check,
-    )
+    backend = open_backend(ds.meta, ds.items, ds.emb, args, args.lvlm)
     digest = data_digest(ds.folder)
     rank = sharding.init()[0]
     with contextlib.ExitStack() as locks:  # one writer per evaluation file, every file checked before any is written

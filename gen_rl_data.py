@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 import pools
 import sharding
-from backends import LVLMOptions, SimBackend, lvlm_backend
+from backends import LVLMOptions, SimBackend, check_lvlm_run, lvlm_backend
 from checkpoints import load_selector
 from cli import CpuArgs, default_is, help_first, run_cli
 from data import (
@@ -154,11 +154,10 @@ def out_folder(args: Args) -> Path:
 
 
 def check_args(args: Args) -> None:
-    for name in ("num_queries", "num_train", "num_val", "pool_size", "group_size", "seq_len", "image_cache_mib"):
+    for name in ("num_queries", "num_train", "num_val", "pool_size", "group_size", "seq_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.encoder_cache_mib < 0:
-        raise ValueError(f"--encoder-cache-mib must be >= 0 (0 = off), got {args.encoder_cache_mib}")
+    check_lvlm_run(args)
     if args.seq_len > args.pool_size:
         raise ValueError(f"--seq-len {args.seq_len} is larger than --pool-size {args.pool_size}")
     if math.perm(args.pool_size, args.seq_len) < args.group_size:

@@ -38,18 +38,29 @@ How it is kept, and why the obvious implementation breaks it:
   it and the position builder rely on internals of the pinned transformers (5.23).
 - Decoded images and cached patches live in least-recently-used caches bounded by bytes: --image-cache-mib (default
   4096 per process, half decoded images, half patches; one COCO image is about 0.9 + 7 MiB at Qwen2.5-VL's defaults).
+- Throughput without changing a result: a call's prompts are batched longest first (less padding), at most
+  --lvlm-batch-size prompts and --lvlm-batch-tokens padded tokens a batch; a background thread prepares the next
+  batches (pictures decoded and preprocessed by --lvlm-workers threads, tokens, positions, reply tokens) while the
+  model runs this one; and nothing in the loop waits for the GPU (inputs are copied from page-locked memory, decoding
+  reads its stop flag a step late, results come back once, at the end).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import json
 import math
 import os
+import queue
 import random
 import sys
+import threading
+import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -126,38 +137,47 @@ IMAGE_KEY = "icl_select_path"  # set in each loaded image's .info, so preprocess
 
 class ByteLRU:
     """A least-recently-used cache bounded by the bytes of what it holds, not by a count (COCO images and their
-    patch tensors vary tenfold in size). The newest entry always stays, even alone over the budget."""
+    patch tensors vary tenfold in size). The newest entry always stays, even alone over the budget. Safe to share
+    between the threads that prepare batches: a value is made outside the lock, so two threads may make the same one,
+    and the first put wins."""
 
     def __init__(self, budget: int, sizeof: Callable[[object], int]):
         self.budget, self.sizeof = budget, sizeof
         self.entries: OrderedDict[object, tuple[object, int]] = OrderedDict()
         self.bytes = self.misses = 0
+        self.lock = threading.Lock()
 
     def get(self, key, make: Callable[[], object]):
-        if key in self.entries:
-            return self.lookup(key)
-        value = make()
-        self.misses += 1
-        self.put(key, value)
-        return value
+        if (value := self.lookup(key)) is not None:
+            return value
+        return self.put(key, make())
 
     def lookup(self, key):
         """The value held under `key`, now the most recently used, or None."""
-        if key not in self.entries:
-            return None
-        self.entries.move_to_end(key)
-        return self.entries[key][0]
+        with self.lock:
+            if key not in self.entries:
+                return None
+            self.entries.move_to_end(key)
+            return self.entries[key][0]
 
-    def put(self, key, value) -> None:
-        """Hold `value` under a `key` not held yet, as the most recently used."""
-        self.entries[key] = (value, self.sizeof(value))
-        self.bytes += self.entries[key][1]
-        while self.bytes > self.budget and len(self.entries) > 1:
-            self.bytes -= self.entries.popitem(last=False)[1][1]
+    def put(self, key, value):
+        """Hold `value` under `key` as the most recently used, unless a value is held there already; returns the
+        value held."""
+        with self.lock:
+            if key in self.entries:
+                self.entries.move_to_end(key)
+                return self.entries[key][0]
+            self.entries[key] = (value, self.sizeof(value))
+            self.bytes += self.entries[key][1]
+            self.misses += 1  # every value held was made once for it
+            while self.bytes > self.budget and len(self.entries) > 1:
+                self.bytes -= self.entries.popitem(last=False)[1][1]
+            return value
 
     def clear(self) -> None:
-        self.entries.clear()
-        self.bytes = 0
+        with self.lock:
+            self.entries.clear()
+            self.bytes = 0
 
 
 MIB = 2**20
@@ -186,6 +206,25 @@ def load_image(path: str) -> Image.Image:
     return DECODED_IMAGES.get(path, lambda: _decode(path))
 
 
+def decode_ahead(paths: list[str], pool: ThreadPoolExecutor | None) -> None:
+    """Decode the pictures of `paths` not in DECODED_IMAGES yet, in the pool's threads (PIL releases the GIL)."""
+    missing = [p for p in dict.fromkeys(paths) if DECODED_IMAGES.lookup(p) is None]
+    if pool is None or len(missing) < 2:
+        return
+    for path, image in zip(missing, pool.map(_decode, missing)):
+        DECODED_IMAGES.put(path, image)
+
+
+@functools.cache
+def picture_pixels(path: str) -> int:
+    """Width x height of the picture at `path`, from its header alone (no decoding): a prompt's length key."""
+    try:
+        with Image.open(path) as img:
+            return img.width * img.height
+    except (OSError, SyntaxError, ValueError):
+        return 0  # decoding it later says what is wrong
+
+
 def _feature_bytes(feature: BatchFeature) -> int:
     return sum(v.nbytes for v in feature.values() if torch.is_tensor(v) or isinstance(v, np.ndarray))
 
@@ -196,11 +235,11 @@ class CachedImageProcessor:
     The processor still does everything else (placeholder expansion, tokenisation); this only replaces repeated
     resizing/normalising of the same ICD images, which recur across thousands of prompts and across the teacher-forced
     gt_prob passes. Results are kept in a ByteLRU of `budget` bytes: at Qwen2.5-VL's default pixel bounds a COCO
-    image is about 7 MiB of float32 patches.
+    image is about 7 MiB of float32 patches. Misses are preprocessed in `pool`'s threads when one is given.
     """
 
-    def __init__(self, inner, budget: int = DEFAULT_IMAGE_CACHE_MIB * MIB // 2):
-        self.inner = inner
+    def __init__(self, inner, budget: int = DEFAULT_IMAGE_CACHE_MIB * MIB // 2, pool: ThreadPoolExecutor | None = None):
+        self.inner, self.pool = inner, pool
         self.cache = ByteLRU(budget, _feature_bytes)
 
     @property
@@ -211,13 +250,25 @@ class CachedImageProcessor:
         return getattr(self.inner, name)
 
     def one(self, image: Image.Image, kwargs: dict) -> BatchFeature:
-        key = (image.info.get(IMAGE_KEY), repr(sorted(kwargs.items())))
+        key = (image.info.get(IMAGE_KEY), repr(sorted(kwargs.items())))  # the same key as __call__'s
         if key[0] is None:  # not loaded through load_image: nothing to key the cache on
             return self.inner([image], **kwargs)
         return self.cache.get(key, lambda: self.inner([image], **kwargs))
 
     def __call__(self, images, **kwargs) -> BatchFeature:
-        parts = [self.one(image, kwargs) for image in make_flat_list_of_images(images)]
+        images = make_flat_list_of_images(images)
+        if self.pool is not None:  # the misses in parallel, so that one() finds them all cached
+            settings = repr(sorted(kwargs.items()))
+            missing = {
+                path: image
+                for image in images
+                if (path := image.info.get(IMAGE_KEY)) is not None and self.cache.lookup((path, settings)) is None
+            }
+            if len(missing) > 1:
+                made = self.pool.map(lambda image: self.inner([image], **kwargs), missing.values())
+                for path, feature in zip(missing, made):
+                    self.cache.put((path, settings), feature)
+        parts = [self.one(image, kwargs) for image in images]
         merged = {}
         for key in parts[0]:
             values = [p[key] for p in parts]
@@ -237,21 +288,24 @@ class EncoderCache:
     cached, and the model takes the outputs through its own `mm_encoder_outputs` input in place of the pixels. The
     encoder is a large share of a multi-image prompt's cost (docs/real-models.md measures what the cache saves)."""
 
-    def __init__(self, model, budget: int):
-        self.model = model
+    def __init__(self, model, budget: int, counts: Counter):
+        self.model, self.counts = model, counts
         self.cache = ByteLRU(budget, lambda parts: sum(t.nbytes for t in parts))
         self.output_type = None  # the model's encoder output class (Qwen3-VL's carries its deepstack features)
 
-    def __call__(self, paths: list[str], inputs: BatchFeature) -> dict:
+    def __call__(self, paths: list[str], inputs: BatchFeature, grid: Tensor) -> dict:
         """The model's inputs for a batch whose pictures are `paths` in processor order, the pixels replaced by the
-        encoder's outputs: the cached ones, and the others from one encoder pass over their patch rows."""
-        grid = inputs["image_grid_thw"]  # (N, 3) per picture: its patch rows are the product
+        encoder's outputs: the cached ones, and the others from one encoder pass over their patch rows. `grid` is
+        the batch's image_grid_thw on the CPU, so that nothing here waits for the GPU."""
         found = {p: v for p in dict.fromkeys(paths) if (v := self.cache.lookup(p)) is not None}
         new = list({p: i for i, p in enumerate(paths) if p not in found}.items())  # (path, first index)
         if new:
-            rows = inputs["pixel_values"].split(grid.prod(-1).tolist())
+            rows = inputs["pixel_values"].split(grid.prod(-1).tolist())  # (N,) blocks of patch rows, one per picture
             index = [i for _, i in new]
-            out = self.model.get_image_features(torch.cat([rows[i] for i in index]), grid[index], return_dict=True)
+            self.counts["vision_patches"] += int(grid[index].prod(-1).sum())
+            on_device = inputs["image_grid_thw"]
+            pixels, new_grid = torch.cat([rows[i] for i in index]), torch.cat([on_device[i : i + 1] for i in index])
+            out = self.model.get_image_features(pixels, new_grid, return_dict=True)
             self.output_type = type(out)
             deep = getattr(out, "deepstack_features", None) or []  # per layer, per picture
             for j, (path, _) in enumerate(new):
@@ -441,6 +495,99 @@ def load_lvlm(
     return lvlm, processor, info
 
 
+@dataclass
+class Replies:
+    """The credited replies of one batch, tokenised on the CPU: how many each prompt has, and for every reply its
+    prompt's row, its tokens (padded) and its length."""
+
+    per_row: list[int]
+    rows: Tensor  # (R,)
+    tokens: Tensor  # (R, L)
+    lengths: Tensor  # (R,)
+
+
+@dataclass
+class Prepared:
+    """One batch made ready on the CPU for the model: which examples, the processor's inputs, generate()'s
+    positions, the pictures in processor order, Qwen's image grids, the replies, and the unpadded prompt tokens."""
+
+    rows: list[int]
+    inputs: BatchFeature
+    positions: Tensor  # (B, T) | (4, B, T)
+    paths: list[str]
+    grid: Tensor | None  # (N, 3)
+    replies: Replies | None
+    tokens: int
+
+
+def prefetched(items: Iterator, depth: int) -> Iterator:
+    """`items`, made in a background thread up to `depth` ahead of the consumer (the CPU side of batches overlaps
+    the model's work). The thread's exception is raised here; leaving early stops the thread at its next item."""
+    ready: queue.Queue = queue.Queue(depth)
+    stop = threading.Event()
+    end = object()
+
+    def make() -> None:
+        try:
+            for item in items:
+                if stop.is_set():
+                    return
+                ready.put(item)
+            ready.put(end)
+        except BaseException as e:  # noqa: BLE001  (handed to the consumer, which raises it)
+            ready.put(e)
+
+    worker = threading.Thread(target=make, daemon=True)
+    worker.start()
+    try:
+        while (item := ready.get()) is not end:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        while worker.is_alive():  # unblock a put on a full queue
+            with contextlib.suppress(queue.Empty):
+                ready.get_nowait()
+            worker.join(0.01)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Watch:
+    """Whether every row of a decoding batch has stopped, asked once per step without waiting for the device: on a
+    GPU the answer is the flag of an earlier step, copied to pinned memory behind an event; on the CPU it is exact."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.flag = torch.zeros((), dtype=torch.bool, pin_memory=self.cuda)
+        self.event = None
+
+    def all(self, done: Tensor) -> bool:
+        if not self.cuda:
+            return bool(done.all())
+        landed = self.event is None or self.event.query()
+        seen = landed and self.event is not None and bool(self.flag)
+        if landed:  # the last copy has landed: send the current flag
+            self.flag.copy_(done.all(), non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        return seen
+
+
+def pinned(value, device: torch.device):
+    """A tensor or BatchFeature in page-locked memory when it is bound for a GPU (so its copy does not make the host
+    wait), else as it is."""
+    if device.type != "cuda":
+        return value
+    if torch.is_tensor(value):
+        return value.pin_memory()
+    return BatchFeature({k: v.pin_memory() if torch.is_tensor(v) else v for k, v in value.items()})
+
+
 def is_per_token(value, inputs: BatchFeature) -> bool:
     """Whether a processor output has one entry per token (same shape as input_ids)."""
     return torch.is_tensor(value) and value.shape == inputs["input_ids"].shape
@@ -466,8 +613,17 @@ class LVLMBackend:
         device: str = "auto",
         image_cache_mib: int = DEFAULT_IMAGE_CACHE_MIB,
         encoder_cache_mib: int = DEFAULT_ENCODER_CACHE_MIB,
+        batch_tokens: int = 0,
+        workers: int = 0,
     ):
         self.model, self.processor, self.info = load_lvlm(model, device=device)
+        # Threads that decode and preprocess pictures in parallel, for the batch the model runs next (0 = one per
+        # core, at most 8).
+        workers = workers or min(8, os.cpu_count() or 1)
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="icl-select-images") if workers > 1 else None
+        self.counts: Counter = Counter()  # tokens and patches run through the model so far (bench.py's FLOP counts)
+        self.phases: dict[str, float] | None = None  # bench.py: seconds per phase of run(), when it profiles
+        self.prefetch = 2  # batches prepared ahead of the model in a background thread (0 = in line)
         # The process's image memory: half for decoded images, half for their preprocessed patches.
         DECODED_IMAGES.budget = image_cache_mib * MIB // 2
         probe = self.processor.image_processor([Image.new("RGB", (64, 48))], return_tensors="pt")
@@ -478,17 +634,18 @@ class LVLMBackend:
             # processors (Idefics3, LLaVA-NeXT/OneVision) shape an image by the prompt it is in: they always see the
             # whole prompt.
             self.processor.image_processor = CachedImageProcessor(
-                self.processor.image_processor, image_cache_mib * MIB // 2
+                self.processor.image_processor, image_cache_mib * MIB // 2, self.pool
             )
             if encoder_cache_mib > 0:
-                self.encoder_cache = EncoderCache(self.model, encoder_cache_mib * MIB)
+                self.encoder_cache = EncoderCache(self.model, encoder_cache_mib * MIB, self.counts)
         self.items = items
-        self.batch_size, self.max_new_tokens = batch_size, max_new_tokens
+        self.batch_size, self.batch_tokens, self.max_new_tokens = batch_size, batch_tokens, max_new_tokens
         self.system_prompt = system_prompt
         self.tokenizer = self.processor.tokenizer
         eos = self.model.generation_config.eos_token_id
         eos = self.tokenizer.eos_token_id if eos is None else eos
         self.stop_ids: list[int] = [eos] if isinstance(eos, int) else list(eos)
+        self.stop_tensor = torch.tensor(self.stop_ids, device=self.model.device)
         self.pad_id: int = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
         # Replace the checkpoint's generation defaults outright rather than passing a config to generate(): generate()
         # fills every value left unset from model.generation_config, so Qwen2.5-VL-Instruct's top_k, temperature and
@@ -509,7 +666,6 @@ class LVLMBackend:
                 "user and assistant turn (turn-per-demo) to keep its image next to its question"
             )
             print(f"note: {self.info['lvlm']}: {self.layout_note}", file=sys.stderr)
-        self.prompt_tokens = 0  # prompt tokens run through the model so far (bench.py reports it per sequence)
 
     def _chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return self.processor.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
@@ -552,21 +708,25 @@ class LVLMBackend:
         text = self._chat(self.messages(query, icds), add_generation_prompt=True)
         return text, [load_image(item["image"]) for item in (*icds, query)]
 
-    def encode(self, examples: list[Example]) -> BatchFeature:
-        """Processor inputs for a batch of prompts, left-padded, on the model's device (pixels in the model's dtype).
+    def process(self, examples: list[Example]) -> BatchFeature:
+        """Processor inputs for a batch of prompts, left-padded, on the CPU.
 
         Each prompt's images go in as that prompt's list, as the stock apply_chat_template passes them: multi-image
         processors (LLaVA-OneVision) shape an image by how many share its prompt.
         """
+        decode_ahead([it["image"] for query, icds in examples for it in (*icds, query)], self.pool)
         texts, images = zip(*(self.render(query, icds) for query, icds in examples))
-        inputs = self.processor(
+        return self.processor(
             text=list(texts),
             images=list(images),
             padding=True,
             return_tensors="pt",
             add_special_tokens=self._special(texts[0]),
         )
-        return inputs.to(self.model.device, dtype=self.model.dtype)  # casts only the floating-point tensors
+
+    def encode(self, examples: list[Example]) -> BatchFeature:
+        """process() on the model's device (pixels in the model's dtype)."""
+        return self.process(examples).to(self.model.device, dtype=self.model.dtype)  # casts only floating tensors
 
     def reply_ids(self, messages: list[dict], replies: list[str]) -> list[list[int]]:
         """Each reply's tokens as the chat template renders it as the assistant's turn after `messages`, up to and
@@ -609,11 +769,73 @@ class LVLMBackend:
             out.append(tail[: stops[0] + 1] if stops else tokens(text[:end])[len(head) :] + self.stop_ids[:1])
         return out
 
+    def prepare(self, rows: list[int], examples: list[Example], replies: list[list[str]] | None) -> Prepared:
+        """The CPU side of one batch (it runs ahead of the model, in a background thread): processor inputs,
+        generate()'s positions for the prompt (left padding skipped, Qwen's 3-d rope from the image grids) and every
+        reply's tokens; bound for a GPU, in page-locked memory, so that copying them does not make the host wait."""
+        batch, device = [examples[i] for i in rows], self.model.device
+        with self.phase("preprocess"):
+            inputs = self.process(batch)
+            pos = self.model._prepare_position_ids_for_generation(inputs["input_ids"], dict(inputs))
+            wanted = None
+            if replies is not None:
+                ids = [self.reply_ids(self.messages(*ex), replies[i]) for ex, i in zip(batch, rows)]
+                flat = [torch.tensor(r) for rs in ids for r in rs]
+                pad = torch.nn.utils.rnn.pad_sequence
+                tokens = pad(flat, True, self.pad_id) if flat else torch.zeros(0, 1, dtype=torch.long)  # (R, L)
+                owner = torch.tensor([i for i, rs in enumerate(ids) for _ in rs], dtype=torch.long)  # (R,)
+                lengths = torch.tensor([len(r) for rs in ids for r in rs], dtype=torch.long)  # (R,)
+                wanted = Replies([len(rs) for rs in ids], *(pinned(t, device) for t in (owner, tokens, lengths)))
+        paths = [it["image"] for query, icds in batch for it in (*icds, query)]  # processor order: ICDs, then query
+        real_tokens, grid = int(inputs["attention_mask"].sum()), inputs.get("image_grid_thw")
+        return Prepared(rows, pinned(inputs, device), pinned(pos, device), paths, grid, wanted, real_tokens)
+
+    def batches(self, examples: list[Example], replies: list[list[str]] | None) -> Iterator[Prepared]:
+        """The examples in batches of similar length (longest first, less padding), each at most batch_size prompts
+        and, with batch_tokens, at most that many padded prompt tokens (a batch over it is processed again, smaller;
+        the size of the next is guessed from the longest prompt seen with as many pictures)."""
+
+        def length(i: int) -> tuple[int, int, int]:  # pictures, their pixels, question characters
+            items = (*examples[i][1], examples[i][0])
+            pixels = sum(picture_pixels(it["image"]) for it in items)
+            return len(items), pixels, sum(len(it["question"]) for it in items)
+
+        order = sorted(range(len(examples)), key=length, reverse=True)
+        longest: dict[int, int] = {}  # pictures per prompt -> the most prompt tokens seen
+        start = 0
+        while start < len(order):
+            pictures = len(examples[order[start]][1]) + 1
+            n = self.batch_size
+            if self.batch_tokens and pictures in longest:
+                n = max(1, min(n, self.batch_tokens // longest[pictures]))
+            while True:
+                prep = self.prepare(order[start : start + n], examples, replies)
+                tokens = prep.inputs["input_ids"].shape[1]
+                longest[pictures] = max(longest.get(pictures, 0), tokens)
+                if not self.batch_tokens or n == 1 or len(prep.rows) * tokens <= self.batch_tokens:
+                    break
+                n = max(1, min(n - 1, self.batch_tokens // tokens))
+            start += len(prep.rows)
+            yield prep
+
+    @contextmanager
+    def phase(self, name: str):
+        """Adds the wall time of the block to self.phases[name] when profiling (bench.py), the device synchronised
+        at both ends so that each phase is charged only its own work."""
+        if self.phases is None:
+            yield
+            return
+        synchronize(self.model.device)
+        start = time.perf_counter()
+        yield
+        synchronize(self.model.device)
+        self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
+
     @torch.inference_mode()
     def run(
         self, examples: list[Example], replies: list[list[str]] | None = None, answer: bool = True
     ) -> tuple[list[str], list[Tensor]]:
-        """Everything asked of each prompt from ONE pass over it, batch_size prompts at a time.
+        """Everything asked of each prompt from ONE pass over it, in batches of similar length (see batches()).
 
         The prompt pass keeps its KV cache. With `answer`, the greedy answer is decoded from it (raw text, new tokens
         only, special tokens dropped), token by token as generate() would with do_sample=False. Then every reply of
@@ -622,74 +844,103 @@ class LVLMBackend:
         reply tokens only: P(reply) is the product of its tokens' probabilities, the first from the prompt pass's last
         logits. Returns (answers or [], [P(reply) per reply of example i: (R_i,)]).
 
-        Positions are the ones generate() gives: its own position builder for the prompt (left padding skipped,
-        Qwen's 3-d rope from the image grids), then one more per token.
+        The CPU side of each batch (decoding and preprocessing pictures, tokenising, positions) is prepared in a
+        background thread while the model runs the batch before it, and nothing in the loop waits for the device:
+        the results are copied back once, at the end.
         """
-        texts, probs = [], []
-        for start in range(0, len(examples), self.batch_size):
-            batch = examples[start : start + self.batch_size]
-            inputs = self.encode(batch)
-            self.prompt_tokens += int(inputs["attention_mask"].sum())  # bench.py: prompt tokens processed
-            pos = self.model._prepare_position_ids_for_generation(
-                inputs["input_ids"], dict(inputs)
-            )  # (B, T) | (4, B, T)
-            if self.encoder_cache is not None:  # the prompts' pictures in processor order: ICDs, then the query
-                inputs = self.encoder_cache([it["image"] for q, icds in batch for it in (*icds, q)], inputs)
-            out = self.model(**inputs, position_ids=pos, use_cache=True, logits_to_keep=1)
+        device = self.model.device
+        made = []  # (rows, greedy tokens (B, new) | None, P(reply) (R,) | None, replies per row), on the device
+        batches = self.batches(examples, replies)
+        inline = self.phases is not None or self.prefetch == 0  # profiling charges each phase its own time
+        for prep in batches if inline else prefetched(batches, self.prefetch):
+            self.counts["prompt_tokens"] += prep.tokens
+            with self.phase("copy"):
+                inputs = prep.inputs.to(device, dtype=self.model.dtype, non_blocking=True)
+                pos = prep.positions.to(device, non_blocking=True)
+            if self.encoder_cache is not None:
+                with self.phase("vision"):
+                    inputs = self.encoder_cache(prep.paths, inputs, prep.grid)
+            else:  # the encoder runs inside the prompt pass, over every picture of the batch
+                self.counts["vision_patches"] += self._patches(prep)
+            with self.phase("prefill"):
+                out = self.model(**inputs, position_ids=pos, use_cache=True, logits_to_keep=1)
             cache, last, mask = out.past_key_values, out.logits[:, -1], inputs["attention_mask"]  # last: (B, V)
             after = pos[..., -1:] + 1  # the next token's position: (B, 1) | (4, B, 1)
-            wanted = None if replies is None else replies[start : start + self.batch_size]
             # Decoding extends the cache, and the replies need it as the prompt left it: plain layers are cut back
             # afterwards, others (sliding windows drop old states) are copied before.
+            wanted = prep.replies
             kept = copy.deepcopy(cache) if answer and wanted is not None and not croppable(cache) else cache
+            new = p = None
             if answer:
-                new = self._greedy(last, cache, mask, after)
-                texts += self.tokenizer.batch_decode(new, skip_special_tokens=True)
-                if wanted is not None and kept is cache and new.shape[1] > 1:  # the replies reuse the prompt's
-                    cache.crop(-(new.shape[1] - 1))  # cache: the last token was never fed, so it holds new - 1
+                with self.phase("decode"):
+                    new = self._greedy(last, cache, mask, after)
+                    if wanted is not None and kept is cache and new.shape[1] > 1:  # the replies reuse the prompt's
+                        cache.crop(-(new.shape[1] - 1))  # cache: the last token was never fed, so it holds new - 1
             if wanted is not None:
-                chats = [self.messages(query, icds) for query, icds in batch]
-                probs += self._replies([self.reply_ids(c, rs) for c, rs in zip(chats, wanted)], last, kept, mask, after)
-        return texts, probs
+                with self.phase("gt_prob"):
+                    p = self._replies(wanted, last, kept, mask, after)
+            made.append((prep.rows, new, p, None if wanted is None else wanted.per_row))
+        texts, probs = [""] * len(examples), [torch.zeros(0)] * len(examples)
+        for rows, new, p, per_row in made:
+            if new is not None:
+                for i, text in zip(rows, self.tokenizer.batch_decode(new.cpu(), skip_special_tokens=True)):
+                    texts[i] = text
+            if p is not None:
+                for i, q in zip(rows, p.cpu().split(per_row)):
+                    probs[i] = q
+        return texts if answer else [], probs
+
+    def _patches(self, prep: Prepared) -> int:
+        """Patches the vision encoder sees in a batch: Qwen's patch rows, else pixels over the patch area (tiles
+        and padding included), for bench.py's count of the encoder's work."""
+        if prep.grid is not None:
+            return int(prep.grid.prod(-1).sum())
+        pixels, patch = prep.inputs.get("pixel_values"), getattr(self.model.config.vision_config, "patch_size", 0)
+        return pixels.numel() // (pixels.shape[-3] * patch * patch) if torch.is_tensor(pixels) and patch else 0
 
     def _greedy(self, last: Tensor, cache, mask: Tensor, pos: Tensor) -> Tensor:
-        """Greedy tokens (B, new) from a prompt's last logits and cache, padded after each row's stop token."""
-        stop = torch.tensor(self.stop_ids, device=last.device)
+        """Greedy tokens (B, new) from a prompt's last logits and cache, padded after each row's stop token.
+
+        It stops once every row has stopped. On a GPU that is read from the step before last through a pinned copy
+        and an event, so the host never waits for the device here (at most one step more is decoded, all padding)."""
         done = torch.zeros(last.shape[0], dtype=torch.bool, device=last.device)  # (B,)
+        stop = self.stop_tensor
+        watch = Watch(last.device)
         tokens, nxt = [], last.argmax(-1)  # (B,)
         for step in range(self.max_new_tokens):
             nxt = nxt.masked_fill(done, self.pad_id)
             tokens.append(nxt)
             done |= torch.isin(nxt, stop)
-            if done.all() or step + 1 == self.max_new_tokens:
+            if step + 1 == self.max_new_tokens or watch.all(done):
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # (B, T + step + 1)
             out = self.model(
                 input_ids=nxt[:, None], attention_mask=mask, position_ids=pos + step, past_key_values=cache
             )
             nxt = out.logits[:, -1].argmax(-1)
+        self.counts["new_tokens"] += last.shape[0] * len(tokens)
         return torch.stack(tokens, dim=1)  # (B, new)
 
-    def _replies(self, ids: list[list[list[int]]], last: Tensor, cache, mask: Tensor, pos: Tensor) -> list[Tensor]:
-        """P(reply) for every reply (token ids) of each prompt, teacher-forced from the prompt's cache (consumed)."""
-        rows = torch.tensor([i for i, rs in enumerate(ids) for _ in rs], dtype=torch.long, device=last.device)
-        if len(rows) == 0:
-            return [torch.zeros(0) for _ in ids]
-        flat = [torch.tensor(r) for rs in ids for r in rs]
-        reply = torch.nn.utils.rnn.pad_sequence(flat, batch_first=True, padding_value=self.pad_id).to(last.device)
-        lengths = torch.tensor([len(r) for r in flat], device=last.device)
-        reply_mask = torch.arange(reply.shape[1], device=last.device) < lengths[:, None]  # (R, L)
+    def _replies(self, wanted: Replies, last: Tensor, cache, mask: Tensor, pos: Tensor) -> Tensor:
+        """P(reply) (R,) float64 of every reply of the batch, teacher-forced from the prompt's cache (consumed)."""
+        device = last.device
+        if len(wanted.rows) == 0:
+            return torch.zeros(0, dtype=torch.float64, device=device)
+        rows = wanted.rows.to(device, non_blocking=True)  # (R,) the prompt of each reply
+        reply = wanted.tokens.to(device, non_blocking=True)  # (R, L)
+        lengths = wanted.lengths.to(device, non_blocking=True)  # (R,)
+        reply_mask = torch.arange(reply.shape[1], device=device) < lengths[:, None]  # (R, L)
+        self.counts["reply_tokens"] += int(wanted.lengths.sum())
         cache.batch_select_indices(rows)  # each prompt's keys and values once per reply
         full = torch.cat([mask[rows], reply_mask.to(mask.dtype)], dim=1)  # (R, T + L)
-        steps = torch.arange(reply.shape[1], device=last.device)
+        steps = torch.arange(reply.shape[1], device=device)
         out = self.model(
             input_ids=reply, attention_mask=full, position_ids=pos.index_select(-2, rows) + steps, past_key_values=cache
         )
         # Reply token 0 is predicted by the prompt's last logits, token j > 0 by the reply's column j - 1.
         logits = torch.cat([last[rows][:, None], out.logits[:, :-1]], dim=1)  # (R, L, V)
         logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, reply[..., None]).squeeze(-1)  # (R, L)
-        p = (logp.double() * reply_mask).sum(1).exp().cpu()  # (R,) float64: tiny probabilities stay above 0
-        return list(p.split([len(rs) for rs in ids]))
+        return (logp.double() * reply_mask).sum(1).exp()  # (R,) float64: tiny probabilities stay above 0
 
     @contextmanager
     def _stock_images(self):

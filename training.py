@@ -23,7 +23,7 @@ from typing import Annotated, Literal
 import torch
 from torch import Tensor
 
-from backends import ScoreCache, open_backend
+from backends import LVLMRun, ScoreCache, check_lvlm_run, open_backend
 from checkpoints import checkpoint_meta, last_checkpoint, resumable_checkpoint
 from cli import PATH_ARGS, SIDE_ARGS, CpuArgs, alias
 from data import DEFAULT_DATA, Dataset, Quality, RewardArgs, compute_reward, data_digest, filter_queries
@@ -35,7 +35,7 @@ from tracking import ReportTo, check_installed, open_tracker
 
 
 @dataclass
-class TrainArgs(RewardArgs, CpuArgs):
+class TrainArgs(RewardArgs, LVLMRun, CpuArgs):
     """Flags common to rce.py and grpo.py."""
 
     data: Path = DEFAULT_DATA
@@ -72,12 +72,6 @@ class TrainArgs(RewardArgs, CpuArgs):
     epoch by that accuracy. The simulator always does this (it answers instantly)."""
     val_max_queries: int = 200
     """--val-lvlm: validation anchors answered per epoch (the first N of the held-out split)."""
-    lvlm_batch_size: int = 8
-    """Real LVLM (--val-lvlm, online GRPO): prompts per forward pass; a large GPU scores faster with more (in
-    bfloat16 the scores' last bits depend on the batch)."""
-    skip_self_check: bool = False
-    """Real LVLM (--val-lvlm, online GRPO): skip the check that batched scoring matches plain transformers on a few
-    prompts, before the run."""
     report_to: ReportTo = "none"
     """Also send every logged record to TensorBoard (<out>/tensorboard) or Weights & Biases (project icl-select),
     if that package is installed; metrics.jsonl is always written."""
@@ -90,7 +84,8 @@ class TrainArgs(RewardArgs, CpuArgs):
 
 
 def check_train_args(args: TrainArgs) -> None:
-    for name in ("epochs", "batch_size", "lvlm_batch_size"):
+    check_lvlm_run(args)
+    for name in ("epochs", "batch_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:  # None: planned later (grpo --lvlm-budget)
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.keep_every < 0:
@@ -221,9 +216,7 @@ def validate(model: PointerSelector, ds: Dataset, split: Split, backend=None, ma
 
 def dataset_backend(ds: Dataset, args: TrainArgs) -> ScoreCache:
     """The backend that scored the dataset (the simulator, or its LVLM with the run's flags), behind a score cache."""
-    backend = open_backend(
-        ds.meta, ds.items, ds.emb, batch_size=args.lvlm_batch_size, skip_self_check=args.skip_self_check
-    )
+    backend = open_backend(ds.meta, ds.items, ds.emb, args)
     return ScoreCache(backend)
 
 

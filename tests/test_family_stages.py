@@ -83,15 +83,15 @@ def test_every_stage_batched_equals_one_prompt_at_a_time(
     name, family_models, mixed_okvqa, assets, tmp_path, monkeypatch
 ):
     model = Path(family_models[name])
-    batches = []  # each encoded batch's prompt lengths (tokens)
-    encode = lvlm.LVLMBackend.encode
+    batches = []  # each processed batch's prompt lengths (tokens)
+    process = lvlm.LVLMBackend.process
 
     def counted(self, examples):
-        inputs = encode(self, examples)
+        inputs = process(self, examples)
         batches.append(inputs["attention_mask"].sum(1).tolist())
         return inputs
 
-    monkeypatch.setattr(lvlm.LVLMBackend, "encode", counted)
+    monkeypatch.setattr(lvlm.LVLMBackend, "process", counted)
     stages(model, mixed_okvqa, assets["clip"], tmp_path)
     shortest = min(min(b) for b in batches)
     if name == "gemma3":  # the case at stake: a sliding-window cache that has dropped states before decoding starts

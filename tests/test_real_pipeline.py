@@ -9,7 +9,7 @@ import evaluate
 import grpo
 import lvlm
 import rce
-from backends import open_backend
+from backends import LVLMRun, open_backend
 from data import load_dataset
 from gen_rl_data import Args, generate
 
@@ -48,7 +48,7 @@ def test_dataset_folder_records_the_real_backend(data, assets, monkeypatch):
     assert check["prompts"] == 8 and check["answers_differ"] == 0 and check["max_abs_logp_diff"] < 1e-3
     # evaluate.py and online GRPO rebuild the backend from meta.json, prompt style included
     turns = dict(meta, prompt_template=dict(meta["prompt_template"], style="turn-per-demo"))
-    assert open_backend(turns, ds.items, ds.emb, device="cpu").template.style == "turn-per-demo"
+    assert open_backend(turns, ds.items, ds.emb, LVLMRun(device="cpu")).template.style == "turn-per-demo"
     assert len(ds.groups) == 8 and ds.groups.seqs.shape[1:] == (3, 2)
     assert ds.emb["train"].shape[0] == len(ds.items["train"]) == 32 and "val_image" in ds.emb
     assert all(it["image"].endswith(".jpg") for it in ds.items["train"])
