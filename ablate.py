@@ -29,8 +29,8 @@ import grpo
 import rce
 from cli import SIDE_ARGS, run_cli
 from compare import bootstrap_ci, gap_share, paired, per_question, read_args, read_eval, read_metrics
+from runs import flag_values
 from tables import md_table
-from training import flag_values
 
 
 def on_budget(**flags) -> tuple[str, dict, str]:

@@ -21,7 +21,6 @@ Usage:
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 from dataclasses import asdict, dataclass, replace
@@ -30,15 +29,15 @@ from typing import Annotated, Literal
 
 import torch
 from torch import Tensor
-from tqdm import tqdm
 
 import sharding
 from backends import ScoreCache
-from checkpoints import check_width, load_checkpoint, load_selector, prune_checkpoints, save_checkpoint
+from checkpoints import check_width, load_selector
 from cli import alias, default_is, help_first, run_cli
 from data import Dataset, RewardMode, compute_reward, load_dataset
 from model import PointerSelector, exact_kl, group_advantages, k3_kl, ppo_clip_loss, reward_spread, slices
 from pools import first_distinct, query_pools
+from runs import RunFolder, new_loop
 from training import (
     Batch,
     EpochMeans,
@@ -50,20 +49,12 @@ from training import (
     log_line,
     lr_factor,
     make_batch,
-    new_loop,
-    open_log,
-    prepare_out,
-    progress,
-    restore_scores,
-    run_folder,
-    save_scores,
     selection_metric,
     split_queries,
     steps_per_epoch,
     stop_if_diverged,
     validate,
     validation_backend,
-    write_config,
 )
 
 # What moves in GRPO, on the progress bar and the epoch line (the loss is ~beta * KL: the PPO term is ~0 at ratio 1).
@@ -352,213 +343,223 @@ def selection_change(policy: PointerSelector, ds: Dataset, split: Split, ref_gre
     return (val_greedy(policy, ds, split) != ref_greedy).any(-1).double().mean().item()
 
 
+@dataclass
+class Learner:
+    """What GRPO updates and carries from step to step: the policy and its optimizer, the frozen reference, the
+    reference's distributions over the offline groups (computed once), and the replay buffer of online groups."""
+
+    policy: PointerSelector
+    ref: PointerSelector
+    opt: torch.optim.Optimizer
+    params: list[torch.nn.Parameter]
+    ref_cache: Tensor | None  # (Q, G, S, K) offline
+    buffer: list[dict[str, Tensor]]  # --replay-steps: the last steps' groups, oldest first
+
+
+def update(lr: Learner, b: Batch, adv: Tensor, t: Batch, t_adv: Tensor, sampled, ref_dist: Tensor, args, loop, last):
+    """--num-iterations PPO-clipped updates with beta * exact KL to the reference, on the groups `t` (the batch `b`,
+    then any replayed groups, `sampled` their sampling log-probs) against the policy as it was before them; then the
+    adaptive beta, if asked for. Returns the step's metrics and the log-probs the batch was sampled with, (B, G)."""
+    S, m, tm = b.seqs.shape[-1], b.seq_mask, t.seq_mask  # (B, G), (B', G)
+    step_mask = tm[..., None].expand(-1, -1, S)  # (B', G, S)
+    temp = args.temperature if args.online else 1.0
+    beta = loop["state"]["beta"]
+    old, extra = None, {}
+    for _ in range(args.num_iterations):
+        cur = lr.policy(t.query, t.pool, t.pool_mask, t.seqs, tm, True, temp)
+        logp = cur.logp.sum(-1)  # (B', G)
+        if old is None:  # a replayed group's ratio is to the policy that sampled it
+            old = logp.detach() if sampled is None else replay_old(logp, sampled)
+        ppo, st = ppo_clip_loss(logp, old, t_adv, tm, args.epsilon, args.epsilon_high)
+        kl = exact_kl(cur.log_dist, ref_dist, step_mask)[tm].mean()
+        loss = ppo + beta * kl
+        lr.opt.zero_grad(set_to_none=True)
+        if last:  # once per epoch, where the policy has left the reference
+            extra["grpo/kl_grad_share"] = kl_grad_share(lr.params, ppo, beta * kl)
+        loss.backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(lr.params, args.grad_clip or math.inf))
+        if math.isfinite(norm):  # a NaN/inf gradient skips the step; the run stops just below
+            lr.opt.step()
+    if last:  # how far one batch's updates moved the policy, KL(old || new)
+        with torch.no_grad():
+            new = lr.policy(b.query, b.pool, b.pool_mask, b.seqs, m, temperature=temp).logp.sum(-1)
+        extra["grpo/approx_kl_old"] = k3_kl(old[: len(m)], new, m).item()
+    if args.kl_target is not None:  # adaptive beta, only on request
+        if kl.item() > 1.5 * args.kl_target:
+            loop["state"]["beta"] = beta * 1.5
+        elif kl.item() < args.kl_target / 1.5:
+            loop["state"]["beta"] = beta / 1.5
+    r = b.reward[m]
+    metrics = {
+        "train/loss": loss.item(),
+        "grpo/ppo_loss": ppo.item(),
+        "grpo/kl_ref": kl.item(),
+        "grpo/clip_frac_low": float(st["clip_frac_low"]),
+        "grpo/clip_frac_high": float(st["clip_frac_high"]),
+        "grpo/ratio_mean": float(st["ratio_mean"]),
+        "grpo/entropy": cur.entropy[step_mask].mean().item(),
+        "train/grad_norm": norm,
+        "grpo/beta": beta,
+        "grpo/reward_mean": r.mean().item(),
+        "grpo/reward_std": r.std(correction=0).item(),
+        "grpo/zero_std_frac": (reward_spread(b.reward, m) == 0)[m.any(-1)].double().mean().item(),
+        "grpo/adv_std": adv[m].std(correction=0).item(),
+        "grpo/adv_abs_max": adv[m].abs().max().item(),
+        "grpo/group_size": m.sum(-1).double().mean().item(),
+        **extra,
+    }
+    return metrics, old[: len(m)]
+
+
+def offline_step(lr: Learner, ds: Dataset, split: Split, idx: Tensor, args: Args, loop: dict, last: bool) -> dict:
+    """One update on the scored groups of the anchors `idx` (B,), against the reference's cached distributions."""
+    lr.policy.eval()  # every log-prob (new, old, reference) without dropout
+    b = make_batch(ds, idx, split.reward, lr.policy.cfg)
+    adv = group_advantages(b.reward, b.seq_mask, args.scale_rewards, args.rank_advantage).float()  # (B, G)
+    return update(lr, b, adv, b, adv, None, lr.ref_cache[idx], args, loop, last)[0]
+
+
+def online_step(lr: Learner, ds: Dataset, scorer: ScoreCache, queries, idx: Tensor, args: Args, loop, rngs, last):
+    """One update on fresh groups: a query for each anchor of `idx` (B,) (see online_queries), G distinct sequences
+    each sampled from the policy and scored by the backend, plus the replay buffer's groups with --replay-steps."""
+    lr.policy.eval()  # sampling and every log-prob (new, old, reference) without dropout
+    rows, pool = queries(idx)  # (B,), (B, K)
+    b = sample_and_score(lr.policy, scorer, ds, rows, pool, args, rngs["sampler"])
+    adv = group_advantages(b.reward, b.seq_mask, args.scale_rewards, args.rank_advantage).float()  # (B, G)
+    t, t_adv, sampled = with_replay(ds, b, adv, lr.buffer) if args.replay_steps else (b, adv, None)
+    with torch.no_grad():
+        ref_dist = lr.ref(t.query, t.pool, t.pool_mask, t.seqs, t.seq_mask, True, args.temperature).log_dist
+    metrics, logp = update(lr, b, adv, t, t_adv, sampled, ref_dist, args, loop, last)
+    if args.replay_steps:  # the fresh groups with the log-probs they were sampled with
+        fresh = {"rows": rows, "pool": pool, "seqs": b.seqs, "mask": b.seq_mask, "adv": adv, "logp": logp}
+        lr.buffer = [*lr.buffer, fresh][-args.replay_steps :]
+    return metrics
+
+
+def online_queries(ds: Dataset, split: Split, args: Args, draws: torch.Generator):
+    """The online step's queries for a batch of anchors idx (B,), as (rows (B,), pools (B, K)). anchors = those
+    anchors and their pools; train = as many train questions, drawn with replacement among those whose image is no
+    validation anchor's (validation stays held out), each with a fresh pool from the dataset's sampler."""
+    image_ids = {"train": torch.tensor([it["image_id"] for it in ds.items["train"]])}
+    eligible = (~torch.isin(image_ids["train"], image_ids["train"][ds.groups.queries[split.val]])).nonzero()[:, 0]
+    K = ds.groups.pools.shape[1]
+
+    def draw(idx: Tensor) -> tuple[Tensor, Tensor]:
+        if args.queries == "anchors":
+            return ds.groups.queries[idx], ds.groups.pools[idx]
+        rows = eligible[torch.randint(len(eligible), (len(idx),), generator=draws)]  # (B,)
+        return rows, query_pools(ds.meta["sampler"], K, ds.emb, image_ids, "train", rows, rows, draws)
+
+    return draw
+
+
+def learner(args: Args, ds: Dataset, split: Split) -> Learner:
+    """The --init selector as the policy (learning to pick the data's sequence length) and as the frozen reference,
+    its AdamW optimizer, and for offline GRPO the reference's distributions over the scored groups."""
+    policy = load_selector(args.init)
+    check_width(policy, args.init, ds.folder, ds.emb["train"].shape[1])
+    policy.cfg = replace(policy.cfg, picks=ds.seq_len)
+    ref = copy.deepcopy(policy).eval().requires_grad_(False)
+    if args.freeze_backbone:
+        for p in policy.backbone_parameters():
+            p.requires_grad_(False)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    ref_cache = None if args.online else reference_dists(ref, ds, split, args.batch_size)  # (Q, G, S, K)
+    return Learner(policy, ref, opt, params, ref_cache, [])
+
+
+def epoch_record(epoch: int, loop: dict, means: dict, policy, ds, split, backend, cap, lvlm, ref_greedy) -> dict:
+    """An epoch's line of metrics.jsonl: its step means, validation (eval mode), the selection change against the
+    reference's greedy picks and the LVLM calls of the run so far (kept in the loop state for a resume)."""
+    record = {"phase": "grpo", "epoch": epoch, "step": loop["step"], **means}
+    record.update(validate(policy, ds, split, backend, cap))
+    record["grpo/selection_change"] = selection_change(policy, ds, split, ref_greedy)
+    if lvlm is not None:  # cumulative, training and validation
+        record["lvlm/calls"] = loop["state"]["lvlm_calls"] = lvlm.calls
+    return record
+
+
 def main(args: Args) -> None:
     args = resolve(args)
     check_args(args)
     out = args.out or default_out(args)
-
-    # data and split
     ds = load_dataset(args.data, args.allow_truncated)
     split = split_queries(ds, args)
-    S = ds.seq_len
-    steps = steps_per_epoch(split, args.batch_size)
-    # Under torchrun every rank trains the same policy on the same batches and scores its chunk of each batch's new
-    # sequences (backends.ScoreCache); rank 0 alone writes the run folder, the log and the terminal.
-    rank, world = sharding.init()
-    lead = rank == 0
+    S, steps = ds.seq_len, steps_per_epoch(split, args.batch_size)
+    rank, world = sharding.init()  # every rank trains the same policy on the same batches; RunFolder: rank 0 writes
     backend = validation_backend(ds, args)  # answers the validation anchors' greedy picks, where it can
-    metric = selection_metric(backend)
-    cap = None if ds.is_sim else args.val_max_queries
+    metric, cap = selection_metric(backend), None if ds.is_sim else args.val_max_queries
     plan = None
     if args.lvlm_budget is not None:
         val_calls = 0 if backend is None else len(split.val[:cap]) * S  # validate() asks 1..S shots of each
-        step_calls = args.batch_size * args.group_size
-        plan = budget_plan(args.lvlm_budget, args.epochs, step_calls, val_calls, args.group_size, steps)
+        plan = budget_plan(
+            args.lvlm_budget, args.epochs, args.batch_size * args.group_size, val_calls, args.group_size, steps
+        )
         args, steps = replace(args, epochs=plan.epochs), plan.steps_per_epoch
     total = plan.steps if plan else args.epochs * steps
-    # Online queries: any train question whose image is no validation anchor's, so validation stays held out.
-    image_ids = {"train": torch.tensor([it["image_id"] for it in ds.items["train"]])}
-    eligible = (~torch.isin(image_ids["train"], image_ids["train"][ds.groups.queries[split.val]])).nonzero()[:, 0]
 
-    with run_folder(out) if lead else contextlib.nullcontext():
-        resume_from = prepare_out(out, args, ds) if lead else None
-        resume_from = sharding.from_rank0(resume_from, world)  # the last checkpoint of this run, if it continues
-        torch.manual_seed(args.seed)
-        # online groups are scored by the dataset's backend, through the same cache as validation
-        scorer = None
-        if args.online:
-            scorer = backend or dataset_backend(ds, args)
+    with RunFolder(out, rank, world) as run:
+        resume_from = run.resume(args, ds)  # the last checkpoint of this run, if a re-run continues it
+        scorer = (backend or dataset_backend(ds, args)) if args.online else None  # the same cache scores online
         lvlm = scorer or backend  # the one cache in front of the LVLM: its misses are the calls counted
-
-        # policy, frozen reference and optimizer
-        policy = load_selector(args.init)
-        check_width(policy, args.init, ds.folder, ds.emb["train"].shape[1])
-        policy.cfg = replace(policy.cfg, picks=ds.seq_len)  # what it learns to pick from here on
-        ref = copy.deepcopy(policy).eval().requires_grad_(False)
-        if args.freeze_backbone:
-            for p in policy.backbone_parameters():
-                p.requires_grad_(False)
-        params = [p for p in policy.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-        ref_greedy = val_greedy(ref, ds, split)  # (V, S): selection change is measured against these
-        ref_cache = None if args.online else reference_dists(ref, ds, split, args.batch_size)  # (Q, G, S, K)
-        # Online groups are drawn at --temperature, so the ratio, the KL and the entropy are those of that sampling
-        # policy (as in TRL); offline groups were not drawn from the policy at all, so the plain policy is used.
-        temp = args.temperature if args.online else 1.0
-
-        # resume
-        sampler = torch.Generator().manual_seed(args.seed + 2)
-        draws = torch.Generator().manual_seed(args.seed + 3)
-        rngs = {"shuffle": torch.Generator().manual_seed(args.seed + 1), "sampler": sampler, "queries": draws}
+        torch.manual_seed(args.seed)
+        lr = learner(args, ds, split)
+        rngs = {
+            "shuffle": torch.Generator().manual_seed(args.seed + 1),
+            "sampler": torch.Generator().manual_seed(args.seed + 2),
+            "queries": torch.Generator().manual_seed(args.seed + 3),
+        }
+        queries = online_queries(ds, split, args, rngs["queries"])
+        ref_greedy = val_greedy(lr.ref, ds, split)  # (V, S): selection change is measured against these
         loop = new_loop({"beta": args.kl_beta})  # beta moves only with --kl-target
-        buffer: list[dict[str, Tensor]] = []  # --replay-steps: the last steps' groups, oldest first
         if resume_from is not None:
-            loop, extra = load_checkpoint(resume_from, policy, opt, rngs)
-            buffer = replay_buffer(extra)
-            if lvlm is not None:
-                restore_scores(out, lvlm, loop)
-        elif lead:
-            write_config(out, args, ds, split, {"out": str(out), **({"budget_plan": asdict(plan)} if plan else {})})
+            loop, extra = run.restore(resume_from, lr.policy, lr.opt, rngs, lvlm)
+            lr.buffer = replay_buffer(extra)
+        planned = {"budget_plan": asdict(plan)} if plan else {}
+        run.start(args, ds, split, loop, resume_from is not None, {"out": str(out), **planned})
+        if resume_from is None:  # epoch 0 = the initial policy, the start of every curve
+            run.log(epoch_record(0, loop, {}, lr.policy, ds, split, backend, cap, lvlm, ref_greedy))
 
-        log = open_log(out, args, loop, resume_from is not None) if lead else None
-        with contextlib.closing(log) if lead else contextlib.nullcontext():
-            if resume_from is None:  # epoch 0 = the initial policy, the start of every curve
-                record = {"phase": "grpo", "epoch": 0, "step": 0, **validate(policy, ds, split, backend, cap)}
-                if lvlm is not None:
-                    record["lvlm/calls"] = lvlm.calls
-                record["grpo/selection_change"] = selection_change(policy, ds, split, ref_greedy)
-                if lead:
-                    log.write(record)
-            for epoch in range(loop["epoch"] + 1, args.epochs + 1):
-                # a budget's epochs may be longer than a pass over the anchors (anchor queries need whole passes)
-                n = -(-steps // steps_per_epoch(split, args.batch_size))
-                order = split.train[
-                    torch.cat([torch.randperm(len(split.train), generator=rngs["shuffle"]) for _ in range(n)])
-                ]
-                means = EpochMeans()
-                n = min(steps, total - loop["step"])  # a budget's last epoch may be shorter
-                bar = progress(out, epoch, args.epochs, n) if lead else tqdm(range(n), disable=True)
-                for i in bar:
-                    idx = order[i * args.batch_size : (i + 1) * args.batch_size]
-                    if plan is not None:  # the run's last step gets the calls left once its validations are kept
-                        left = args.lvlm_budget - lvlm.calls - (args.epochs - epoch + 1) * plan.val_calls
-                        idx = idx[: left // args.group_size]
-                    for group in opt.param_groups:  # a function of the step alone, so a resumed run follows it
-                        group["lr"] = args.lr * lr_factor(args.lr_schedule, loop["step"], total)
-                    last_of_epoch = i == n - 1
+        for epoch in range(loop["epoch"] + 1, args.epochs + 1):
+            # a budget's epochs may be longer than a pass over the anchors (anchor queries need whole passes)
+            passes = -(-steps // steps_per_epoch(split, args.batch_size))
+            order = split.train[
+                torch.cat([torch.randperm(len(split.train), generator=rngs["shuffle"]) for _ in range(passes)])
+            ]
+            means, n = EpochMeans(), min(steps, total - loop["step"])  # a budget's last epoch may be shorter
+            bar = run.progress(epoch, args.epochs, n)
+            for i in bar:
+                idx = order[i * args.batch_size : (i + 1) * args.batch_size]
+                if plan is not None:  # the run's last step gets the calls left once its validations are kept
+                    left = args.lvlm_budget - lvlm.calls - (args.epochs - epoch + 1) * plan.val_calls
+                    idx = idx[: left // args.group_size]
+                for group in lr.opt.param_groups:  # a function of the step alone, so a resumed run follows it
+                    group["lr"] = args.lr * lr_factor(args.lr_schedule, loop["step"], total)
+                last = i == n - 1
+                if args.online:
+                    metrics = online_step(lr, ds, scorer, queries, idx, args, loop, rngs, last)
+                else:
+                    metrics = offline_step(lr, ds, split, idx, args, loop, last)
+                loop["step"] += 1
+                if args.kl_target is not None:  # beta moves every step: log every step
+                    run.log({"phase": "grpo", "kind": "step", "epoch": epoch, "step": loop["step"], **metrics})
+                stop_if_diverged(metrics, "grpo", epoch, loop["step"], out, "try a lower --lr or a larger --kl-beta")
+                means.add(metrics)
+                bar.set_postfix_str(log_line(metrics, SHOWN), refresh=False)  # drawn at the bar's next redraw
+            bar.close()
 
-                    # the batch's groups, their advantages and the reference's distributions
-                    policy.eval()  # sampling and every log-prob (new, old, reference) without dropout
-                    if not args.online:
-                        b = make_batch(ds, idx, split.reward, policy.cfg)
-                    else:
-                        if args.queries == "anchors":
-                            rows, pool = ds.groups.queries[idx], ds.groups.pools[idx]  # (B,), (B, K)
-                        else:  # as many questions as the batch has anchors, with replacement, each with a fresh pool
-                            rows = eligible[torch.randint(len(eligible), (len(idx),), generator=draws)]  # (B,)
-                            K = ds.groups.pools.shape[1]
-                            pool = query_pools(ds.meta["sampler"], K, ds.emb, image_ids, "train", rows, rows, draws)
-                        b = sample_and_score(policy, scorer, ds, rows, pool, args, sampler)
-                    m = b.seq_mask  # (B, G)
-                    adv = group_advantages(b.reward, m, args.scale_rewards, args.rank_advantage).float()  # (B, G)
-                    t, t_adv, sampled = b, adv, None  # what this step updates on: the fresh groups ...
-                    if args.replay_steps:  # ... and the buffer's
-                        t, t_adv, sampled = with_replay(ds, b, adv, buffer)
-                    tm = t.seq_mask  # (B', G)
-                    step_mask = tm[..., None].expand(-1, -1, S)  # (B', G, S)
-                    if ref_cache is not None:
-                        ref_dist = ref_cache[idx]  # (B, G, S, K)
-                    else:
-                        with torch.no_grad():
-                            ref_dist = ref(t.query, t.pool, t.pool_mask, t.seqs, tm, True, temp).log_dist
-
-                    # --num-iterations updates against the policy as it was before this batch
-                    beta = loop["state"]["beta"]
-                    old, extra = None, {}
-                    for _ in range(args.num_iterations):
-                        cur = policy(t.query, t.pool, t.pool_mask, t.seqs, tm, True, temp)
-                        logp = cur.logp.sum(-1)  # (B', G)
-                        if old is None:  # a replayed group's ratio is to the policy that sampled it
-                            old = logp.detach() if sampled is None else replay_old(logp, sampled)
-                        ppo, st = ppo_clip_loss(logp, old, t_adv, tm, args.epsilon, args.epsilon_high)
-                        kl = exact_kl(cur.log_dist, ref_dist, step_mask)[tm].mean()
-                        loss = ppo + beta * kl
-                        opt.zero_grad(set_to_none=True)
-                        if last_of_epoch:  # once per epoch, where the policy has left the reference
-                            extra["grpo/kl_grad_share"] = kl_grad_share(params, ppo, beta * kl)
-                        loss.backward()
-                        norm = float(torch.nn.utils.clip_grad_norm_(params, args.grad_clip or math.inf))
-                        if math.isfinite(norm):  # a NaN/inf gradient skips the step; the run stops just below
-                            opt.step()
-                    if last_of_epoch:  # how far one batch's updates moved the policy, KL(old || new)
-                        with torch.no_grad():
-                            new = policy(b.query, b.pool, b.pool_mask, b.seqs, m, temperature=temp).logp.sum(-1)
-                        extra["grpo/approx_kl_old"] = k3_kl(old[: len(m)], new, m).item()
-                    if args.kl_target is not None:  # adaptive beta, only on request
-                        if kl.item() > 1.5 * args.kl_target:
-                            loop["state"]["beta"] = beta * 1.5
-                        elif kl.item() < args.kl_target / 1.5:
-                            loop["state"]["beta"] = beta / 1.5
-
-                    if args.replay_steps:  # the fresh groups with the log-probs they were sampled with
-                        fresh = {"rows": rows, "pool": pool, "seqs": b.seqs, "mask": m, "adv": adv}
-                        buffer = [*buffer, {**fresh, "logp": old[: len(m)]}][-args.replay_steps :]
-                    loop["step"] += 1
-                    r = b.reward[m]
-                    metrics = {
-                        "train/loss": loss.item(),
-                        "grpo/ppo_loss": ppo.item(),
-                        "grpo/kl_ref": kl.item(),
-                        "grpo/clip_frac_low": float(st["clip_frac_low"]),
-                        "grpo/clip_frac_high": float(st["clip_frac_high"]),
-                        "grpo/ratio_mean": float(st["ratio_mean"]),
-                        "grpo/entropy": cur.entropy[step_mask].mean().item(),
-                        "train/grad_norm": norm,
-                        "grpo/beta": beta,
-                        "grpo/reward_mean": r.mean().item(),
-                        "grpo/reward_std": r.std(correction=0).item(),
-                        "grpo/zero_std_frac": (reward_spread(b.reward, m) == 0)[m.any(-1)].double().mean().item(),
-                        "grpo/adv_std": adv[m].std(correction=0).item(),
-                        "grpo/adv_abs_max": adv[m].abs().max().item(),
-                        "grpo/group_size": m.sum(-1).double().mean().item(),
-                        **extra,
-                    }
-                    if args.kl_target is not None and lead:  # beta moves every step: log every step
-                        log.write({"phase": "grpo", "kind": "step", "epoch": epoch, "step": loop["step"], **metrics})
-                    stop_if_diverged(
-                        metrics, "grpo", epoch, loop["step"], out, "try a lower --lr or a larger --kl-beta"
-                    )
-                    means.add(metrics)
-                    bar.set_postfix_str(log_line(metrics, SHOWN), refresh=False)  # drawn at the bar's next redraw
-                bar.close()
-
-                # validation, best and checkpoint
-                record = {"phase": "grpo", "epoch": epoch, "step": loop["step"], **means.result()}
-                record.update(validate(policy, ds, split, backend, cap))  # sets eval mode, as selection_change needs
-                record["grpo/selection_change"] = selection_change(policy, ds, split, ref_greedy)
-                if lvlm is not None:  # cumulative, training and validation
-                    record["lvlm/calls"] = loop["state"]["lvlm_calls"] = lvlm.calls
-                warnings = warnings_for(record, S)
-                if warnings:
-                    record["warnings"] = warnings
-                improved = record[metric] > loop["best"]  # epoch 0 is no candidate: see training.selection_metric
-                if improved:
-                    loop["best"], loop["best_epoch"] = record[metric], epoch
-                record["best_epoch"] = loop["best_epoch"]
-                loop["epoch"] = epoch
-                if lead:
-                    if improved:
-                        policy.save(out)
-                    log.write(record)  # before the checkpoint: a resume from epoch - 1 drops this line again
-                    if lvlm is not None:
-                        save_scores(out, lvlm)
-                    save_checkpoint(out, epoch, policy, opt, rngs, loop, replay_tensors(buffer))
-                    prune_checkpoints(out, args.keep_every, loop["best_epoch"])
-                    summary = log_line(record, (*SHOWN, "val/reward", "val/acc"))
-                    warned = "".join(f"\n  warning: {w}" for w in warnings)
-                    print(f"{out.name} epoch {epoch}: {summary}{warned}", flush=True)
-    if lead:
-        print(f"best epoch {loop['best_epoch']} ({metric} {loop['best']:.4f}) -> {out}/model.safetensors")
+            record = epoch_record(epoch, loop, means.result(), lr.policy, ds, split, backend, cap, lvlm, ref_greedy)
+            if warnings := warnings_for(record, S):
+                record["warnings"] = warnings
+            if record[metric] > loop["best"]:  # epoch 0 is no candidate: see training.selection_metric
+                loop["best"], loop["best_epoch"] = record[metric], epoch
+            record["best_epoch"] = loop["best_epoch"]
+            loop["epoch"] = epoch
+            run.end_epoch(record, lr.policy, lr.opt, rngs, loop, args.keep_every, lvlm, replay_tensors(lr.buffer))
+            warned = "".join(f"\n  warning: {w}" for w in warnings)
+            run.say(f"{out.name} epoch {epoch}: {log_line(record, (*SHOWN, 'val/reward', 'val/acc'))}{warned}")
+        run.say(f"best epoch {loop['best_epoch']} ({metric} {loop['best']:.4f}) -> {out}/model.safetensors")
     sharding.finish(world)
 
 

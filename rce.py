@@ -15,7 +15,6 @@ Usage:
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -25,10 +24,11 @@ import torch
 import tyro
 from torch import Tensor
 
-from checkpoints import check_width, load_checkpoint, load_selector, prune_checkpoints, save_checkpoint
+from checkpoints import check_width, load_selector
 from cli import alias, help_first, run_cli
 from data import Quality, load_dataset
 from model import PointerSelector, SelectorConfig, rce_weights
+from runs import RunFolder, new_loop
 from training import (
     EpochMeans,
     TrainArgs,
@@ -36,20 +36,12 @@ from training import (
     log_line,
     lr_factor,
     make_batch,
-    new_loop,
-    open_log,
-    prepare_out,
-    progress,
-    restore_scores,
-    run_folder,
-    save_scores,
     selection_metric,
     split_queries,
     steps_per_epoch,
     stop_if_diverged,
     validate,
     validation_backend,
-    write_config,
 )
 
 SHOWN = ("train/loss", "train/tau")  # on the progress bar and the epoch line
@@ -104,8 +96,8 @@ def main(args: Args) -> None:
     metric = selection_metric(backend)
     cap = None if ds.is_sim else args.val_max_queries
 
-    with run_folder(out):
-        resume_from = prepare_out(out, args, ds)  # the last checkpoint of this very run, if a re-run continues it
+    with RunFolder(out) as run:
+        resume_from = run.resume(args, ds)  # the last checkpoint of this very run, if a re-run continues it
 
         # model and optimizer
         torch.manual_seed(args.seed)
@@ -122,62 +114,53 @@ def main(args: Args) -> None:
         rngs = {"shuffle": torch.Generator().manual_seed(args.seed + 1)}
         loop = new_loop()
         if resume_from is not None:
-            loop, _ = load_checkpoint(resume_from, model, opt, rngs)
-            if backend is not None:
-                restore_scores(out, backend, loop)
-        else:
-            write_config(out, args, ds, split)
+            loop, _ = run.restore(resume_from, model, opt, rngs, backend)
+        run.start(args, ds, split, loop, resume_from is not None)
+        if resume_from is None:  # epoch 0 = the initial selector, the start of every curve
+            record = {"phase": "rce", "epoch": 0, "step": 0, **validate(model, ds, split, backend, cap)}
+            run.log(record | ({"lvlm/calls": backend.calls} if backend else {}))
 
-        with contextlib.closing(open_log(out, args, loop, resume_from is not None)) as log:
-            if resume_from is None:  # epoch 0 = the initial selector, the start of every curve
-                record = {"phase": "rce", "epoch": 0, "step": 0, **validate(model, ds, split, backend, cap)}
-                log.write(record | ({"lvlm/calls": backend.calls} if backend else {}))
-            for epoch in range(loop["epoch"] + 1, args.epochs + 1):
-                order = split.train[torch.randperm(len(split.train), generator=rngs["shuffle"])]
-                means = EpochMeans()
-                bar = progress(out, epoch, args.epochs, steps)
-                for i in bar:
-                    idx = order[i * args.batch_size : (i + 1) * args.batch_size]
-                    step = loop["step"]
-                    for group in opt.param_groups:  # a function of the step alone, so a resumed run follows it
-                        group["lr"] = args.lr * lr_factor(args.lr_schedule, step, total)
-                    tau = args.temp_start + (args.temp_end - args.temp_start) * step / max(total - 1, 1)
+        for epoch in range(loop["epoch"] + 1, args.epochs + 1):
+            order = split.train[torch.randperm(len(split.train), generator=rngs["shuffle"])]
+            means = EpochMeans()
+            bar = run.progress(epoch, args.epochs, steps)
+            for i in bar:
+                idx = order[i * args.batch_size : (i + 1) * args.batch_size]
+                step = loop["step"]
+                for group in opt.param_groups:  # a function of the step alone, so a resumed run follows it
+                    group["lr"] = args.lr * lr_factor(args.lr_schedule, step, total)
+                tau = args.temp_start + (args.temp_end - args.temp_start) * step / max(total - 1, 1)
 
-                    model.train()  # dropout on: the warm-up is plain supervised learning
-                    b = make_batch(ds, idx, split.reward, model.cfg)
-                    logp = model.log_probs(b.query, b.pool, b.pool_mask, b.seqs, b.seq_mask).sum(-1)  # (B, G)
-                    w = top1_weights(b.reward, b.seq_mask) if args.top1 else rce_weights(b.reward, b.seq_mask, tau)
-                    loss = -(w.to(logp.dtype) * logp).sum(-1).mean()
-                    opt.zero_grad(set_to_none=True)
-                    loss.backward()
-                    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf))
-                    if math.isfinite(norm):  # a NaN/inf gradient skips the step; the run stops just below
-                        opt.step()
+                model.train()  # dropout on: the warm-up is plain supervised learning
+                b = make_batch(ds, idx, split.reward, model.cfg)
+                logp = model.log_probs(b.query, b.pool, b.pool_mask, b.seqs, b.seq_mask).sum(-1)  # (B, G)
+                w = top1_weights(b.reward, b.seq_mask) if args.top1 else rce_weights(b.reward, b.seq_mask, tau)
+                loss = -(w.to(logp.dtype) * logp).sum(-1).mean()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf))
+                if math.isfinite(norm):  # a NaN/inf gradient skips the step; the run stops just below
+                    opt.step()
 
-                    loop["step"] += 1
-                    m = {"train/loss": loss.item(), "train/tau": tau, "train/grad_norm": norm}
-                    stop_if_diverged(m, "rce", epoch, loop["step"], out, "try a lower --lr")
-                    means.add(m)
-                    bar.set_postfix_str(log_line(m, SHOWN), refresh=False)  # drawn at the bar's next timed redraw
-                bar.close()
+                loop["step"] += 1
+                m = {"train/loss": loss.item(), "train/tau": tau, "train/grad_norm": norm}
+                stop_if_diverged(m, "rce", epoch, loop["step"], out, "try a lower --lr")
+                means.add(m)
+                bar.set_postfix_str(log_line(m, SHOWN), refresh=False)  # drawn at the bar's next timed redraw
+            bar.close()
 
-                # validation, best and checkpoint
-                record = {"phase": "rce", "epoch": epoch, "step": loop["step"], **means.result()}
-                record.update(validate(model, ds, split, backend, cap))
-                if backend is not None:  # cumulative over the run, as grpo logs it
-                    record["lvlm/calls"] = loop["state"]["lvlm_calls"] = backend.calls
-                if record[metric] > loop["best"]:  # epoch 0 is no candidate: see training.selection_metric
-                    loop["best"], loop["best_epoch"] = record[metric], epoch
-                    model.save(out)
-                record["best_epoch"] = loop["best_epoch"]
-                loop["epoch"] = epoch
-                log.write(record)  # before the checkpoint: a resume from epoch - 1 drops this line again
-                if backend is not None:
-                    save_scores(out, backend)
-                save_checkpoint(out, epoch, model, opt, rngs, loop)
-                prune_checkpoints(out, args.keep_every, loop["best_epoch"])
-                print(f"{out.name} epoch {epoch}: {log_line(record, (*SHOWN, 'val/reward', 'val/acc'))}", flush=True)
-    print(f"best epoch {loop['best_epoch']} ({metric} {loop['best']:.4f}) -> {out}/model.safetensors")
+            # validation, best and checkpoint
+            record = {"phase": "rce", "epoch": epoch, "step": loop["step"], **means.result()}
+            record.update(validate(model, ds, split, backend, cap))
+            if backend is not None:  # cumulative over the run, as grpo logs it
+                record["lvlm/calls"] = loop["state"]["lvlm_calls"] = backend.calls
+            if record[metric] > loop["best"]:  # epoch 0 is no candidate: see training.selection_metric
+                loop["best"], loop["best_epoch"] = record[metric], epoch
+            record["best_epoch"] = loop["best_epoch"]
+            loop["epoch"] = epoch
+            run.end_epoch(record, model, opt, rngs, loop, args.keep_every, backend)
+            run.say(f"{out.name} epoch {epoch}: {log_line(record, (*SHOWN, 'val/reward', 'val/acc'))}")
+        run.say(f"best epoch {loop['best_epoch']} ({metric} {loop['best']:.4f}) -> {out}/model.safetensors")
 
 
 if __name__ == "__main__":

@@ -9,14 +9,8 @@ temporary name and renamed, so a killed run never leaves a half-written file.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
-import shutil
-import subprocess
-import sys
-from dataclasses import asdict, dataclass
-from importlib.metadata import version
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -24,14 +18,12 @@ import torch
 from torch import Tensor
 
 from backends import LVLMRun, ScoreCache, check_lvlm_run, open_backend
-from checkpoints import checkpoint_meta, last_checkpoint, resumable_checkpoint
-from cli import PATH_ARGS, SIDE_ARGS, CpuArgs, alias
-from data import DEFAULT_DATA, Dataset, Quality, RewardArgs, compute_reward, data_digest, filter_queries
-from files import append_line, atomic_write_text, read_json, read_jsonl, read_tensors, save_tensors, sha256
-from locks import exclusive
+from checkpoints import last_checkpoint
+from cli import CpuArgs, alias
+from data import DEFAULT_DATA, Dataset, Quality, RewardArgs, compute_reward, filter_queries
 from model import DECODE_CHUNK, PointerSelector, SelectorConfig, reward_spread, slices
 from pools import CHUNK_ELEMENTS
-from tracking import ReportTo, check_installed, open_tracker
+from tracking import ReportTo, check_installed
 
 
 @dataclass
@@ -237,159 +229,6 @@ def selection_metric(backend) -> str:
     return "val/reward" if backend is None else "val/acc"
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Run folders and checkpoints
-
-
-def git_sha() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
-        return out.stdout.strip() or None
-    except OSError:
-        return None
-
-
-@contextlib.contextmanager
-def run_folder(out: Path):
-    """Locks and creates the run folder `out` (one writer at a time: see locks.py); if the run then stops with an
-    error before its first checkpoint, a folder this process created is removed again, so a failed check never
-    leaves a config.json behind. Ctrl-C keeps it (the same command then starts the run again)."""
-    with exclusive(out):
-        created = not out.exists()
-        out.mkdir(parents=True, exist_ok=True)
-        try:
-            yield out
-        except (ValueError, OSError):
-            if created and last_checkpoint(out) is None:
-                shutil.rmtree(out, ignore_errors=True)
-            raise
-
-
-def write_config(out: Path, args, ds: Dataset, split: Split, extra: dict | None = None) -> None:
-    """config.json of a new run (a resumed run keeps the one it started with)."""
-    ident = run_identity(args, ds)
-    config = {
-        "args": flag_values(args),
-        "argv": sys.argv,
-        "git_sha": git_sha(),
-        "versions": {
-            "python": sys.version.split()[0],
-            "torch": torch.__version__,
-            **{pkg: version(pkg) for pkg in ("transformers", "tqdm", "safetensors", "tyro")},
-        },
-        "data": {"folder": str(ds.folder), "digest": ident["data"], "simulation": ds.is_sim},
-        "init_sha256": ident["init"],
-        "queries": {"train": len(split.train), "val": len(split.val)},
-        **(extra or {}),
-    }
-    atomic_write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
-
-
-class MetricsLog:
-    """metrics.jsonl, one flushed line per record; on resume, records past the resumed epoch are dropped. Each record
-    also goes to the --report-to tracker, if any."""
-
-    def __init__(self, path: Path, keep_through_epoch: int | None = None):
-        self.path, self.tracker = path, None
-        if keep_through_epoch is not None and path.exists():
-            kept = [r for _, r in read_jsonl(path, truncated="skip") if r.get("epoch", 0) <= keep_through_epoch]
-            atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
-        elif keep_through_epoch is None:
-            atomic_write_text(path, "")
-
-    def write(self, record: dict) -> None:
-        append_line(self.path, json.dumps(record))
-        if self.tracker is not None:
-            self.tracker.log(record)
-
-    def close(self) -> None:
-        if self.tracker is not None:
-            self.tracker.close()
-
-
-def prepare_out(out: Path, args, ds: Dataset) -> Path | None:
-    """Check the output folder before any work; returns the checkpoint to resume from, if any.
-
-    As in every stage of the kit, re-running the same command continues what it finished: a folder holding a run
-    resumes from its last epoch checkpoint (a finished run is left as it is). Only the very same run continues: any
-    other flag, other data content or other --init weights are refused (paths may differ: folders can move). A run
-    that died before its first checkpoint simply starts again.
-    """
-    ckpt = resumable_checkpoint(out)
-    if ckpt is None:
-        if (out / "metrics.jsonl").exists():
-            print(f"note: {out} has no checkpoint yet (killed during epoch 1); starting it again", file=sys.stderr)
-        return None
-    config = read_json(out / "config.json")
-    for name in ("args", "data"):
-        if not isinstance(config, dict) or not isinstance(config.get(name), dict):
-            raise ValueError(
-                f"{out / 'config.json'}: field {name!r} is missing or not an object; is this a run folder?"
-            )
-    now = run_identity(args, ds)
-    then = {
-        "args": {k: v for k, v in config["args"].items() if k not in PATH_ARGS},
-        "data": config["data"].get("digest"),
-        "init": config.get("init_sha256"),
-    }
-    done = checkpoint_meta(ckpt)["epoch"]
-    diff = sorted(k for k in now["args"] if k not in SIDE_ARGS and now["args"][k] != then["args"].get(k))
-    if diff == ["epochs"]:
-        continue_with_more_or_fewer_epochs(out, done, args, config)
-        diff = []
-    if diff:
-        details = "; ".join(
-            f"--{k.replace('_', '-')}: run has {then['args'].get(k)!r}, now {now['args'][k]!r}" for k in diff
-        )
-        raise ValueError(
-            f"{out} holds a run started with other flags ({details}); continue it with the same flags, or "
-            f"start a new run in another --out (--init {out} starts from it)"
-        )
-    if now["data"] != then["data"] or now["init"] != then["init"]:
-        what = "dataset" if now["data"] != then["data"] else "--init selector"
-        raise ValueError(f"{out}: the {what} changed since this run was started; start a new run in another --out")
-    news = "has finished all its epochs; nothing to train" if done >= args.epochs else f"resumes after epoch {done}"
-    print(f"note: {out} holds this run (same flags and data): it {news} (another --out starts anew)", file=sys.stderr)
-    return ckpt
-
-
-def continue_with_more_or_fewer_epochs(out: Path, done: int, args, config: dict) -> None:
-    """A resumed run with another --epochs, where the schedule can be continued honestly; the run's config.json then
-    records the new total and when it changed. Refused where a schedule is spread over all steps of the run: RCE's
-    tau anneal and a decaying learning rate would have taken other values at every step already trained."""
-    before = config["args"]["epochs"]
-    why = args.fixed_length_reason() or (f"it has already trained {done} epochs" if args.epochs < done else None)
-    if why:
-        raise ValueError(
-            f"{out} was started with --epochs {before}, and {why}, so it cannot continue to --epochs "
-            f"{args.epochs}; start a new run with --init {out}"
-        )
-    config["args"]["epochs"] = args.epochs
-    config.setdefault("epochs_changed", []).append({"from": before, "to": args.epochs, "after_epoch": done})
-    atomic_write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
-    print(f"note: {out}: --epochs {before} -> {args.epochs}, continuing after epoch {done}", file=sys.stderr)
-
-
-def file_sha(path: Path) -> str:
-    return sha256(path)[:16]
-
-
-def flag_values(args) -> dict:
-    """A stage's flags as JSON values (paths as strings), as config.json records them."""
-    return json.loads(json.dumps(asdict(args), default=str))
-
-
-def run_identity(args, ds: Dataset) -> dict:
-    """What a resumed run must share with the run it continues: flags, data content, and the --init weights."""
-    init = getattr(args, "init", None)
-    init_file = None if init is None else (Path(init) / "model.safetensors" if Path(init).is_dir() else Path(init))
-    return {
-        "args": {k: v for k, v in flag_values(args).items() if k not in PATH_ARGS},
-        "data": data_digest(ds.folder),
-        "init": file_sha(init_file) if init_file is not None and init_file.is_file() else None,
-    }
-
-
 def lr_factor(schedule: str, step: int, total: int) -> float:
     """Multiplier of the base learning rate at `step` (0-based) of `total` steps."""
     done = step / max(total, 1)
@@ -429,37 +268,3 @@ def stop_if_diverged(metrics: dict[str, float], phase: str, epoch: int, step: in
 
 def log_line(record: dict, keys: tuple[str, ...]) -> str:
     return " ".join(f"{k.split('/')[-1]}={record[k]:.4g}" for k in keys if k in record)
-
-
-def progress(out: Path, epoch: int, epochs: int, steps: int):
-    from tqdm import tqdm
-
-    desc = f"{out.name} epoch {epoch}/{epochs}"
-    return tqdm(range(steps), desc=desc, unit="step", dynamic_ncols=True, leave=False)
-
-
-def open_log(out: Path, args: TrainArgs, loop: dict, resumed: bool) -> MetricsLog:
-    """metrics.jsonl (cut back to the resumed epoch) and the --report-to tracker; a finished run that is re-run logs
-    nothing, so it opens no tracker."""
-    log = MetricsLog(out / "metrics.jsonl", loop["epoch"] if resumed else None)
-    if loop["epoch"] < args.epochs:
-        log.tracker = open_tracker(args.report_to, out, flag_values(args), loop["step"] if resumed else None)
-    return log
-
-
-def save_scores(out: Path, cache: ScoreCache) -> None:
-    """The run's LVLM scores so far (scores.safetensors), written before each checkpoint, which names how many of
-    them are its own (loop state "lvlm_calls")."""
-    save_tensors(out / "scores.safetensors", cache.state())
-
-
-def restore_scores(out: Path, cache: ScoreCache, loop: dict) -> None:
-    """The cache as it was at the checkpoint `loop` came from, so a resumed run neither pays nor counts a score
-    twice (a checkpoint that counted none leaves it empty)."""
-    if "lvlm_calls" in loop["state"]:
-        cache.restore(read_tensors(out / "scores.safetensors"), loop["state"]["lvlm_calls"])
-
-
-def new_loop(state: dict | None = None) -> dict:
-    """The loop state every checkpoint saves (`state`: a stage's own, such as GRPO's adaptive beta)."""
-    return {"epoch": 0, "step": 0, "best": -math.inf, "best_epoch": None, "state": state or {}}

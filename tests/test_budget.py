@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import grpo
+import runs
 from backends import SimBackend
 from checkpoints import save_checkpoint
 
@@ -66,7 +67,7 @@ def test_budget_run_stops_within_budget_logs_calls_and_resumes_identically(
 
     counted[0] = 0
     with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
-        m.setattr(grpo, "save_checkpoint", save_then_die)
+        m.setattr(runs, "save_checkpoint", save_then_die)
         grpo.main(grpo.Args(out=part, **common))
     grpo.main(grpo.Args(out=part, **common))
     assert counted[0] == spent  # the resumed run neither scores nor counts again what the killed one scored
@@ -211,7 +212,7 @@ def test_replay_buffer_holds_the_last_steps_with_their_sampling_log_probs_and_re
     assert torch.allclose(first["logp"], at_temp, atol=1e-6) and not torch.allclose(first["logp"], plain, atol=1e-3)
 
     with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
-        m.setattr(grpo, "save_checkpoint", save_then_die)
+        m.setattr(runs, "save_checkpoint", save_then_die)
         grpo.main(grpo.Args(out=part, **common))
     grpo.main(grpo.Args(out=part, **common))
     for name in ("model.safetensors", "metrics.jsonl", "scores.safetensors", "ckpt/epoch_003.safetensors"):
@@ -230,7 +231,7 @@ def test_rce_logs_the_calls_its_validations_make_resume_included(small_data, tmp
     common = dict(data=small_data, out=tmp_path / "rce", epochs=3, batch_size=8, val_frac=0.25)
 
     with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
-        m.setattr(rce, "save_checkpoint", save_then_die)
+        m.setattr(runs, "save_checkpoint", save_then_die)
         rce.main(rce.Args(**common))
     killed = counted[0]
     assert [r["lvlm/calls"] for r in records(tmp_path / "rce")][-1] == killed

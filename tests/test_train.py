@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import grpo
 import rce
+import runs
 import training
 from backends import ScoreCache
 from checkpoints import load_selector, save_checkpoint
@@ -68,8 +69,7 @@ def killed_after_epoch(monkeypatch, epoch):
         if e == epoch:
             raise KeyboardInterrupt
 
-    for stage in (rce, grpo):
-        monkeypatch.setattr(stage, "save_checkpoint", save_then_die)
+    monkeypatch.setattr(runs, "save_checkpoint", save_then_die)
 
 
 def test_rce_resume_is_bit_identical(small_data, rce_run, tmp_path, monkeypatch):
@@ -611,7 +611,7 @@ def test_report_to_tensorboard_holds_the_metrics_once_even_after_a_resume(small_
             save_checkpoint(out, epoch, *a)
 
         with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
-            m.setattr(rce, "save_checkpoint", dies_saving)
+            m.setattr(runs, "save_checkpoint", dies_saving)
             rce.main(rce.Args(data=small_data, out=out, epochs=3, report_to="tensorboard", **FAST))
     rce.main(rce.Args(data=small_data, out=out, epochs=3, report_to="tensorboard", **FAST))
     files = sorted((out / "tensorboard").iterdir())
