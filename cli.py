@@ -47,23 +47,23 @@ def default_is(text: str):
 
 
 def help_first(*names: str):
-    """Class decorator: list these flags first in --help.
+    """Class decorator: --help names these flags right after what the script does (tyro lists flags in field order,
+    inherited ones such as --threads and the reward weights first)."""
 
-    tyro lists flags in dataclass field order, which puts every inherited flag (threads, reward weights) before a
-    stage's own --data and --out; only the listing changes (flags are passed by name)."""
-
-    def reorder(cls):
-        fields = cls.__dataclass_fields__
-        cls.__dataclass_fields__ = {**{n: fields[n] for n in names}, **fields}
+    def mark(cls):
+        cls.most_used = names
         return cls
 
-    return reorder
+    return mark
 
 
 def description(main: Callable, args_type: type) -> str:
-    """--help's opening: the first line of the stage's module docstring, then the Args class's own docstring if it
-    has one (the dataclass decorator writes a signature there when it has none)."""
+    """--help's opening: the first line of the stage's module docstring, its most used flags, then the Args class's
+    own docstring if it has one (the dataclass decorator writes a signature there when it has none)."""
     first = (sys.modules[main.__module__].__doc__ or "").strip().split("\n")[0]
+    used = getattr(args_type, "most_used", ())
+    if used:
+        first += "\n\nMost used: " + ", ".join(f"--{n.replace('_', '-')}" for n in used)
     own = inspect.cleandoc(args_type.__doc__ or "")
     return first if own.startswith(f"{args_type.__name__}(") else f"{first}\n\n{own}"
 

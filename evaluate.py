@@ -56,7 +56,7 @@ from vqa_data import check_images
 Baseline = Literal["zero-shot", "random", "image-sim", "text-sim", "oracle", "observable"]
 
 
-@help_first("runs", "baseline", "data", "out", "lvlm")
+@help_first("baseline", "data", "out", "lvlm")
 @dataclass
 class Args(LVLMRun, CpuArgs):
     runs: tyro.conf.Positional[list[Path]] = field(default_factory=list)

@@ -34,8 +34,10 @@ How it is kept, and why the obvious implementation breaks it:
 - A prompt's images go to the processor together, as that prompt's list: tiling (Idefics3), patch padding
   (LLaVA-NeXT) and multi-image modes (LLaVA-OneVision) depend on the prompt. Only processors that turn each image
   into its own rows of patches (Qwen2/2.5/3-VL) have them cached per image, which gives the same tensors.
-- Processors whose video half needs torchvision are built without it (image_only), one mechanism for every family;
-  it and the position builder rely on internals of the pinned transformers (5.23).
+- Processors whose video half needs torchvision are built without it (image_only), one mechanism for every family.
+- Two things have no public route in transformers 5.23, so each has one named home here, checked by
+  tests/test_transformers_routes.py against the pinned release: generate()'s own positions for a prompt
+  (generation_positions) and a processor's list of sub-processors (image_only).
 - Decoded images and cached patches live in least-recently-used caches bounded by bytes: --image-cache-mib (default
   4096 per process, half decoded images, half patches; one COCO image is about 0.9 + 7 MiB at Qwen2.5-VL's defaults).
 - Throughput without changing a result: a call's prompts are batched longest first (less padding), at most
@@ -398,6 +400,13 @@ def _load_config(model: str, folder: Path) -> PretrainedConfig:
         return AutoConfig.from_pretrained(folder)
     except (OSError, ValueError) as e:
         raise ValueError(f"{model}: {folder} does not hold a loadable transformers model config: {e}") from e
+
+
+def generation_positions(model, inputs: BatchFeature) -> Tensor:
+    """The position ids generate() gives a prompt, (B, T) or (3 | 4, B, T): left padding skipped, and Qwen's 3-d rope
+    from the image grids. generate() builds them with a private method and transformers offers no public route, so
+    this is the kit's one call of it (tests/test_transformers_routes.py fails when the pinned release changes)."""
+    return model._prepare_position_ids_for_generation(inputs["input_ids"], dict(inputs))
 
 
 def image_only(cls: type[ProcessorMixin]) -> type[ProcessorMixin]:
@@ -776,7 +785,7 @@ class LVLMBackend:
         batch, device = [examples[i] for i in rows], self.model.device
         with self.phase("preprocess"):
             inputs = self.process(batch)
-            pos = self.model._prepare_position_ids_for_generation(inputs["input_ids"], dict(inputs))
+            pos = generation_positions(self.model, inputs)
             wanted = None
             if replies is not None:
                 ids = [self.reply_ids(self.messages(*ex), replies[i]) for ex, i in zip(batch, rows)]
