@@ -772,8 +772,9 @@ class Simulator:
             ids = a[split]["ids"][queries]  # (B, A)
             copied_rel = a["rel"][answer[:, None], ids.clamp(min=0)].masked_fill(ids < 0, 0).amax(1)  # (B,)
             rel = torch.where(r["copies"], copied_rel, rel)
-            for i in r["copies"].nonzero()[:, 0].tolist():
-                prediction[i] = a["words"][answer[i]]
+            words = a["words"]
+            for i, w in zip(r["copies"].nonzero()[:, 0].tolist(), answer[r["copies"]].tolist()):
+                prediction[i] = words[w]
         return {"prediction": prediction, "acc": acc, "correct": acc > 0, "gt_prob": r["gt_prob"].float(), "rel": rel}
 
     def oracle(
