@@ -320,6 +320,19 @@ def test_scoring_is_vectorised_in_every_world(world):
     assert python_calls(800 * 16) <= python_calls(10 * 16) + 2
 
 
+@pytest.mark.slow  # timing: several seconds, and only meaningful on an otherwise quiet machine
+def test_scoring_within_one_and_a_half_times_the_additive_time():
+    """bench.py --only sim: every world's median per-call time at a GRPO-like batch, interleaved with additive's."""
+    import statistics
+
+    import bench
+
+    times = bench.bench_sim(repeats=7)
+    base = statistics.median(times["additive"])
+    for world, t in times.items():
+        assert statistics.median(t) <= 1.5 * base, world
+
+
 @pytest.mark.parametrize(
     ("pairs", "match"),
     [
