@@ -9,6 +9,7 @@ Usage:
     python bench.py --only grpo --shapes 64,16,4 32,8,1 256,64,8   # offline GRPO epoch vs Lever-Plus's step
     python bench.py --only decode                                  # greedy decoding vs Lever-Plus's decoder
     python bench.py --only pools --pool-whole-rows 50000          # pool building: time and peak memory by size
+    python bench.py --only sim                                     # simulator scoring per call, in each world
     python bench.py --only lvlm --lvlm Qwen/Qwen2.5-VL-3B-Instruct --vqa-root /data/okvqa --device cuda
     python bench.py --only lvlm --lvlm random-3b --group-size 16 --lvlm-batch-size 16 --pool-size 64   # GPU, no weights
 """
@@ -32,7 +33,7 @@ from model import DECODE_CHUNK, PointerSelector, SelectorConfig, slices
 
 @dataclass
 class Args:
-    only: Literal["all", "log-probs", "epochs", "grpo", "decode", "pools", "lvlm"] = "all"
+    only: Literal["all", "log-probs", "epochs", "grpo", "decode", "pools", "lvlm", "sim"] = "all"
     """Which benchmark to run (all = the CPU ones but pools, which takes long; lvlm needs --lvlm and --vqa-root)."""
     shapes: list[str] = field(default_factory=lambda: ["64,16,4"])
     """GRPO benchmark: pool size, group size, shots of each simulated dataset, e.g. 64,16,4 32,8,1 256,64,8."""
@@ -417,6 +418,34 @@ def bench_decode(repeats: int, B=800, S=4, K=64, d=512) -> None:
     print(f"  the encoder alone:          {statistics.median(encoder) * 1e3:7.1f} ms median, {share:.0%} of ours")
 
 
+def bench_sim(repeats: int, G=16, Q=64, S=4, calls=20) -> dict[str, list[float]]:
+    """Per-call scoring time of the simulated LVLM in each world at a GRPO-like batch (G sequences of S shots for
+    each of Q queries), the worlds interleaved in every repeat; each repeat times `calls` calls."""
+    import sim
+
+    sims = {world: sim.Simulator(sim.world_config(world)) for world in sim.WORLDS}
+    g, n = torch.Generator().manual_seed(0), sims["additive"].cfg.num_train
+    queries = torch.randint(n, (Q,), generator=g).repeat_interleave(G)  # (Q*G,)
+    icds = torch.rand(Q * G, n, generator=g).argsort(dim=1)[:, :S]  # (Q*G, S) distinct train rows
+    for s in sims.values():
+        s.score("train", queries, icds)  # warm-up: allocator, a world's answer tables
+    times = {world: [] for world in sims}
+    for _ in range(repeats):
+        for world, s in sims.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                s.score("train", queries, icds)
+            times[world].append((time.perf_counter() - t0) / calls)
+    base = statistics.median(times["additive"])
+    print(f"simulator scoring per call, {Q} queries x {G} sequences x {S} shots ({repeats} repeats of {calls} calls)")
+    print("| world | min ms | median ms | max ms | median / additive |")
+    print("|---|---|---|---|---|")
+    for world, t in times.items():
+        row = f"{min(t) * 1e3:.2f} | {statistics.median(t) * 1e3:.2f} | {max(t) * 1e3:.2f}"
+        print(f"| {world} | {row} | {statistics.median(t) / base:.2f}x |")
+    return times
+
+
 @torch.inference_mode()
 def unshared_scores(backend, examples: list) -> tuple[list[str], Tensor]:
     """The reference the LVLM benchmark compares against: each prompt runs once for transformers' generate() and
@@ -704,6 +733,8 @@ def main(args: Args) -> None:
     if args.only in ("all", "grpo"):
         shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
         bench_grpo_epoch(args.repeats, shapes, args.reference_queries, args.grpo_epochs)
+    if args.only in ("all", "sim"):
+        bench_sim(args.repeats)
     if args.only == "pools":
         bench_pools(args.pool_rows, args.pool_queries, args.pool_samplers, args.repeats, args.pool_whole_rows)
     if args.only == "lvlm":

@@ -190,7 +190,11 @@ def read_meta(folder: Path) -> dict:
                 for v in _typed(value, list, where):
                     _typed(v, float, where)
             else:
-                _typed(value, float if isinstance(default, float) else int, where)
+                _typed(value, {float: float, int: int, str: str}[type(default)], where)
+        try:  # the ranges, where SimConfig keeps them
+            SimConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in meta["sim_config"].items()})
+        except ValueError as e:
+            raise DataError(f"{path}: field 'sim_config': {e}") from None
     return meta
 
 

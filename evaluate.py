@@ -63,9 +63,9 @@ class Args(LVLMRun, CpuArgs):
     """Run folders whose selector (model.safetensors) to evaluate."""
     baseline: Baseline | None = None
     """Evaluate a baseline instead: zero-shot, random, image-sim, text-sim; simulator only: oracle (searches the
-    planted answer model) or observable (the same search with the latents that probes read off the embeddings: an
-    estimate of how far embeddings alone can take a selector; a learned one can still beat it, e.g. by remembering
-    which train items helped)."""
+    answer model of the dataset's world, docs/worlds.md) or observable (the same search with the latents that probes
+    read off the embeddings: an estimate of how far embeddings alone can take a selector; a learned one can still
+    beat it, e.g. by remembering which train items helped)."""
     out: Annotated[Path | None, default_is("runs/baseline-<name>")] = None
     """Run folder for a baseline."""
     data: Path = DEFAULT_DATA
@@ -137,7 +137,8 @@ def baseline_icds(
     if args.baseline in ("oracle", "observable"):
         if not hasattr(backend, "sim"):
             raise ValueError(f"--baseline {args.baseline} needs the simulator (it searches the known answer model)")
-        # searched per shot count (the best 2 ICDs need not be a prefix of the best 4), already in prompt order
+        # searched per shot count (the best 2 ICDs need not be a prefix of the best 4), already in prompt order; the
+        # simulator rebuilt from meta.json searches its own world (a beam search where it is not additive)
         return [backend.sim.oracle(split, rows, pool, s, observable=args.baseline == "observable") for s in shots]
     if args.baseline == "random":
         g = torch.Generator().manual_seed(seed)

@@ -20,6 +20,8 @@ to mix with different ones; sequences are distinct within a group; no top-k filt
 Usage:
     python gen_rl_data.py                              # builds data/sim/ (800 anchors, G=16, S=4, K=64)
     python gen_rl_data.py --calibrate                  # print the simulator's calibration table
+    python gen_rl_data.py --world copy --out data/sim-copy             # another simulated world (docs/worlds.md)
+    python gen_rl_data.py --world strong --sim-set help_base=-0.2 --out data/sim-strong2   # a world's variant
     python gen_rl_data.py --report data/sim            # Markdown report of a dataset folder
     python gen_rl_data.py --init runs/rce --out data/sim-r2   # add sequences decoded by a trained selector
 """
@@ -31,12 +33,13 @@ import math
 import shutil
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Literal
 
 import torch
+import tyro
 from torch import Tensor
 from tqdm import tqdm
 
@@ -62,7 +65,7 @@ from data import (
 from files import atomic_write_text, full_disk_names, save_tensors
 from locks import exclusive
 from model import reward_spread
-from sim import SimConfig, Simulator, calibrate
+from sim import WORLDS, SimConfig, Simulator, calibrate, parse_settings, world_config
 
 
 @help_first("out", "lvlm", "dataset", "data_root")
@@ -99,6 +102,10 @@ class Args(RewardArgs, LVLMOptions, CpuArgs):
     """With --init: sampling temperature."""
     seed: int = 0
     """Seed of the simulator, the anchors, the pools and the random sequences."""
+    world: Literal[tuple(WORLDS)] = "additive"  # type: ignore[valid-type]
+    """Simulator: which simulated LVLM answers (docs/worlds.md): additive, copy, saturating, strong, order."""
+    sim_set: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
+    """Simulator: FIELD=VALUE, set a parameter of sim.SimConfig on top of the world's (a tuple as a comma list)."""
     lvlm: str = "sim"
     """`sim` (the built-in simulator) or a Hugging Face model id / local path, e.g. Qwen/Qwen2.5-VL-3B-Instruct."""
     dataset: Literal["okvqa", "vqav2"] = "okvqa"
@@ -127,7 +134,8 @@ class Args(RewardArgs, LVLMOptions, CpuArgs):
     """Anchor queries per backend call; each query's line is flushed when its call returns (0 = 64 for the
     simulator, 1 for a real LVLM)."""
     calibrate: bool = False
-    """Print the simulator's calibration table (zero-shot, random, similarity, oracle at 1..S shots) and exit."""
+    """Print the simulator's calibration table (zero-shot, random, similarity, oracle, observable at 1..S shots) and
+    exit."""
     report: Path | None = None
     """Print a Markdown report of this dataset folder and exit."""
     allow_truncated: bool = False
@@ -140,7 +148,12 @@ def rng(seed: int, stream: int) -> torch.Generator:
 
 
 def make_sim(args: Args) -> Simulator:
-    return Simulator(SimConfig(seed=args.seed, num_train=args.num_train, num_val=args.num_val))
+    try:
+        overrides = parse_settings(args.sim_set)
+        cfg = world_config(args.world, seed=args.seed, num_train=args.num_train, num_val=args.num_val, **overrides)
+    except ValueError as e:
+        raise ValueError(f"--sim-set: {e}") from None
+    return Simulator(cfg)
 
 
 def is_sim(args: Args) -> bool:
@@ -173,6 +186,8 @@ def check_args(args: Args) -> None:
         raise ValueError(f"--init-temperature must be a finite number > 0, got {args.init_temperature}")
     if args.chunk < 0:
         raise ValueError(f"--chunk must be >= 0, got {args.chunk}")
+    if not is_sim(args) and (args.world != "additive" or args.sim_set):
+        raise ValueError(f"--world and --sim-set set the simulator; --lvlm {args.lvlm} is a real LVLM")
     if not is_sim(args) and args.data_root is None:
         raise ValueError(f"--lvlm {args.lvlm} needs --data-root: the folder with the {args.dataset} files and images")
 
@@ -314,7 +329,10 @@ def prepare_folder(out: Path, want: dict) -> dict | None:
     if not (out / "meta.json").is_file():
         raise ValueError(f"{out} exists, is not empty and has no meta.json: not a dataset folder, refusing to write")
     meta = read_meta(out)
-    have, want = flatten(meta.get("settings", {})), flatten(json.loads(json.dumps(want)))  # tuples -> lists
+    have = meta.get("settings", {})
+    if "sim_config" in have:  # a simulator parameter newer than the folder has its default there (as sim_from_meta)
+        have = {**have, "sim_config": {**json.loads(json.dumps(asdict(SimConfig()))), **have["sim_config"]}}
+    have, want = flatten(have), flatten(json.loads(json.dumps(want)))  # tuples -> lists
     if diff := sorted(k for k in have.keys() | want.keys() if have.get(k) != want.get(k)):
         details = "; ".join(f"{k}: folder has {have.get(k)!r}, this run {want.get(k)!r}" for k in diff)
         raise ValueError(f"{out} was made with different settings ({details}); use another --out")
@@ -500,7 +518,8 @@ def build_folder(args: Args, rank: int, world: int) -> None:
 
 def calibration_table(cal: dict, seq_len: int) -> str:
     rows = ["| ICDs | " + " | ".join(f"{k}-shot" for k in range(1, seq_len + 1)) + " |", "|---|" + "---|" * seq_len]
-    for name, label in (("random", "random"), ("similar", "most similar"), ("oracle", "oracle")):
+    names = (("random", "random"), ("similar", "most similar"), ("oracle", "oracle"), ("observable", "observable"))
+    for name, label in ((n, lb) for n, lb in names if f"{n}_1" in cal):  # folders before observable lack its row
         rows.append(f"| {label} | " + " | ".join(f"{cal[f'{name}_{k}']:.2f}" for k in range(1, seq_len + 1)) + " |")
     rows.append(
         f"\nzero-shot: {cal['zero_shot']:.2f}; anchors whose sequences differ in reward: "
@@ -564,7 +583,7 @@ def main(args: Args) -> None:
         check_args(args)
         sim = make_sim(args)
         cal = calibrate(sim, args.pool_size, args.group_size, args.seq_len, args.num_queries, args.seed)
-        print("Simulated LVLM calibration (val queries, VQA accuracy %)\n")
+        print(f"Simulated LVLM calibration, world {sim.cfg.world} (val queries, VQA accuracy %)\n")
         print(calibration_table(cal, args.seq_len))
     else:
         generate(args)

@@ -10,8 +10,9 @@ Latent structure (all drawn from one `torch.Generator` seeded with `SimConfig.se
 - an answer type per question (yes/no, number, color, other), an ICD quality ~ N(0, 1), a misleading flag;
 - per query: a difficulty, an ICD sensitivity > 0 and an answer threshold (logit space).
 
-Answer model, for query q and ICDs c_1..c_k in prompt order (c_k next to the query):
-    logit = difficulty_q + sensitivity_q * (sum_i w_i * h(q, c_i) - redundancy(c)) - shot_cost * k
+Answer model of the `additive` world (the default), for query q and ICDs c_1..c_k in prompt order (c_k next to
+the query):
+    logit = difficulty_q + sensitivity_q * effect - shot_cost * k,   effect = sum_i w_i * h(q, c_i) - redundancy(c)
     w_i = position_decay ** (k - i)                  (later positions weigh more; the last one weighs 1)
     h(q, c) = help_base + affinity(q, c) * topical(c) + help_type * [same answer type] + help_quality * quality_c
     affinity = 1 for the same topic, help_supertopic for another topic of the same supertopic, else 0
@@ -23,19 +24,38 @@ minority annotator answer when the query has one (VQA acc 0.3/0.6). Below the th
 far wrong answer (acc 0). gt_prob = sigmoid(logit); acc is the official VQA accuracy of the prediction over the
 query's 10 annotator answers; rel = vqa.answer_rel(prediction, answers); so correct = acc > 0 as well.
 
+Worlds (WORLDS: presets of SimConfig; docs/worlds.md says what each mirrors and gives its calibration). Each term
+below is off at its parameter's default, so the terms mix freely (`world_config(name, **overrides)`):
+- copy (copy_weight > 0): the reply may repeat an ICD's answer. With margin = logit - threshold_q,
+      resemblance(q, c) = [same answer type] * (copy_question + (1 - copy_question) * affinity(q, c))
+      pull = copy_weight * max_i w_i * resemblance(q, c_i),   j = the argmax,   copy = pull / (pull + e^margin)
+  the reply is c_j's shown (majority) answer iff copy > 1/2, i.e. pull > e^margin, with the acc and rel it earns
+  from q's annotators; gt_prob = (1 - copy) * sigmoid(logit) + copy * acc(c_j's answer for q).
+- saturating (gain_decay < 1, help_pair > 0): in the effect, sum_i w_i h_i becomes
+      sum_r gain_decay ** r * g_(r) + sum_i min(w_i h_i, 0),   g_(r) = the r-th largest max(w_i h_i, 0)
+      + help_pair * max_{i != j} [c_i has q's answer type] * [c_j has q's topic and is not misleading]
+- order (primacy > 0, neighbour != 0): w_i = position_decay ** (k - i) + primacy * [i = 1 < k] (a U shape), and
+      effect += neighbour * sum_{i<k} min(h(q, c_i), h(q, c_{i+1}))       (adjacent ICDs lean on each other)
+- strong: the additive equations with other values (a higher zero-shot logit, distracting ICDs, help only from
+  high-quality ones).
+
 What a selector can learn from embeddings alone: topic (noisy: image and text views), answer type (text view),
 and, along two fixed directions of the text view, a noisy read-out of quality and of the misleading flag. Plain
 cosine similarity uses topic and type but is blind to quality and walks into misleading same-topic items, so a
-trained selector has room above it; the oracle (search over the known logit) bounds that room.
+trained selector has room above it; the oracle (search over the known answer model) bounds that room. Which answer
+an ICD shows is not in any embedding.
 
-Departure from a real LVLM: scores are additive over ICDs apart from the pairwise redundancy term, so for a
-fixed set of ICDs the best order is the most helpful last (`oracle` relies on this).
+Departure from a real LVLM: in the additive world scores are additive over ICDs apart from the pairwise
+redundancy term, so for a fixed set of ICDs the best order is the most helpful last (`oracle` relies on this there).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +65,7 @@ from torch import Tensor
 import pools
 from vqa import answer_rel, vqa_score
 
-__all__ = ["SimConfig", "Simulator", "calibrate", "SPLITS", "ANSWER_TYPES"]
+__all__ = ["SimConfig", "Simulator", "WORLDS", "world_config", "parse_settings", "calibrate", "SPLITS", "ANSWER_TYPES"]
 
 SPLITS: tuple[str, ...] = ("train", "val")
 ANSWER_TYPES: tuple[str, ...] = ("yes/no", "number", "color", "other")
@@ -128,17 +148,12 @@ MAJORITY, MINORITY, NEAR_MISS, FAR_MISS = range(4)
 class SimConfig:
     """Every parameter of the simulator. Lengths are in unit-free embedding norms, effects in logit units.
 
-    Calibration at the defaults (seed 0; VQA accuracy in %, 1200 val queries, each with a random 64-pool),
-    measured with `PYTHONPATH=. python -c "import sim; print(sim.calibrate(sim.Simulator()))"` (~2 s on 2 cores):
-        zero-shot 49.2
-        random      1-4 shots: 49.5 / 48.7 / 47.6 / 47.5
-        similarity  1-4 shots: 54.5 / 56.2 / 56.6 / 57.0   (most similar last)
-        oracle      1-4 shots: 68.6 / 73.7 / 76.7 / 78.0
-        anchors whose 16 scored 4-shot sequences do not share one reward: 0.40
-    Seeds 1-4 (`calibrate(Simulator(SimConfig(seed=s)), seed=s)`) give random 1-shot 49.1-49.8 and the same
-    ordering of the rows.
+    A world is a set of values of these parameters: `world_config` applies a preset of WORLDS and overrides on top.
+    Every world's calibration table and the command that reproduces it: docs/worlds.md.
     """
 
+    world: str = "additive"
+    """The preset of WORLDS these values started from (a label: the values alone decide the answer model)."""
     seed: int = 0
     """Seed of the single torch.Generator behind every random draw (same seed -> bitwise identical simulator)."""
     dim: int = 512
@@ -209,17 +224,124 @@ class SimConfig:
     """Width (logit units) of the band just above the threshold where a minority annotator answer comes out."""
     near_miss: float = 1.0
     """Width below the threshold where the wrong answer is a near miss (higher rel) rather than a far one."""
+    copy_weight: float = 0.0
+    """copy: pull towards replying with the answer of a fully resembling ICD next to the query (0 = never copies)."""
+    copy_question: float = 0.5
+    """copy: resemblance of an ICD with the query's answer type on a picture of an unrelated topic (1 = same topic)."""
+    gain_decay: float = 1.0
+    """saturating: the r-th largest helpful ICD effect weighs gain_decay ** r (1 = additive, 0 = only the best)."""
+    help_pair: float = 0.0
+    """saturating: extra help of two different ICDs together, one with the query's answer type (its format), one
+    with its topic (not misleading)."""
+    primacy: float = 0.0
+    """order: extra weight of the first of k > 1 positions (with recency, a U shape; 0 = recency only)."""
+    neighbour: float = 0.0
+    """order: each two adjacent ICDs add neighbour times the smaller of their two helpfulnesses."""
 
     def __post_init__(self):
-        for name in ("dim", "num_train", "num_val"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"SimConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if len(self.majority_count_probs) != NUM_ANNOTATORS - MIN_MAJORITY + 1:
-            raise ValueError(f"majority_count_probs needs {NUM_ANNOTATORS - MIN_MAJORITY + 1} entries (3..10)")
-        if not 0 <= self.redundancy_threshold < 1:
-            raise ValueError(f"redundancy_threshold must be in [0, 1), got {self.redundancy_threshold}")
-        if self.position_decay <= 0:
-            raise ValueError(f"position_decay must be > 0, got {self.position_decay}")
+        if self.world not in WORLDS:
+            raise ValueError(f"SimConfig.world must be one of {', '.join(WORLDS)}, got {self.world!r}")
+        for name in (f.name for f in dataclasses.fields(self) if f.name != "world"):
+            value, interval = getattr(self, name), RANGES.get(name, "(-inf, inf)")
+            for v in value if isinstance(value, tuple) else (value,):
+                if not _inside(v, interval):
+                    raise ValueError(f"SimConfig.{name} must be in {interval}, got {value}")
+        for name, n in (
+            ("answer_type_probs", len(ANSWER_TYPES)),
+            ("majority_count_probs", NUM_ANNOTATORS - MIN_MAJORITY + 1),
+        ):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"SimConfig.{name} needs {n} entries, got {len(getattr(self, name))}")
+        for name in ("image_group_probs", "answer_type_probs", "majority_count_probs"):
+            if not sum(getattr(self, name)) > 0:
+                raise ValueError(f"SimConfig.{name} must have a positive sum, got {getattr(self, name)}")
+
+    @property
+    def additive(self) -> bool:
+        """Whether the answer model is additive over ICDs (every term of the other worlds off)."""
+        return (self.copy_weight, self.gain_decay, self.help_pair, self.primacy, self.neighbour) == (0, 1, 0, 0, 0)
+
+
+# Allowed values per parameter (each entry of a tuple), as intervals; one not listed takes any finite number.
+RANGES: dict[str, str] = {
+    "dim": "[1, inf)",
+    "num_train": "[1, inf)",
+    "num_val": "[1, inf)",
+    "image_group_probs": "[0, 1]",
+    "answer_type_probs": "[0, 1]",
+    "majority_count_probs": "[0, 1]",
+    "supertopic_share": "[0, 1]",
+    **dict.fromkeys(
+        ("image_topic", "image_noise", "text_topic", "text_type", "text_quality", "text_misleading"), "[0, inf)"
+    ),
+    **dict.fromkeys(("readout_noise", "text_noise", "difficulty_std", "threshold_std"), "[0, inf)"),
+    "sensitivity_log_std": "[0, inf)",
+    "misleading_frac": "[0, 1]",
+    "position_decay": "(0, inf)",
+    "redundancy_weight": "[0, inf)",
+    "redundancy_threshold": "[0, 1)",
+    "band": "[0, inf)",
+    "near_miss": "[0, inf)",
+    "copy_weight": "[0, inf)",
+    "copy_question": "[0, 1]",
+    "gain_decay": "[0, 1]",
+    "help_pair": "[0, inf)",
+    "primacy": "[0, inf)",
+}
+
+
+def _inside(value: float, interval: str) -> bool:
+    """Whether a finite `value` lies in an interval written "[lo, hi)" (brackets closed, parentheses open)."""
+    if not math.isfinite(value):
+        return False
+    lo, hi = (float(x) for x in interval[1:-1].split(","))
+    return (lo <= value if interval[0] == "[" else lo < value) and (value <= hi if interval[-1] == "]" else value < hi)
+
+
+# World name -> the parameters it sets (every other one keeps SimConfig's default). docs/worlds.md: what each mirrors.
+WORLDS: dict[str, dict[str, float]] = {
+    "additive": {},
+    "copy": {"copy_weight": 5.0},
+    "saturating": {"gain_decay": 0.3, "help_pair": 0.6, "help_type": 0.05, "help_topic": 0.3},
+    "strong": {"difficulty_mean": 1.0, "help_base": -0.15, "help_topic": 0.1, "help_quality": 0.2},
+    "order": {"primacy": 0.6, "neighbour": 0.3},
+}
+
+
+def world_config(world: str = "additive", **overrides) -> SimConfig:
+    """The SimConfig of a world: its preset, then `overrides` (any SimConfig field but `world`) on top."""
+    if world not in WORLDS:
+        raise ValueError(f"unknown world {world!r}; the worlds are {', '.join(WORLDS)}")
+    return SimConfig(world=world, **{**WORLDS[world], **overrides})
+
+
+def parse_settings(pairs: list[str]) -> dict:
+    """FIELD=VALUE strings -> SimConfig overrides, each VALUE read as its field's type (a tuple as a comma list).
+
+    Ranges are SimConfig's to check; the world, the seed and the sizes have flags of their own.
+    """
+    fields = {f.name: f for f in dataclasses.fields(SimConfig)}
+    out = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        name = name.strip()
+        if not sep:
+            raise ValueError(f"{pair!r} is not FIELD=VALUE")
+        if name not in fields:
+            raise ValueError(f"{pair!r}: {name!r} is not a parameter of sim.SimConfig")
+        if name in FLAGGED:
+            raise ValueError(f"{pair!r}: set {name} with --{FLAGGED[name]}, not as a parameter")
+        kind = type(fields[name].default)
+        try:
+            out[name] = tuple(float(x) for x in text.split(",")) if kind is tuple else kind(text)
+        except ValueError:
+            what = "a comma list of numbers" if kind is tuple else "an integer" if kind is int else "a number"
+            raise ValueError(f"{pair!r}: {name} takes {what}, got {text!r}") from None
+    return out
+
+
+# SimConfig fields that gen_rl_data.py sets with flags of their own.
+FLAGGED = {"world": "world", "seed": "seed", "num_train": "num-train", "num_val": "num-val"}
 
 
 def _unit(shape: tuple[int, ...], gen: torch.Generator) -> Tensor:
@@ -451,8 +573,13 @@ class Simulator:
     # The answer model
 
     def position_weights(self, k: int) -> Tensor:
-        """Weight of each prompt position for k shots, (k,): the last (next to the query) weighs 1."""
-        return self.cfg.position_decay ** torch.arange(k - 1, -1, -1, dtype=torch.float32)  # (k,)
+        """Weight of each prompt position for k shots, (k,): recency (the last, next to the query, weighs 1), and
+        with primacy a U shape."""
+        decay = self.cfg.position_decay
+        w = decay ** torch.arange(k - 1, -1, -1, dtype=torch.float32)  # (k,)
+        if self.cfg.primacy and k > 1:  # the first of several ICDs weighs more too (a U shape)
+            w = w + self.cfg.primacy * (torch.arange(k) == 0)  # (k,)
+        return w
 
     def helpfulness(self, split: str, queries: Tensor, icds: Tensor) -> Tensor:
         """h(query, icd) for each query and each of its ICDs: (B,), (B, k) train-row ids -> (B, k)."""
@@ -510,58 +637,161 @@ class Simulator:
             out.append((self._pair_penalty(cos) * upper).sum(dim=(1, 2)))  # (b,)
         return torch.cat(out) if out else torch.zeros(0)
 
+    def _features(self, split: str, queries: Tensor, icds: Tensor, observable: bool = False) -> dict[str, Tensor]:
+        """What the answer model needs of each ICD for its query: (B,), (B, k) train-row ids -> dict of (B, k).
+
+        "h": helpfulness; with help_pair, "format" (same answer type) and "topic" (same topic, not misleading); with
+        copying, "resemblance" (see the module docstring), "credit" (VQA accuracy of the ICD's answer for the query)
+        and "answer" (its id in `_answers`). observable=True: each latent replaced by what the probes read off the
+        embeddings (posterior probabilities for indicators, `expected_helpfulness`), and "credit" by the mean credit
+        of copying an answer of the same type (the query's answers are not in its embedding); no "answer".
+        """
+        cfg = self.cfg
+        f = {"h": (self.expected_helpfulness if observable else self.helpfulness)(split, queries, icds)}
+        if not (cfg.help_pair or cfg.copy_weight):
+            return f
+        if observable:
+            q, c = self.probes.read(split, queries), self.probes.read("train", icds)
+            same = {key: (q[key][:, None] * c[key]).sum(-1).float() for key in ("topic", "supertopic", "answer_type")}
+            clean = 1 - c["misleading"].float()  # (B, k)
+        else:
+            q, c = self.latents[split], self.latents["train"]
+            same = {
+                key: (q[key][queries][:, None] == c[key][icds]).float()
+                for key in ("topic", "supertopic", "answer_type")
+            }
+            clean = (~c["misleading"][icds]).float()  # (B, k)
+        if cfg.help_pair:
+            f["format"], f["topic"] = same["answer_type"], same["topic"] * clean
+        if cfg.copy_weight:
+            affinity = same["topic"] + cfg.help_supertopic * (same["supertopic"] - same["topic"])  # (B, k)
+            f["resemblance"] = same["answer_type"] * (cfg.copy_question + (1 - cfg.copy_question) * affinity)
+            a = self._answers
+            if observable:
+                both = q["answer_type"][:, None] * c["answer_type"]  # (B, k, 4) P(both of each type)
+                f["credit"] = ((both @ a["credit_rate"].double()) / both.sum(-1).clamp_min(1e-12)).float()
+            else:
+                f["answer"] = a["shown"][icds]  # (B, k)
+                ids, acc = a[split]["ids"][queries], a[split]["acc"][queries]  # (B, A)
+                f["credit"] = ((ids[:, None, :] == f["answer"][..., None]) * acc[:, None, :]).sum(-1)  # (B, k)
+        return f
+
+    def _effect(self, f: dict[str, Tensor], redundancy: Tensor, k: int, present: Tensor | None = None) -> Tensor:
+        """The ICDs' effect on the logit before the query's sensitivity: features (N, k), redundancy (N,) -> (N,).
+
+        present (N, k): the positions that hold an ICD (the oracle's partial sequences, their other features 0).
+        """
+        cfg, h, w = self.cfg, f["h"], self.position_weights(k)
+        if cfg.gain_decay == 1:
+            effect = h @ w  # (N,)
+        else:  # diminishing returns: the helpful effects sorted, the r-th weighs gain_decay ** r; harmful ones add up
+            wh = h * w  # (N, k)
+            gains = wh.clamp(min=0).sort(dim=1, descending=True).values  # (N, k)
+            effect = gains @ cfg.gain_decay ** torch.arange(k, dtype=torch.float32) + wh.clamp(max=0).sum(1)
+        if cfg.neighbour and k > 1:
+            weaker = torch.minimum(h[:, 1:], h[:, :-1])  # (N, k-1)
+            if present is not None:
+                weaker = weaker * (present[:, 1:] & present[:, :-1])
+            effect = effect + cfg.neighbour * weaker.sum(1)
+        if cfg.help_pair and k > 1:
+            both = f["format"][:, :, None] * f["topic"][:, None, :]  # (N, k, k) format ICD i with topic ICD j
+            effect = effect + cfg.help_pair * both.masked_fill(torch.eye(k, dtype=torch.bool), 0).flatten(1).amax(1)
+        return effect - redundancy
+
+    def _reply(
+        self, f: dict[str, Tensor], redundancy: Tensor, k: int, query: dict[str, Tensor], present: Tensor | None = None
+    ) -> dict[str, Tensor]:
+        """The answer model on features (N, k) (`_features`) and the query's latents (N,) each: "difficulty",
+        "sensitivity", "threshold", and "acc" (N, 4) its answer table (None: no "acc" out).
+
+        Returns (N,) each: "logit" (of the model's own answer), "regime" (column of the answer tables), "copies"
+        (bool), "source" (the position copied from), "acc" and "gt_prob" (float64).
+        """
+        cfg = self.cfg
+        logit = query["difficulty"] + query["sensitivity"] * self._effect(f, redundancy, k, present) - cfg.shot_cost * k
+        margin = logit - query["threshold"]  # (N,)
+        # float32 sigmoid rounds a batch's SIMD body and tail differently: computed in float64, an answer does not
+        # depend on the batch it came in (the score cache relies on it)
+        gt_prob = torch.sigmoid(logit.double())  # (N,)
+        out = {"logit": logit}
+        copying = bool(cfg.copy_weight) and k > 0
+        if copying:
+            pull, source = (f["resemblance"] * self.position_weights(k)).max(dim=1)  # (N,) the strongest pull
+            # Copy odds = pull / the odds of the own answer: copies (greedily) when the pull beats e^margin.
+            copy = torch.sigmoid((cfg.copy_weight * pull.double()).log() - margin.double())  # (N,) 0 without pull
+            credit = f["credit"].gather(1, source[:, None])[:, 0].double()  # (N,)
+            gt_prob = (1 - copy) * gt_prob + copy * credit
+            out.update(copies=copy > 0.5, source=source)
+        out["gt_prob"] = gt_prob
+        if query.get("acc") is not None:
+            # Above the threshold: correct, the majority answer, or a minority one in the band just above it (when
+            # the query has a minority answer). Below: a near miss, then a far miss. Columns of the answer tables.
+            has_minority = query["acc"][:, MINORITY] > 0  # (N,)
+            out["regime"] = torch.where(
+                margin > 0,
+                torch.where((margin <= cfg.band) & has_minority, MINORITY, MAJORITY),
+                torch.where(margin > -cfg.near_miss, NEAR_MISS, FAR_MISS),
+            )  # (N,)
+            out["acc"] = query["acc"].gather(1, out["regime"][:, None])[:, 0]  # (N,)
+            if copying:
+                out["acc"] = torch.where(out["copies"], credit.float(), out["acc"])
+        return out
+
+    def _query(self, split: str, queries: Tensor) -> dict[str, Tensor]:
+        """The latents of queries (B,) that `_reply` reads."""
+        q = self.latents[split]
+        return {key: q[key][queries] for key in ("difficulty", "sensitivity", "threshold")} | {
+            "acc": self._acc[split][queries]
+        }
+
     def logit(self, split: str, queries: Tensor, icds: Tensor) -> Tensor:
-        """Answer logit of each query given its ICDs in prompt order: (B,), (B, k) train-row ids -> (B,)."""
+        """Logit of the model's own answer for each query given its ICDs in prompt order: (B,), (B, k) train-row
+        ids -> (B,). (A copying world may reply with an ICD's answer instead, see `score`.)"""
         if queries.dim() != 1 or icds.dim() != 2 or icds.shape[0] != queries.shape[0]:
             raise ValueError(f"expected queries (B,) and icds (B, k), got {tuple(queries.shape)}, {tuple(icds.shape)}")
-        q, k = self.latents[split], icds.shape[1]
-        effect = self.helpfulness(split, queries, icds) @ self.position_weights(k) - self.redundancy(icds)  # (B,)
-        return q["difficulty"][queries] + q["sensitivity"][queries] * effect - self.cfg.shot_cost * k  # (B,)
+        f, query = self._features(split, queries, icds), self._query(split, queries) | {"acc": None}
+        return self._reply(f, self.redundancy(icds), icds.shape[1], query)["logit"]
 
     def score(self, split: str, queries: Tensor, icds: Tensor) -> dict:
         """Simulated greedy answer and its scores: (B,), (B, k) train-row ids (k may be 0) -> dict of (B,) values.
 
-        Keys: "prediction" (list[str]), "acc" (VQA accuracy, float), "correct" (acc > 0, bool), "gt_prob"
-        (sigmoid(logit)), "rel" (closeness of the prediction to the annotator answers, 1 when correct).
+        Keys: "prediction" (list[str]), "acc" (VQA accuracy, float), "correct" (acc > 0, bool), "gt_prob" (the
+        probability of a credited answer, times its credit for a copied one), "rel" (closeness of the prediction to
+        the annotator answers, 1 when correct).
         """
-        logit = self.logit(split, queries, icds)  # (B,)
-        margin = logit - self.latents[split]["threshold"][queries]  # (B,)
-        # Above the threshold: correct, the majority answer, or a minority one in the band just above it (when the
-        # query has a minority answer). Below: a near miss, then a far miss. Columns of the precomputed tables.
-        cfg = self.cfg
-        has_minority = self._acc[split][queries, MINORITY] > 0  # (B,)
-        regime = torch.where(
-            margin > 0,
-            torch.where((margin <= cfg.band) & has_minority, MINORITY, MAJORITY),
-            torch.where(margin > -cfg.near_miss, NEAR_MISS, FAR_MISS),
-        )  # (B,)
-        acc = self._acc[split][queries, regime]  # (B,)
+        if queries.dim() != 1 or icds.dim() != 2 or icds.shape[0] != queries.shape[0]:
+            raise ValueError(f"expected queries (B,) and icds (B, k), got {tuple(queries.shape)}, {tuple(icds.shape)}")
+        f = self._features(split, queries, icds)
+        r = self._reply(f, self.redundancy(icds), icds.shape[1], self._query(split, queries))
+        acc, rel = r["acc"], self._rel[split][queries, r["regime"]]  # (B,)
         table = self._predictions[split]
-        return {
-            "prediction": [table[i][r] for i, r in zip(queries.tolist(), regime.tolist())],
-            "acc": acc,
-            "correct": acc > 0,
-            # float32 sigmoid rounds a batch's SIMD body and tail differently: computed in float64 and rounded, an
-            # answer does not depend on the batch it came in (the score cache relies on it)
-            "gt_prob": torch.sigmoid(logit.double()).float(),
-            "rel": self._rel[split][queries, regime],
-        }
+        prediction = [table[i][j] for i, j in zip(queries.tolist(), r["regime"].tolist())]
+        if "copies" in r and bool(r["copies"].any()):
+            a = self._answers
+            answer = f["answer"].gather(1, r["source"][:, None])[:, 0]  # (B,) id of the answer copied
+            ids = a[split]["ids"][queries]  # (B, A)
+            copied_rel = a["rel"][answer[:, None], ids.clamp(min=0)].masked_fill(ids < 0, 0).amax(1)  # (B,)
+            rel = torch.where(r["copies"], copied_rel, rel)
+            words = a["words"]
+            for i, w in zip(r["copies"].nonzero()[:, 0].tolist(), answer[r["copies"]].tolist()):
+                prediction[i] = words[w]
+        return {"prediction": prediction, "acc": acc, "correct": acc > 0, "gt_prob": r["gt_prob"].float(), "rel": rel}
 
     def oracle(
         self, split: str, queries: Tensor, pools: Tensor, k: int, beam: int = 16, observable: bool = False
     ) -> Tensor:
-        """The best ordered sequence of k distinct pool items under the known logit: (B,), (B, K) -> (B, k) ids.
+        """The best ordered sequence of k distinct pool items under the known answer model: (B,), (B, K) -> (B, k).
 
-        observable=True searches the same way with `expected_helpfulness` instead of the planted helpfulness: the
-        best an agent that knows the answer model but sees only the embeddings could do by this search.
+        observable=True searches the same way with the latents that `Probes` read off the embeddings (`_features`):
+        the best an agent that knows the answer model but sees only the embeddings could do by this search.
 
         Returns train-row ids in PROMPT order (the most helpful ICD last, next to the query): score them as they
-        are; reversing them lowers the logit. Pool entries < 0 are padding and never picked.
+        are. Pool entries < 0 are padding and never picked. A world that is not additive is searched by `_search`.
 
-        For a fixed set the best order puts the most helpful ICD last (weights grow towards the query and the
-        redundancy term ignores order), so the search runs over sets, built from the last position backwards in
-        order of decreasing helpfulness: each set is visited once, and its partial score is exact. Beam search
-        keeps the `beam` best partial sets; this is exhaustive (exact) whenever beam >= C(K, t) for all t < k,
+        Additive world: for a fixed set the best order puts the most helpful ICD last (weights grow towards the
+        query and the redundancy term ignores order), so the search runs over sets, built from the last position
+        backwards in order of decreasing helpfulness: each set is visited once, and its partial score is exact. Beam
+        search keeps the `beam` best partial sets; this is exhaustive (exact) whenever beam >= C(K, t) for all t < k,
         e.g. always for k = 1, and also exact when no two candidates are redundant (the sort alone is then optimal).
         """
         num, pool_len = pools.shape
@@ -571,6 +801,13 @@ class Simulator:
             raise ValueError(f"k={k} must be in [0, {int(num_valid.min())}], the fewest valid candidates of a pool")
         if beam < 1:
             raise ValueError(f"beam must be >= 1, got {beam}")
+        if not self.cfg.additive:
+            chunk = 128  # queries searched at once: their candidate sequences stay a few MiB
+            parts = [
+                self._search(split, queries[c : c + chunk], pools[c : c + chunk], k, beam, observable)
+                for c in range(0, num, chunk)
+            ]
+            return torch.cat(parts) if parts else pools[:, :k]
         helpfulness = self.expected_helpfulness if observable else self.helpfulness
         h = helpfulness(split, queries, pools.clamp(min=0)).masked_fill(~valid, float("-inf"))  # (B, K)
         # Sensitivity > 0 and the shot cost is fixed for fixed k, so maximising sum w*h - redundancy maximises logit.
@@ -598,6 +835,112 @@ class Simulator:
             )  # (B, M', K)
         best = chosen[:, 0].flip(1)  # (B, k) prompt order: the first pick goes last
         return ids.gather(1, best)  # (B, k)
+
+    def _search(self, split: str, queries: Tensor, pools: Tensor, k: int, beam: int, observable: bool) -> Tensor:
+        """Beam search over ordered sequences of k distinct pool items: (B,), (B, K) -> (B, k) ids, prompt order.
+
+        The sequence is filled from the query backwards (position k-1 first); a partial sequence is valued by the
+        answer model with the positions still empty left out, and the `beam` best are kept. Then the order of each
+        final sequence is improved by swapping two of its ICDs while a swap helps. Value: VQA accuracy, ties broken
+        by gt_prob; observable=True: the gt_prob of the features the probes give, with the query's difficulty,
+        sensitivity and threshold at their population medians (the embeddings do not reveal them). Neither step is
+        exhaustive, so the accuracy found bounds the best from below.
+        """
+        num, pool_len = pools.shape
+        valid, ids = pools >= 0, pools.clamp(min=0)  # (B, K)
+        feats = self._features(split, queries, ids, observable)
+        feats.pop("answer", None)
+        empty = pool_len  # a position's pool index when it holds no ICD: every feature is 0 there
+        feats = {name: F.pad(v, (0, 1)) for name, v in feats.items()}  # (B, K+1)
+        e = self.emb["train"][ids]  # (B, K, d)
+        pair = self._pair_penalty(e @ e.transpose(1, 2))  # (B, K, K)
+        if observable:
+            cfg = self.cfg
+            median = (cfg.difficulty_mean, math.exp(cfg.sensitivity_log_mean), 0.0)
+            query = {key: torch.full((num,), v) for key, v in zip(("difficulty", "sensitivity", "threshold"), median)}
+        else:
+            query = self._query(split, queries)
+
+        def value(slots: Tensor, redundancy: Tensor) -> Tensor:
+            """Sequences (B, S, k) of pool indices (`empty` where none) and their redundancy (B, S) -> (B, S)."""
+            s = slots.shape[1]
+            rows = {name: v.gather(1, slots.flatten(1)).view(-1, k) for name, v in feats.items()}  # (B*S, k)
+            each = {key: v.repeat_interleave(s, 0) for key, v in query.items()}  # (B*S,)
+            r = self._reply(rows, redundancy.flatten(), k, each, (slots < empty).view(-1, k))
+            out = r["gt_prob"] if observable else 10 * r["acc"].double() + r["gt_prob"]  # acc, then gt_prob
+            return out.view(num, s)
+
+        idx = torch.arange(pool_len)  # (K,)
+        chosen = torch.zeros(num, 1, 0, dtype=torch.long)  # (B, M, t) pool indices of positions k-t .. k-1
+        alive = torch.ones(num, 1, dtype=torch.bool)  # (B, M) beam entries that are sequences
+        redundancy = torch.zeros(num, 1)  # (B, M)
+        penalty = torch.zeros(num, 1, pool_len)  # (B, M, K) redundancy each candidate would add
+        for t in range(k):
+            m = chosen.shape[1]
+            slots = torch.full((num, m, pool_len, k), empty)  # (B, M, K, k) each beam entry with each candidate
+            slots[..., k - t :] = chosen[:, :, None, :]
+            slots[..., k - 1 - t] = idx
+            v = value(slots.flatten(1, 2), (redundancy[:, :, None] + penalty).flatten(1)).view(num, m, pool_len)
+            taken = (chosen[:, :, :, None] == idx).any(2)  # (B, M, K)
+            v = v.masked_fill(taken | ~valid[:, None] | ~alive[..., None], -math.inf)
+            top = v.flatten(1).topk(min(beam, m * pool_len), dim=1)  # (B, M')
+            parent, pick = top.indices // pool_len, top.indices % pool_len  # (B, M'), (B, M')
+            alive = top.values > -math.inf
+            chosen = torch.cat([pick[..., None], chosen.gather(1, parent[..., None].expand(-1, -1, t))], dim=2)
+            redundancy = (redundancy[:, :, None] + penalty).flatten(1).gather(1, top.indices)  # (B, M')
+            penalty = penalty.gather(1, parent[..., None].expand(-1, -1, pool_len)) + pair.gather(
+                1, pick[..., None].expand(-1, -1, pool_len)
+            )  # (B, M', K)
+        best, redundancy = chosen[:, 0], redundancy[:, :1]  # (B, k), (B, 1) the best sequence (beam sorted)
+        # Swaps: the identity, then every transposition of two positions, as permutations (P, k).
+        perms = [list(range(k))] + [
+            [j if x == i else i if x == j else x for x in range(k)] for i, j in itertools.combinations(range(k), 2)
+        ]
+        perms = torch.tensor(perms)  # (P, k)
+        for _ in range(k * k):  # each round takes the best swap; the identity first, so a tie keeps the order
+            cand = best[:, perms]  # (B, P, k)
+            top = value(cand, redundancy.expand(-1, len(perms))).argmax(dim=1)  # (B,)
+            if not bool(top.any()):
+                break
+            best = cand[torch.arange(num), top]  # (B, k)
+        return ids.gather(1, best)  # (B, k)
+
+    @functools.cached_property
+    def _answers(self) -> dict:
+        """The answers an ICD can pass on, as ids into "words" (built once, for copying worlds).
+
+        "shown" (N_train,): the answer each train item shows as an ICD (its majority answer); per split, "ids"
+        (N, A) of each item's distinct annotator answers (-1 pads) and "acc" (N, A) their VQA accuracy; "rel"
+        (W, W): answer_rel of a shown word (row) against one annotator answer (column); "credit_rate" (4,): per answer
+        type, the mean credit of a train item's shown answer for a train question of that type.
+        """
+        words: dict[str, int] = {}
+        acc_by_count = [_official_acc(c) for c in range(NUM_ANNOTATORS + 1)]
+        out: dict = {}
+        for split in SPLITS:
+            counts = [Counter(it["answers"]) for it in self.items[split]]
+            width = max(map(len, counts))
+            out[split] = {
+                "ids": torch.tensor(
+                    [[words.setdefault(a, len(words)) for a in c] + [-1] * (width - len(c)) for c in counts]
+                ),
+                "acc": torch.tensor([[acc_by_count[n] for n in c.values()] + [0.0] * (width - len(c)) for c in counts]),
+            }
+        vocab = list(words)
+        shown = torch.tensor([words[row[MAJORITY]] for row in self._predictions["train"]])  # (N_train,)
+        rel = torch.zeros(len(vocab), len(vocab))
+        for a in shown.unique().tolist():
+            rel[a] = torch.tensor([answer_rel(vocab[a], [b]) for b in vocab])
+        # credit_rate[t] = mean over train questions q of type t of sum_a P(an ICD of type t shows a) * acc_q(a)
+        types, train = self.latents["train"]["answer_type"], out["train"]
+        freq = torch.zeros(len(ANSWER_TYPES), len(vocab)).index_put_(
+            (types, shown), torch.ones(len(shown)), accumulate=True
+        )
+        freq = freq / freq.sum(1, keepdim=True).clamp_min(1)  # (4, W)
+        per_query = (freq[types[:, None], train["ids"].clamp(min=0)] * train["acc"]).sum(1)  # (N_train,)
+        rate = torch.zeros(len(ANSWER_TYPES)).index_add_(0, types, per_query)
+        rate = rate / torch.bincount(types, minlength=len(ANSWER_TYPES)).clamp_min(1)
+        return out | {"words": vocab, "shown": shown, "rel": rel, "credit_rate": rate}
 
 
 class Probes:
@@ -669,9 +1012,9 @@ def calibrate(
 
     Val queries each get their own random pool of `pool_size` train items; "random_k" = first k ICDs of a random
     sequence from the pool, "similar_k" = the k most similar by fused embedding with the most similar last,
-    "oracle_k" = `Simulator.oracle`. On `num_anchors` random train anchors with their own random pools,
-    "varying_reward_frac" = share of anchors whose group (1 similarity sequence + group_size-1 distinct random
-    ones, seq_len shots) does not share a single reward, reward = correct + acc.
+    "oracle_k" = `Simulator.oracle`, "observable_k" = its observable twin. On `num_anchors` random train anchors with
+    their own random pools, "varying_reward_frac" = share of anchors whose group (1 similarity sequence +
+    group_size-1 distinct random ones, seq_len shots) does not share a single reward, reward = correct + acc.
     """
     gen = torch.Generator().manual_seed(seed)
     train_img = sim.latents["train"]["image_id"]  # (N,)
@@ -695,6 +1038,7 @@ def calibrate(
         out[f"random_{k}"] = pct(rand_seq[:, :k])
         out[f"similar_{k}"] = pct(similar[:, :k].flip(1))
         out[f"oracle_{k}"] = pct(sim.oracle("val", queries, val_pools, k))
+        out[f"observable_{k}"] = pct(sim.oracle("val", queries, val_pools, k, observable=True))
 
     anchors = torch.randperm(len(train_img), generator=gen)[:num_anchors]  # (A,)
     anchor_pools = pools.query_pools("random", pool_size, {}, ids, "train", anchors, anchors, gen)  # (A, K)

@@ -15,6 +15,7 @@ import files
 import gen_rl_data
 import pools
 import sharding
+import sim
 from backends import sim_from_meta
 from data import ZERO_SHOT, load_dataset
 from gen_rl_data import Args, generate, report
@@ -210,3 +211,46 @@ def test_rerun_of_a_complete_folder_says_so(small_data, tmp_path, capsys):
     assert f"{out} is complete (48 anchor queries x 8 sequences" in captured.out and "left as it is" in captured.out
     assert "wrote" not in captured.out and "scoring" not in captured.err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_world_is_recorded_and_scores_every_later_stage(tmp_path):
+    """--world and --sim-set land in meta.json's sim_config; the simulator rebuilt from it (what every later stage
+    scores with) gives the folder's stored scores; another world does not resume the folder."""
+    out = tmp_path / "copy"
+    generate(Args(out=out, world="copy", sim_set=["copy_question=0.3"], **SMALL))
+    ds = load_dataset(out)
+    cfg = sim_from_meta(ds.meta).cfg
+    assert (cfg.world, cfg.copy_weight, cfg.copy_question) == ("copy", sim.WORLDS["copy"]["copy_weight"], 0.3)
+    g, s = ds.groups, sim_from_meta(ds.meta)
+    Q, G, S = g.seqs.shape
+    icds = g.pools.gather(1, g.seqs.flatten(1)).view(-1, S)
+    res = s.score("train", g.queries.repeat_interleave(G), icds)
+    assert torch.equal(g.fields["gt_prob"], res["gt_prob"].double().view(Q, G))
+    assert "| observable |" in report(out, Args())  # the calibration table's ceiling rows
+    with pytest.raises(ValueError, match=r"sim_config\.world: folder has 'copy', this run 'additive'"):
+        generate(Args(out=out, **SMALL))
+
+
+def test_folder_from_before_the_worlds_still_resumes(small_data, tmp_path, capsys):
+    """A folder whose sim_config lacks the world fields was made by the additive world: re-running its command
+    finds it complete instead of refusing different settings."""
+    out = tmp_path / "old"
+    shutil.copytree(small_data, out)
+    meta = json.loads((out / "meta.json").read_text())
+    for config in (meta["sim_config"], meta["settings"]["sim_config"]):
+        for name in ("world", "copy_weight", "copy_question", "gain_decay", "help_pair", "primacy", "neighbour"):
+            del config[name]
+    (out / "meta.json").write_text(json.dumps(meta))
+    generate(Args(out=out, **SMALL))
+    assert "is complete" in capsys.readouterr().out
+
+
+def test_bad_sim_set_is_one_line():
+    cli = subprocess.run(
+        [sys.executable, "gen_rl_data.py", "--calibrate", "--world", "saturating", "--sim-set", "gain_decay=1.5"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert cli.returncode == 2
+    assert cli.stderr.strip() == "error: --sim-set: SimConfig.gain_decay must be in [0, 1], got 1.5"
