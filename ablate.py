@@ -1,14 +1,15 @@
 """Ablations on the simulator: each variant against the stage defaults, on several seeds, with paired CIs.
 
-For every seed: a simulated dataset, the default RCE and online GRPO runs, the variants (each differs from its
-reference in the flags shown), and the image-similarity, oracle and observable baselines, all evaluated on the
+In each simulated world asked for (docs/worlds.md) and for every seed: a dataset, the default RCE and online GRPO
+runs, the variants (each differs from its reference in the flags shown), and the baselines, all evaluated on the
 same 800 validation questions. Every number is VQA accuracy averaged over 1-4 shots; a delta's 95% CI comes from a
 paired bootstrap over questions (pooled: over the questions of all seeds). Runs are cached in --out: re-running
-resumes, and a finished variant is never retrained.
+resumes, and a finished variant is never retrained. The last table has one row per world.
 
 Usage:
-    python ablate.py                                  # seeds 0 1 2 -> runs/ablate (about 35 min a seed, 1 core)
+    python ablate.py                                  # seeds 0 1 2 -> runs/ablate/additive (about 35 min a seed)
     python ablate.py --seeds 3 --only online          # one more seed, one variant
+    python ablate.py --worlds copy strong --only online "online, budget 35k"   # other worlds
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -30,6 +32,7 @@ import rce
 from cli import SIDE_ARGS, run_cli
 from compare import bootstrap_ci, gap_share, paired, per_question, read_args, read_eval, read_metrics
 from runs import flag_values
+from sim import WORLDS
 from tables import md_table
 
 
@@ -102,15 +105,17 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
     "online, budget 35k, replay 4 steps, beta 1": on_replay(kl_beta=1.0),
     "online, budget 35k, replay 4 steps, groups of 8 x 64 queries": on_replay(group_size=8, batch_size=64),
 }
-BASELINES = ("image-sim", "oracle", "observable")
+BASELINES = ("zero-shot", "random", "image-sim", "oracle", "observable")
 
 
 @dataclass
 class Args:
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     """Simulator seeds (each builds its own dataset)."""
+    worlds: list[Literal[tuple(WORLDS)]] = field(default_factory=lambda: ["additive"])  # type: ignore[valid-type]
+    """Simulated worlds (gen_rl_data.py --world), each with its own datasets."""
     out: Path = Path("runs/ablate")
-    """Folder of the cached datasets and runs."""
+    """Folder of the cached datasets and runs (one subfolder per world)."""
     only: list[str] = field(default_factory=list)
     """Train only these variants (their references too; none given: all). The tables show whatever is finished."""
     bootstrap: int = 10000
@@ -126,12 +131,12 @@ def quietly(fn, *a):
         return fn(*a)
 
 
-def build(args: Args, seed: int, names: list[str]) -> None:
-    """Train and evaluate what is missing for one seed."""
-    root = args.out / f"seed{seed}"
+def build(args: Args, world: str, seed: int, names: list[str]) -> None:
+    """Train and evaluate what is missing for one seed of one world."""
+    root = args.out / world / f"seed{seed}"
     data = root / "data"
     if not (data / "meta.json").is_file() or not json.loads((data / "meta.json").read_text())["complete"]:
-        quietly(gen_rl_data.generate, gen_rl_data.Args(out=data, seed=seed))
+        quietly(gen_rl_data.generate, gen_rl_data.Args(out=data, seed=seed, world=world))
     for b in BASELINES:
         if not (root / b / "eval" / "val.json").is_file():
             quietly(evaluate.main, evaluate.Args(data=data, baseline=b, out=root / b, num_samples=[800]))
@@ -147,7 +152,6 @@ def build(args: Args, seed: int, names: list[str]) -> None:
             then = read_args(run / "config.json")
             now = flag_values(run_args)
             planned = ("epochs",) if now.get("lvlm_budget") and now["epochs"] is None else ()  # grpo plans them
-            then = flag_values(type(run_args)()) | then  # a run from before a flag existed was made with its default
             if diff := sorted(k for k in now if k not in ("out", *SIDE_ARGS, *planned) and now[k] != then.get(k)):
                 raise ValueError(f"{run} was made with other flags ({', '.join(diff)}): delete it to rebuild it")
         if (run / "eval" / "val.json").is_file():
@@ -155,7 +159,7 @@ def build(args: Args, seed: int, names: list[str]) -> None:
         start = time.perf_counter()
         quietly(rce.main if stage == "rce" else grpo.main, run_args)
         quietly(evaluate.main, evaluate.Args(data=data, runs=[run], num_samples=[800]))
-        print(f"seed {seed}: {name} ({time.perf_counter() - start:.0f} s)", flush=True)
+        print(f"{world} seed {seed}: {name} ({time.perf_counter() - start:.0f} s)", flush=True)
 
 
 def order(names: list[str]) -> list[str]:
@@ -167,8 +171,8 @@ def order(names: list[str]) -> list[str]:
     return [n for n in VARIANTS if n in need]
 
 
-def scores(args: Args, seed: int, name: str) -> dict | None:
-    path = args.out / f"seed{seed}" / slug(name) / "eval" / "val.json"
+def scores(args: Args, world: str, seed: int, name: str) -> dict | None:
+    path = args.out / world / f"seed{seed}" / slug(name) / "eval" / "val.json"
     return per_question(read_eval(path), 800) if path.is_file() else None
 
 
@@ -184,17 +188,18 @@ def share(a: dict, b: dict, top: dict, resamples: int, rng: np.random.Generator)
     return f"{100 * s:.0f}% [{100 * lo:.0f}, {100 * hi:.0f}]"
 
 
-def tables(args: Args) -> str:
+def tables(args: Args, world: str) -> str:
     rng = np.random.default_rng(0)
     seeds = args.seeds
-    got = {(s, n): scores(args, s, n) for s in seeds for n in [*VARIANTS, *BASELINES]}
+    got = {(s, n): scores(args, world, s, n) for s in seeds for n in [*VARIANTS, *BASELINES]}
 
     def acc(s, n):
         return f"{100 * np.mean(list(got[s, n].values())):.2f}" if got[s, n] else "-"
 
     head = ["run", *[f"seed {s}" for s in seeds]]
     rows = [[n, *[acc(s, n) for s in seeds]] for n in [*BASELINES, *VARIANTS] if any(got[s, n] for s in seeds)]
-    out = ["VQA accuracy (%), mean over 1-4 shots, 800 validation questions", "", md_table(head, rows), ""]
+    out = [f"## World {world}", "", "VQA accuracy (%), mean over 1-4 shots, 800 validation questions", ""]
+    out += [md_table(head, rows), ""]
     rows = []
     for name, (_, _, ref) in VARIANTS.items():
         pairs = {s: (got[s, ref], got[s, name]) for s in seeds if ref and got[s, ref] and got[s, name]}
@@ -225,7 +230,8 @@ def tables(args: Args) -> str:
         done = [s for s in seeds if all(got[s, n] for n in (name, "rce", "oracle"))]
         if (name == "online" or "lvlm_budget" in flags) and done:
             cells = [
-                f"{share(got[s, 'rce'], got[s, name], got[s, 'oracle'], args.bootstrap, rng)} ({calls(args, s, name)})"
+                f"{share(got[s, 'rce'], got[s, name], got[s, 'oracle'], args.bootstrap, rng)} "
+                f"({calls(args, world, s, name)})"
                 if s in done
                 else "-"
                 for s in seeds
@@ -238,11 +244,44 @@ def tables(args: Args) -> str:
     return "\n".join(out)
 
 
-def calls(args: Args, seed: int, name: str) -> str:
-    """The LVLM calls a run spent, training and validation (runs from before the count was logged: -)."""
-    path = args.out / f"seed{seed}" / slug(name) / "metrics.jsonl"
-    logged = [r["lvlm/calls"] for r in read_metrics(path) if "lvlm/calls" in r] if path.is_file() else []
-    return f"{logged[-1]:,}" if logged else "-"
+def calls(args: Args, world: str, seed: int, name: str) -> str:
+    """The LVLM calls a run spent, training and validation."""
+    return f"{read_metrics(args.out / world / f'seed{seed}' / slug(name) / 'metrics.jsonl')[-1]['lvlm/calls']:,}"
+
+
+# The worlds table: what each run takes in every world, pooled over seeds.
+WORLD_RUNS = ("zero-shot", "random", "image-sim", "rce", "offline", "online", "online, budget 35k")
+SHARES = ("offline", "online", "online, budget 35k", "online, budget 35k, replay 4 steps")
+
+
+def worlds_table(args: Args) -> str:
+    """One row per world: mean accuracy of each run over the seeds, the rce->oracle gap and each GRPO run's share of
+    it (pooled over the questions of all seeds, paired bootstrap 95% CI)."""
+    rng = np.random.default_rng(0)
+    runs = [*WORLD_RUNS, "observable", "oracle"]
+    shares = [
+        n
+        for n in SHARES
+        if any((args.out / w / f"seed{s}" / slug(n)).is_dir() for w in args.worlds for s in args.seeds)
+    ]
+    rows = []
+    for world in args.worlds:
+        got = {n: [scores(args, world, s, n) for s in args.seeds] for n in {*runs, *shares}}
+        pooled = {n: {(s, q): v for s, d in zip(args.seeds, got[n]) if d for q, v in d.items()} for n in got}
+        mean = {n: f"{100 * np.mean(list(pooled[n].values())):.2f}" if all(got[n]) else "-" for n in got}
+        row = [world, *[mean[n] for n in runs]]
+        if all(got["rce"]) and all(got["oracle"]):
+            row.append(
+                f"{100 * (np.mean(list(pooled['oracle'].values())) - np.mean(list(pooled['rce'].values()))):.2f}"
+            )
+            row += [
+                share(pooled["rce"], pooled[n], pooled["oracle"], args.bootstrap, rng) if all(got[n]) else "-"
+                for n in shares
+            ]
+        rows.append(row + ["-"] * (len(runs) + 2 + len(shares) - len(row)))
+    head = ["world", *runs, "gap rce->oracle", *[f"share: {n}" for n in shares]]
+    seeds = " ".join(map(str, args.seeds))
+    return "\n".join([f"## Every world, seeds {seeds} pooled", "", md_table(head, rows), ""])
 
 
 def main(args: Args) -> None:
@@ -250,9 +289,10 @@ def main(args: Args) -> None:
         raise ValueError(f"--only: unknown variants {unknown}; known: {list(VARIANTS)}")
     torch.set_num_threads(1)
     names = order(args.only or list(VARIANTS))
-    for seed in args.seeds:
-        build(args, seed, names)
-    print(tables(args))
+    for world in args.worlds:
+        for seed in args.seeds:
+            build(args, world, seed, names)
+    print("\n".join([*[tables(args, w) for w in args.worlds], worlds_table(args)]))
 
 
 if __name__ == "__main__":
