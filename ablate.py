@@ -29,11 +29,11 @@ import evaluate
 import gen_rl_data
 import grpo
 import rce
-from cli import SIDE_ARGS, run_cli
-from compare import bootstrap_ci, gap_share, paired, per_question, read_args, read_eval, read_metrics
-from runs import flag_values
-from sim import WORLDS
-from tables import md_table
+from icl_select.cli import SIDE_ARGS, run_cli
+from icl_select.runs import flag_values, read_args, read_eval, read_metrics
+from icl_select.sim import WORLDS
+from icl_select.stats import bootstrap_ci, gap_share, paired, per_question
+from icl_select.tables import md_table
 
 
 def on_budget(**flags) -> tuple[str, dict, str]:
@@ -69,18 +69,6 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
     "online, group size 8": ("grpo", {"online": True, "group_size": 8}, "online"),
     "online, group size 32": ("grpo", {"online": True, "group_size": 32}, "online"),
     "online, picks in prompt order": ("grpo", {"online": True, "init": "rce, picks in prompt order"}, "online"),
-    "online, previous defaults": (
-        "grpo",
-        {
-            "online": True,
-            "queries": "anchors",
-            "lr": 1e-4,
-            "epochs": 10,
-            "reward_mode": "hard_plus_soft",
-            "kl_beta": 0.1,
-        },
-        "online",
-    ),
     "offline": ("grpo", {}, "online"),
     "online, budget 35k": ("grpo", {"online": True, "lvlm_budget": 35000}, "online"),
     "online, budget 35k, lr 3e-3 linear decay": on_budget(lr=3e-3, lr_schedule="linear"),

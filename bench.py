@@ -27,7 +27,7 @@ from typing import Annotated, Literal
 import torch
 from torch import Tensor
 
-from cli import default_is, run_cli
+from icl_select.cli import default_is, run_cli
 from model import DECODE_CHUNK, PointerSelector, SelectorConfig, slices
 
 
@@ -236,11 +236,11 @@ def bench_grpo_epoch(repeats: int, shapes: list[tuple[int, int, int]], reference
 
     import grpo
     import rce
-    from checkpoints import load_selector
-    from data import load_dataset
     from gen_rl_data import Args as GenArgs
     from gen_rl_data import generate
-    from training import split_queries
+    from icl_select.batches import split_queries
+    from icl_select.data import load_dataset
+    from icl_select.runs import load_selector
 
     quiet = (contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()))
     print(
@@ -295,7 +295,7 @@ def pool_build_run(rows: int, queries: int, sampler: str, whole: bool, repeats: 
     just before."""
     import hashlib
 
-    import pools
+    from icl_select import pools
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
@@ -421,7 +421,7 @@ def bench_decode(repeats: int, B=800, S=4, K=64, d=512) -> None:
 def bench_sim(repeats: int, G=16, Q=64, S=4, calls=20) -> dict[str, list[float]]:
     """Per-call scoring time of the simulated LVLM in each world at a GRPO-like batch (G sequences of S shots for
     each of Q queries), the worlds interleaved in every repeat; each repeat times `calls` calls."""
-    import sim
+    from icl_select import sim
 
     sims = {world: sim.Simulator(sim.world_config(world)) for world in sim.WORLDS}
     g, n = torch.Generator().manual_seed(0), sims["additive"].cfg.num_train
@@ -451,7 +451,7 @@ def unshared_scores(backend, examples: list) -> tuple[list[str], Tensor]:
     """The reference the LVLM benchmark compares against: each prompt runs once for transformers' generate() and
     once more per credited reply, teacher-forced behind it (how scoring worked before prompts were shared).
     Returns (raw answers, gt_prob (N,)) and counts prompt tokens in backend.counts like LVLMBackend.run."""
-    from lvlm import credited_replies
+    from icl_select.lvlm import credited_replies
 
     texts, rows, replies, credits = [], [], [], []
     for start in range(0, len(examples), backend.batch_size):
@@ -534,10 +534,10 @@ def bench_lvlm(args: Args) -> dict:
     import random
     import resource
 
-    import lvlm
-    from lvlm import LVLMBackend
-    from vqa import postprocess
-    from vqa_data import load_vqa_split
+    from icl_select import lvlm
+    from icl_select.lvlm import LVLMBackend
+    from icl_select.vqa import postprocess
+    from icl_select.vqa_data import load_vqa_split
 
     if args.lvlm == "tiny":
         return bench_tiny_families(args)

@@ -33,9 +33,17 @@ from typing import Annotated, Literal
 import numpy as np
 import tyro
 
-from cli import SIDE_ARGS, default_is, run_cli
-from files import DataError, atomic_write_text, read_json, read_jsonl, sha256
-from tables import md_table
+from icl_select.cli import SIDE_ARGS, default_is, run_cli
+from icl_select.files import atomic_write_text, sha256
+from icl_select.runs import read_args, read_eval, read_metrics, unfinished
+from icl_select.stats import (
+    Cell,
+    accuracy,
+    gap_share,
+    pair_cells,
+    per_question,
+)
+from icl_select.tables import md_table
 
 
 @dataclass
@@ -144,121 +152,6 @@ class Run:
         return f"{what}, {done} epoch{'s' * (done != 1)}" if self.epochs else what
 
 
-def bad(where: str, expected: str, got) -> DataError:
-    return DataError(f"{where}: expected {expected}, got {got!r}")
-
-
-def is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def number(x, where: str, lo: float = -math.inf, hi: float = math.inf) -> float:
-    """x as a float if it is a finite number in [lo, hi]; NaN and infinities (which JSON readers accept) are not."""
-    if not is_number(x) or not math.isfinite(x) or not lo <= x <= hi:
-        span = "" if (lo, hi) == (-math.inf, math.inf) else f" in [{lo:g}, {hi:g}]"
-        raise bad(where, f"a finite number{span}", x)
-    return float(x)
-
-
-def count(x, where: str, lo: int = 0) -> int:
-    if not isinstance(x, int) or isinstance(x, bool) or x < lo:
-        raise bad(where, f"an integer >= {lo}", x)
-    return x
-
-
-def read_eval(path: Path) -> dict:
-    """An evaluation file (evaluate.py's eval/<split>.json), every field compare.py reads checked."""
-    doc = read_json(path)
-
-    def at(name: str) -> str:
-        return f"{path}: field {name!r}"
-
-    if not isinstance(doc, dict):
-        raise bad(str(path), "a JSON object", type(doc).__name__)
-    shots = doc.get("shots")
-    if not isinstance(shots, list) or not shots:
-        raise bad(at("shots"), "a non-empty list of shot counts", shots)
-    for i, s in enumerate(shots):
-        count(s, at(f"shots[{i}]"))
-    results = doc.get("results")
-    if not isinstance(results, list):
-        raise bad(at("results"), "a list", type(results).__name__)
-    per_shot = dict.fromkeys(shots, 0)
-    for i, r in enumerate(results):
-        if not isinstance(r, dict):
-            raise bad(at(f"results[{i}]"), "an object", r)
-        if not isinstance(r.get("question_id"), (int, str)) or isinstance(r.get("question_id"), bool):
-            raise bad(at(f"results[{i}].question_id"), "an integer or a string", r.get("question_id"))
-        if r.get("shot") not in per_shot:
-            raise bad(at(f"results[{i}].shot"), f"one of the file's shots {shots}", r.get("shot"))
-        number(r.get("score"), at(f"results[{i}].score"), 0, 1)
-        icds = r.get("icds", [])
-        if not isinstance(icds, list) or not all(isinstance(j, int) and not isinstance(j, bool) for j in icds):
-            raise bad(at(f"results[{i}].icds"), "a list of integers", icds)
-        per_shot[r["shot"]] += 1
-    summary = doc.get("summary")
-    if not isinstance(summary, dict) or not summary:
-        raise bad(at("summary"), "a non-empty object", summary)
-    for n, row in summary.items():
-        if not n.isdigit() or int(n) < 1:
-            raise bad(at(f"summary.{n}"), "a question count as key", n)
-        if not isinstance(row, dict) or sorted(row) != sorted(map(str, shots)):
-            raise bad(at(f"summary.{n}"), f"an object with the keys {[str(s) for s in shots]}", row)
-        for s, v in row.items():
-            number(v, at(f"summary.{n}.{s}"), 0, 100)
-        if short := [s for s, c in per_shot.items() if c < int(n)]:
-            raise bad(
-                at(f"summary.{n}"), f"at least {n} results at every shot", f"{per_shot[short[0]]} at shot {short[0]}"
-            )
-    for key in ("baseline", "data", "data_digest", "split", "backend", "selector_sha256"):
-        if doc.get(key) is not None and not isinstance(doc[key], str):
-            raise bad(at(key), "a string", doc[key])
-    if doc.get("selector_epoch") is not None:
-        count(doc["selector_epoch"], at("selector_epoch"))
-    if not isinstance(doc.get("simulation", False), bool):
-        raise bad(at("simulation"), "true or false", doc["simulation"])
-    return doc
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """metrics.jsonl's epoch records (step records left out), ascending epochs, every number finite."""
-    records = []
-    for line, r in read_jsonl(path, truncated="warn"):
-        where = f"{path} line {line}"
-        if not isinstance(r, dict):
-            raise bad(where, "a JSON object", r)
-        if r.get("kind") == "step":
-            continue
-        epoch = count(r.get("epoch"), f"{where}: field 'epoch'")
-        if records and epoch <= records[-1]["epoch"]:
-            raise bad(f"{where}: field 'epoch'", f"an epoch after {records[-1]['epoch']}", epoch)
-        for k, v in r.items():
-            if k in TRAIN_COLUMNS or is_number(v):
-                number(v, f"{where}: field {k!r}")
-        if r.get("best_epoch") is not None:
-            count(r["best_epoch"], f"{where}: field 'best_epoch'", 1)
-        records.append(r)
-    return records
-
-
-def read_args(path: Path) -> dict:
-    """config.json's recorded flags."""
-    config = read_json(path)
-    if not isinstance(config, dict) or not isinstance(config.get("args"), dict):
-        raise bad(f"{path}: field 'args'", "an object of the run's flags", (config or {}).get("args"))
-    if "epochs" in config["args"]:
-        count(config["args"]["epochs"], f"{path}: field 'args.epochs'", 1)
-    return config["args"]
-
-
-def unfinished(epochs: list[dict], args: dict | None) -> str | None:
-    """'8 of 30 epochs' for a run whose training stopped before its planned epochs, else None: from its epoch
-    records (`read_metrics`) and flags (`read_args`, None without config.json). evaluate.py says it the same way."""
-    planned = (args or {}).get("epochs")
-    trained = epochs[-1]["epoch"] if epochs else 0
-    return f"{trained} of {planned} epochs" if planned is not None and trained < planned else None
-
-
 def read_run(path: Path, split: str) -> Run | None:
     """A run folder's evaluations, metrics and flags; None (with a warning) if it holds neither."""
     ev, metrics, config = path / "eval" / f"{split}.json", path / "metrics.jsonl", path / "config.json"
@@ -286,68 +179,6 @@ def read_run(path: Path, split: str) -> Run | None:
 # Statistics
 
 
-def scores(doc: dict, shot: int, n: int) -> dict:
-    """question_id -> score for one shot, first n questions of the fixed order."""
-    rows = [r for r in doc["results"] if r["shot"] == shot][:n]
-    return {r["question_id"]: r["score"] for r in rows}
-
-
-def per_question(doc: dict, n: int, shots: list[int] | None = None) -> dict:
-    """question_id -> mean score over `shots` (default: every evaluated shot), first n questions."""
-    per_shot = [scores(doc, s, n) for s in shots or doc["shots"]]
-    return {q: sum(d[q] for d in per_shot) / len(per_shot) for q in per_shot[0]}
-
-
-def accuracy(doc: dict, shot: int | str, n: int) -> float:
-    """VQA accuracy (%) at one shot ("avg": averaged over the file's shots), unrounded, first n questions."""
-    per_q = per_question(doc, n) if shot == "avg" else scores(doc, shot, n)
-    return 100 * float(np.mean(list(per_q.values())))
-
-
-def paired(a: dict, b: dict) -> np.ndarray:
-    """Per-question differences b - a over the questions both runs answered."""
-    common = [q for q in a if q in b]
-    return np.array([b[q] - a[q] for q in common], dtype=np.float64)
-
-
-def bootstrap_ci(d: np.ndarray, resamples: int, rng: np.random.Generator) -> tuple[float, float]:
-    """95% percentile bootstrap CI of the mean of d (resampling questions)."""
-    idx = rng.integers(0, len(d), size=(resamples, len(d)))
-    means = d[idx].mean(1)
-    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
-
-
-def sign_test(d: np.ndarray) -> float:
-    """Exact two-sided sign test on the non-zero differences (McNemar's test when scores are 0/1)."""
-    pos, neg = int((d > 0).sum()), int((d < 0).sum())
-    n = pos + neg
-    if n == 0:
-        return 1.0
-    tail = sum(math.comb(n, i) for i in range(min(pos, neg) + 1)) / 2**n
-    return min(1.0, 2 * tail)
-
-
-def holm(pvalues: list[float], alpha: float = 0.05) -> list[bool]:
-    """Holm's step-down test: which hypotheses are rejected at family-wise error `alpha` (input order)."""
-    reject = [False] * len(pvalues)
-    for rank, i in enumerate(sorted(range(len(pvalues)), key=pvalues.__getitem__)):
-        if pvalues[i] > alpha / (len(pvalues) - rank):
-            break
-        reject[i] = True
-    return reject
-
-
-@dataclass
-class Cell:
-    """One paired comparison (one shot, or the average over shots): points, 95% CI, sign-test p, verdict."""
-
-    delta: float
-    lo: float
-    hi: float
-    p: float
-    significant: bool = False
-
-
 def not_comparable(a: dict, b: dict) -> str | None:
     """Why two evaluations cannot be paired question by question (None when they can)."""
     for key in ("split", "backend", "simulation"):
@@ -361,31 +192,6 @@ def not_comparable(a: dict, b: dict) -> str | None:
     if qa[:n] != qb[:n]:
         return "different questions (another dataset folder or question order)"
     return None
-
-
-def pair_cells(a: dict, b: dict, shots: list[int], n: int, resamples: int, rng: np.random.Generator) -> dict:
-    """b - a at every shot and on the average over shots (first n questions), under the one verdict rule: the CI
-    excludes 0 and the sign test passes Holm's correction over these cells."""
-    diffs = {s: paired(scores(a, s, n), scores(b, s, n)) for s in shots}
-    diffs["avg"] = paired(per_question(a, n, shots), per_question(b, n, shots))
-    cells = {}
-    for k, d in diffs.items():
-        lo, hi = bootstrap_ci(100 * d, resamples, rng)
-        cells[k] = Cell(100 * float(d.mean()), lo, hi, sign_test(d))
-    for c, ok in zip(cells.values(), holm([c.p for c in cells.values()])):
-        c.significant = ok and (c.lo > 0 or c.hi < 0)
-    return cells
-
-
-def gap_share(a: dict, b: dict, top: dict, resamples: int, rng: np.random.Generator) -> tuple[float, float, float]:
-    """Share of the mean a -> top gap that b closes over their common questions, with a paired bootstrap 95% CI
-    (questions resampled together for the three runs)."""
-    x = np.array([[a[q], b[q], top[q]] for q in a if q in b and q in top])  # (n, 3)
-    boot = x[rng.integers(0, len(x), size=(resamples, len(x)))].mean(1)  # (R, 3)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        share, shares = ((m[..., 1] - m[..., 0]) / (m[..., 2] - m[..., 0]) for m in (x.mean(0), boot))
-    lo, hi = np.nanpercentile(shares, [2.5, 97.5])
-    return float(share), float(lo), float(hi)
 
 
 def common_n(runs: list[Run]) -> int:

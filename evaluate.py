@@ -39,19 +39,17 @@ import tyro
 from torch import Tensor
 from tqdm import tqdm
 
-import pools
-import sharding
-from backends import LVLMRun, check_lvlm_run, open_backend
-from checkpoints import check_width, checkpoints, load_selector, settings_file
-from cli import CpuArgs, default_is, help_first, run_cli
-from compare import read_args, read_metrics, unfinished
-from data import DEFAULT_DATA, Dataset, data_digest, load_dataset
-from files import DataError, atomic_write_text, full_disk_names, read_json, sha256
-from locks import exclusive
+from icl_select import pools, sharding
+from icl_select.backends import LVLMRun, check_lvlm_run, open_backend
+from icl_select.cli import CpuArgs, default_is, help_first, run_cli
+from icl_select.data import DEFAULT_DATA, Dataset, data_digest, load_dataset
+from icl_select.files import DataError, atomic_write_text, full_disk_names, read_json, sha256
+from icl_select.locks import exclusive
+from icl_select.runs import check_width, checkpoints, load_selector, read_args, read_metrics, settings_file, unfinished
+from icl_select.tables import accuracy_table
+from icl_select.validation import greedy_icds
+from icl_select.vqa_data import check_images
 from model import PointerSelector
-from tables import accuracy_table
-from training import greedy_icds
-from vqa_data import check_images
 
 Baseline = Literal["zero-shot", "random", "image-sim", "text-sim", "oracle", "observable"]
 

@@ -33,7 +33,7 @@ import math
 import shutil
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Literal
@@ -43,12 +43,10 @@ import tyro
 from torch import Tensor
 from tqdm import tqdm
 
-import pools
-import sharding
-from backends import LVLMOptions, SimBackend, check_lvlm_run, lvlm_backend
-from checkpoints import load_selector
-from cli import CpuArgs, default_is, help_first, run_cli
-from data import (
+from icl_select import pools, sharding
+from icl_select.backends import LVLMOptions, SimBackend, check_lvlm_run, lvlm_backend
+from icl_select.cli import CpuArgs, default_is, help_first, run_cli
+from icl_select.data import (
     DEFAULT_DATA,
     FORMAT_VERSION,
     QUALITY_TIERS,
@@ -62,10 +60,11 @@ from data import (
     read_embeddings,
     read_meta,
 )
-from files import atomic_write_text, full_disk_names, save_tensors
-from locks import exclusive
+from icl_select.files import atomic_write_text, full_disk_names, save_tensors
+from icl_select.locks import exclusive
+from icl_select.runs import load_selector
+from icl_select.sim import WORLDS, Simulator, calibrate, parse_settings, world_config
 from model import reward_spread
-from sim import WORLDS, SimConfig, Simulator, calibrate, parse_settings, world_config
 
 
 @help_first("out", "lvlm", "dataset", "data_root")
@@ -207,8 +206,8 @@ def open_source(args: Args) -> Source:
     if is_sim(args):
         sim = make_sim(args)
         return Source(sim.items, sim.emb, SimBackend(sim), {"source": "sim", "encoder": "sim"})
-    from lvlm import resolve_model
-    from vqa_data import load_vqa_split
+    from icl_select.lvlm import resolve_model
+    from icl_select.vqa_data import load_vqa_split
 
     files = {
         s: (getattr(args, f"{s}_questions"), getattr(args, f"{s}_annotations"), getattr(args, f"{s}_images"))
@@ -232,7 +231,7 @@ def open_source(args: Args) -> Source:
 
 def embed(args: Args, items: dict[str, list[dict]]) -> dict[str, Tensor]:
     """CLIP image, question and fused embeddings of both splits (real data)."""
-    from lvlm import clip_embed
+    from icl_select.lvlm import clip_embed
 
     emb = {}
     for split, rows in items.items():
@@ -330,8 +329,6 @@ def prepare_folder(out: Path, want: dict) -> dict | None:
         raise ValueError(f"{out} exists, is not empty and has no meta.json: not a dataset folder, refusing to write")
     meta = read_meta(out)
     have = meta.get("settings", {})
-    if "sim_config" in have:  # a simulator parameter newer than the folder has its default there (as sim_from_meta)
-        have = {**have, "sim_config": {**json.loads(json.dumps(asdict(SimConfig()))), **have["sim_config"]}}
     have, want = flatten(have), flatten(json.loads(json.dumps(want)))  # tuples -> lists
     if diff := sorted(k for k in have.keys() | want.keys() if have.get(k) != want.get(k)):
         details = "; ".join(f"{k}: folder has {have.get(k)!r}, this run {want.get(k)!r}" for k in diff)
@@ -519,7 +516,7 @@ def build_folder(args: Args, rank: int, world: int) -> None:
 def calibration_table(cal: dict, seq_len: int) -> str:
     rows = ["| ICDs | " + " | ".join(f"{k}-shot" for k in range(1, seq_len + 1)) + " |", "|---|" + "---|" * seq_len]
     names = (("random", "random"), ("similar", "most similar"), ("oracle", "oracle"), ("observable", "observable"))
-    for name, label in ((n, lb) for n, lb in names if f"{n}_1" in cal):  # folders before observable lack its row
+    for name, label in names:
         rows.append(f"| {label} | " + " | ".join(f"{cal[f'{name}_{k}']:.2f}" for k in range(1, seq_len + 1)) + " |")
     rows.append(
         f"\nzero-shot: {cal['zero_shot']:.2f}; anchors whose sequences differ in reward: "

@@ -30,32 +30,17 @@ from typing import Annotated, Literal
 import torch
 from torch import Tensor
 
-import sharding
-from backends import ScoreCache
-from checkpoints import check_width, load_selector
-from cli import alias, default_is, help_first, run_cli
-from data import Dataset, RewardMode, compute_reward, load_dataset
+from icl_select import sharding
+from icl_select.backends import ScoreCache
+from icl_select.batches import Batch, Split, make_batch, split_queries, steps_per_epoch
+from icl_select.cli import alias, default_is, help_first, run_cli
+from icl_select.data import Dataset, RewardMode, compute_reward, load_dataset
+from icl_select.epochs import EpochMeans, log_line, lr_factor, stop_if_diverged
+from icl_select.pools import first_distinct, query_pools
+from icl_select.runs import RunFolder, check_width, load_selector, new_loop
+from icl_select.train_args import TrainArgs, check_train_args
+from icl_select.validation import dataset_backend, greedy_icds, selection_metric, validate, validation_backend
 from model import PointerSelector, exact_kl, group_advantages, k3_kl, ppo_clip_loss, reward_spread, slices
-from pools import first_distinct, query_pools
-from runs import RunFolder, new_loop
-from training import (
-    Batch,
-    EpochMeans,
-    Split,
-    TrainArgs,
-    check_train_args,
-    dataset_backend,
-    greedy_icds,
-    log_line,
-    lr_factor,
-    make_batch,
-    selection_metric,
-    split_queries,
-    steps_per_epoch,
-    stop_if_diverged,
-    validate,
-    validation_backend,
-)
 
 # What moves in GRPO, on the progress bar and the epoch line (the loss is ~beta * KL: the PPO term is ~0 at ratio 1).
 SHOWN = ("grpo/reward_mean", "grpo/kl_ref", "grpo/entropy")
@@ -552,7 +537,7 @@ def main(args: Args) -> None:
             record = epoch_record(epoch, loop, means.result(), lr.policy, ds, split, backend, cap, lvlm, ref_greedy)
             if warnings := warnings_for(record, S):
                 record["warnings"] = warnings
-            if record[metric] > loop["best"]:  # epoch 0 is no candidate: see training.selection_metric
+            if record[metric] > loop["best"]:  # epoch 0 is no candidate: see validation.selection_metric
                 loop["best"], loop["best_epoch"] = record[metric], epoch
             record["best_epoch"] = loop["best_epoch"]
             loop["epoch"] = epoch

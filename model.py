@@ -1,4 +1,4 @@
-"""The pointer selector and the RL math, shared by every stage (no CLI, no files read here: see checkpoints.py).
+"""The pointer selector and the RL math, shared by every stage (no CLI, no files read here: see icl_select/runs.py).
 
 `PointerSelector` picks S in-context demonstrations, one at a time, from a per-query candidate pool of K embeddings:
 the query attends over its pool (L cross-attention layers, residual + LayerNorm), query state and candidates are
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from files import atomic_write_text, save_tensors
+from icl_select.files import atomic_write_text, save_tensors
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The selector

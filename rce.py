@@ -5,7 +5,7 @@ group's valid sequences, tau annealed linearly from --temp-start to --temp-end o
 cross-entropy on each group's best sequence (a supervised baseline). Training queries are those whose rewards differ
 (--quality varied): in an all-equal group softmax(reward / tau) is uniform, and its cross-entropy pulls the selector
 towards the uniform policy without saying which demonstrations help. The best epoch is chosen on held-out anchor
-queries (training.selection_metric); docs/design.md says why each choice differs from Lever-Plus.
+queries (validation.selection_metric); docs/design.md says why each choice differs from Lever-Plus.
 
 Usage:
     python rce.py                                  # data/sim -> runs/rce
@@ -24,25 +24,14 @@ import torch
 import tyro
 from torch import Tensor
 
-from checkpoints import check_width, load_selector
-from cli import alias, help_first, run_cli
-from data import Quality, load_dataset
+from icl_select.batches import make_batch, split_queries, steps_per_epoch
+from icl_select.cli import alias, help_first, run_cli
+from icl_select.data import Quality, load_dataset
+from icl_select.epochs import EpochMeans, log_line, lr_factor, stop_if_diverged
+from icl_select.runs import RunFolder, check_width, load_selector, new_loop
+from icl_select.train_args import TrainArgs, check_train_args
+from icl_select.validation import selection_metric, validate, validation_backend
 from model import PointerSelector, SelectorConfig, rce_weights
-from runs import RunFolder, new_loop
-from training import (
-    EpochMeans,
-    TrainArgs,
-    check_train_args,
-    log_line,
-    lr_factor,
-    make_batch,
-    selection_metric,
-    split_queries,
-    steps_per_epoch,
-    stop_if_diverged,
-    validate,
-    validation_backend,
-)
 
 SHOWN = ("train/loss", "train/tau")  # on the progress bar and the epoch line
 
@@ -154,7 +143,7 @@ def main(args: Args) -> None:
             record.update(validate(model, ds, split, backend, cap))
             if backend is not None:  # cumulative over the run, as grpo logs it
                 record["lvlm/calls"] = loop["state"]["lvlm_calls"] = backend.calls
-            if record[metric] > loop["best"]:  # epoch 0 is no candidate: see training.selection_metric
+            if record[metric] > loop["best"]:  # epoch 0 is no candidate: see validation.selection_metric
                 loop["best"], loop["best_epoch"] = record[metric], epoch
             record["best_epoch"] = loop["best_epoch"]
             loop["epoch"] = epoch

@@ -76,6 +76,6 @@ def mixed_okvqa(tmp_path_factory):
 @pytest.fixture(scope="session")
 def mixed_items(mixed_okvqa) -> dict[str, list[dict]]:
     """mixed_okvqa's questions, as vqa_data reads them, per split."""
-    from vqa_data import load_vqa_split
+    from icl_select.vqa_data import load_vqa_split
 
     return {split: load_vqa_split("okvqa", mixed_okvqa, split) for split in ("train", "val")}

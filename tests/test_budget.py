@@ -7,9 +7,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import grpo
-import runs
-from backends import SimBackend
-from checkpoints import save_checkpoint
+from icl_select import runs
+from icl_select.backends import SimBackend
+from icl_select.runs import save_checkpoint
 
 FAST = dict(batch_size=8, val_frac=0.25, group_size=6, online=True)
 
@@ -150,7 +150,7 @@ prompt = st.tuples(
 def test_score_cache_restores_any_earlier_state_from_a_later_one(requests, data):
     import torch
 
-    from backends import ScoreCache
+    from icl_select.backends import ScoreCache
 
     cache, memos = ScoreCache(Stub()), [{}]
     for req in requests:
@@ -186,8 +186,8 @@ def test_replay_buffer_holds_the_last_steps_with_their_sampling_log_probs_and_re
 ):
     import torch
 
-    from checkpoints import load_selector
-    from files import read_tensors
+    from icl_select.files import read_tensors
+    from icl_select.runs import load_selector
 
     def stored_buffer(ckpt):  # the checkpoint's extra tensors, as load_checkpoint hands them over
         return grpo.replay_buffer({k.removeprefix("extra."): v for k, v in read_tensors(ckpt).items()})

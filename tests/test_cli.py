@@ -9,7 +9,7 @@ import pytest
 import torch
 from tqdm import tqdm
 
-from cli import CpuArgs, run_cli
+from icl_select.cli import CpuArgs, run_cli
 
 
 @dataclass

@@ -11,7 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import ablate
-from compare import Args, bootstrap_ci, gap_share, holm, report, sign_test
+from compare import Args, report
+from icl_select.stats import bootstrap_ci, gap_share, holm, sign_test
 
 
 def write_run(folder, scores_by_shot, icds_by_shot=None, metrics=None, epoch_evals=None, ns=(2, 4)):
@@ -203,8 +204,10 @@ def test_ablate_orders_references_first_and_tables_pool_seeds_by_hand(tmp_path):
     rows |= {"observable": [1, 1, 0, 0]}
     for seed, variant in ((0, [1, 0, 0, 0]), (1, [1, 1, 0, 0])):
         for name, row in {**rows, "online, beta 0.1": variant}.items():
-            write_run(tmp_path / f"seed{seed}" / ablate.slug(name), {1: row, 2: row})
-    text = ablate.tables(ablate.Args(seeds=[0, 1], out=tmp_path, bootstrap=200))
+            calls = [{"epoch": 1, "lvlm/calls": 35_000}]
+            write_run(tmp_path / "copy" / f"seed{seed}" / ablate.slug(name), {1: row, 2: row}, metrics=calls)
+    args = ablate.Args(seeds=[0, 1], worlds=["copy"], out=tmp_path, bootstrap=200)
+    text = ablate.tables(args, "copy")
     acc = {r[0]: r[1:] for r in cells(text, "| run |")}
     assert acc["online"] == ["50.00", "50.00"] and acc["online, beta 0.1"] == ["25.00", "50.00"]
     [row] = cells(text, "| variant |")
@@ -213,6 +216,10 @@ def test_ablate_orders_references_first_and_tables_pool_seeds_by_hand(tmp_path):
     targets = cells(text, "| seed |")
     assert [r[0] for r in targets] == ["0", "1"]
     assert all(r[1].startswith("+25.00 [") and r[2].startswith("50% [") and r[3].startswith("100% [") for r in targets)
+    [world] = cells(ablate.worlds_table(args), "| world |")
+    got = dict(zip(["world", *ablate.WORLD_RUNS, "observable", "oracle", "gap rce->oracle", "share: online"], world))
+    assert got["world"] == "copy" and got["zero-shot"] == "-" and got["rce"] == "25.00" and got["oracle"] == "75.00"
+    assert got["gap rce->oracle"] == "50.00" and got["share: online"].startswith("50% [")
 
 
 def test_a_ci_that_excludes_zero_is_not_enough_when_the_sign_test_disagrees(tmp_path):
@@ -264,7 +271,7 @@ def test_unknown_split_is_rejected_on_the_command_line(monkeypatch, capsys):
     import sys
 
     import compare
-    from cli import run_cli
+    from icl_select.cli import run_cli
 
     monkeypatch.setattr(sys, "argv", ["compare.py", "--split", "test", "runs/rce"])
     with pytest.raises(SystemExit) as stop:
@@ -403,36 +410,16 @@ def test_out_prints_the_glance_table_and_the_path_and_a_folder_is_refused_before
     assert not any(folder.iterdir())
 
 
-def nan_score(doc):
-    doc["results"][1]["score"] = float("nan")
-
-
-def inf_summary(doc):
-    doc["summary"]["2"]["1"] = float("inf")
-
-
-def short_results(doc):
-    doc["summary"]["8"] = doc["summary"]["2"]
-
-
+# A damaged or foreign file is one line naming the file and what it lacks; files the kit wrote are not re-validated.
 MALFORMED = [
-    ("metrics.jsonl", '{"epoch": 0}\n{"epoch": 1,\n{"epoch": 2}\n', "metrics.jsonl line 2: not valid JSON"),
-    ("metrics.jsonl", '{"epoch": 0}\n{"epoch": "one"}\n', "metrics.jsonl line 2: field 'epoch': expected an integer"),
-    ("metrics.jsonl", '{"epoch": 0}\n{"epoch": 1, "val/acc": NaN}\n', "line 2: field 'val/acc': .*finite.*nan"),
-    ("metrics.jsonl", '{"epoch": 0, "grpo/kl_ref": "low"}\n', "line 1: field 'grpo/kl_ref': .*finite.*'low'"),
-    ("metrics.jsonl", '{"epoch": 0, "x": -Infinity}\n', "line 1: field 'x': .*finite.*-inf"),
-    ("metrics.jsonl", "[1, 2]\n", "metrics.jsonl line 1: expected a JSON object"),
-    ("metrics.jsonl", '{"epoch": 3}\n{"epoch": 2}\n', "line 2: field 'epoch': expected an epoch after 3"),
-    ("config.json", "{not json", "config.json: not valid JSON"),
-    ("config.json", '{"args": [1]}', "config.json: field 'args': expected an object"),
-    ("config.json", '{"args": {"epochs": "ten"}}', "config.json: field 'args.epochs': expected an integer >= 1"),
-    ("eval/val.json", "{", "val.json: not valid JSON"),
-    ("eval/val.json", nan_score, r"val.json: field 'results\[1\].score': expected a finite number in \[0, 1\]"),
-    ("eval/val.json", inf_summary, r"val.json: field 'summary.2.1': expected a finite number in \[0, 100\], got inf"),
-    ("eval/val.json", short_results, r"field 'summary.8': expected at least 8 results at every shot, got '2 at"),
-    ("eval/val.json", lambda d: d.pop("shots"), "val.json: field 'shots': expected a non-empty list"),
-    ("eval/val.json", lambda d: d["results"][0].pop("question_id"), r"field 'results\[0\].question_id'"),
-    ("eval/val.json", lambda d: d.update(simulation="yes"), "field 'simulation': expected true or false"),
+    ("metrics.jsonl", '{"epoch": 0}\n{"epoch": 1,\n{"epoch": 2}\n', "line 2"),
+    ("metrics.jsonl", "[1, 2]\n", "line 1.*'epoch'"),
+    ("metrics.jsonl", '{"step": 3}\n', "line 1.*'epoch'"),
+    ("config.json", "{not json", "JSON"),
+    ("config.json", '{"flags": {}}', "'args'"),
+    ("eval/val.json", "{", "JSON"),
+    ("eval/val.json", "[]", "'shots'"),
+    ("eval/val.json", lambda d: d.pop("results"), "'results'"),
 ]
 
 
@@ -455,17 +442,15 @@ def test_a_malformed_file_ends_the_command_in_one_line(tmp_path, monkeypatch, ca
     import sys
 
     import compare
-    from cli import run_cli
+    from icl_select.cli import run_cli
 
     run = write_run(tmp_path / "run", {1: [1, 0]})
-    (run / "eval" / "val.json").write_text(
-        (run / "eval" / "val.json").read_text().replace('"score": 0', '"score": NaN')
-    )
+    (run / "eval" / "val.json").write_text(json.dumps({"shots": [1]}))  # results cut away
     monkeypatch.setattr(sys, "argv", ["compare.py", str(run), "--out", str(tmp_path / "r.md")])
     with pytest.raises(SystemExit) as stop:
         run_cli(compare.main, compare.Args)
     err = capsys.readouterr().err
-    assert stop.value.code == 2 and err.count("\n") == 1 and "results[1].score" in err and "nan" in err
+    assert stop.value.code == 2 and err.count("\n") == 1 and "val.json" in err and "'results'" in err
     assert not (tmp_path / "r.md").exists()
 
 

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from strategies import rng, seeds
 
-import files
-from data import (
+from icl_select import files
+from icl_select.data import (
     INFO_FLOOR,
     REWARD_MODES,
     ZERO_SHOT,

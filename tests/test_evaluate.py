@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import data
 import evaluate
 import rce
-from checkpoints import load_selector
-from data import load_dataset
 from gen_rl_data import Args as GenArgs
 from gen_rl_data import generate
+from icl_select import data
+from icl_select.data import load_dataset
+from icl_select.runs import load_selector
 from model import PointerSelector, SelectorConfig
 
 N = [50, 100, 150]
@@ -279,10 +279,10 @@ def test_damaged_progress_and_run_files_are_one_line(small_data, run, tmp_path, 
         run_eval(data=small_data, baseline="random", out=tmp_path / "r", batch_size=20)
     r = copy_run(run, tmp_path / "run")
     (r / "metrics.jsonl").write_text((r / "metrics.jsonl").read_text() + "[1]\n")
-    with pytest.raises(ValueError, match=r"metrics.jsonl line \d+: expected a JSON object, got \[1\]"):
+    with pytest.raises(ValueError, match=r"metrics.jsonl line \d+: .*'epoch'"):
         run_eval(data=small_data, runs=[r])
     (r / "metrics.jsonl").write_text((run / "metrics.jsonl").read_text())
     config = json.loads((r / "config.json").read_text())
-    (r / "config.json").write_text(json.dumps({**config, "args": {**config["args"], "epochs": "ten"}}))
-    with pytest.raises(ValueError, match=r"config.json: field 'args.epochs': expected an integer >= 1, got 'ten'"):
+    (r / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "args"}))
+    with pytest.raises(ValueError, match=r"config.json: .*'args'"):
         run_eval(data=small_data, runs=[r])

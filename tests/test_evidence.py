@@ -12,9 +12,9 @@ import pytest
 import evaluate
 import grpo
 import rce
-from compare import per_question
 from gen_rl_data import Args as GenArgs
 from gen_rl_data import generate
+from icl_select.stats import per_question
 
 pytestmark = pytest.mark.slow
 N = 800  # validation questions, as in run.sh

@@ -37,7 +37,7 @@ from transformers import (
 )
 from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
-from lvlm import LVLMBackend
+from icl_select.lvlm import LVLMBackend
 
 pytestmark = [
     # llava-v1.6-mistral's published template writes "<\s>", which jinja reads as an invalid escape.

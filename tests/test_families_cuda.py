@@ -18,7 +18,7 @@ import torch
 from conftest import FAMILIES
 from test_families import MAX_NEW, Reference, rgb_images
 
-from lvlm import LVLMBackend
+from icl_select.lvlm import LVLMBackend
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),

@@ -24,10 +24,10 @@ from transformers import AutoConfig
 
 import evaluate
 import grpo
-import lvlm
 import rce
-from data import SEQ_FIELDS, load_dataset
 from gen_rl_data import Args, generate
+from icl_select import lvlm
+from icl_select.data import SEQ_FIELDS, load_dataset
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid escape sequence:DeprecationWarning")  # llava-v1.6's template
 

@@ -11,14 +11,12 @@ import pytest
 import torch
 from conftest import SMALL
 
-import files
 import gen_rl_data
-import pools
-import sharding
-import sim
-from backends import sim_from_meta
-from data import ZERO_SHOT, load_dataset
 from gen_rl_data import Args, generate, report
+from icl_select import files, pools, sharding, sim
+from icl_select.backends import sim_from_meta
+from icl_select.data import ZERO_SHOT, load_dataset
+from icl_select.files import DataError
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = ("items.json", "embeddings.safetensors", "rl_data.jsonl", "eval_pools.json")
@@ -231,18 +229,14 @@ def test_world_is_recorded_and_scores_every_later_stage(tmp_path):
         generate(Args(out=out, **SMALL))
 
 
-def test_folder_from_before_the_worlds_still_resumes(small_data, tmp_path, capsys):
-    """A folder whose sim_config lacks the world fields was made by the additive world: re-running its command
-    finds it complete instead of refusing different settings."""
+def test_a_folder_without_a_world_field_is_refused_in_one_line(small_data, tmp_path):
     out = tmp_path / "old"
     shutil.copytree(small_data, out)
     meta = json.loads((out / "meta.json").read_text())
-    for config in (meta["sim_config"], meta["settings"]["sim_config"]):
-        for name in ("world", "copy_weight", "copy_question", "gain_decay", "help_pair", "primacy", "neighbour"):
-            del config[name]
+    del meta["sim_config"]["world"]
     (out / "meta.json").write_text(json.dumps(meta))
-    generate(Args(out=out, **SMALL))
-    assert "is complete" in capsys.readouterr().out
+    with pytest.raises(DataError, match=r"meta.json: field 'sim_config.world' is missing"):
+        generate(Args(out=out, **SMALL))
 
 
 def test_bad_sim_set_is_one_line():

@@ -11,7 +11,7 @@ import pytest
 import evaluate
 import gen_rl_data
 import rce
-from locks import exclusive, lock_file
+from icl_select.locks import exclusive, lock_file
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = dict(batch_size=8, val_frac=0.25, epochs=1)
@@ -20,7 +20,7 @@ FAST = dict(batch_size=8, val_frac=0.25, epochs=1)
 def test_a_second_holder_is_refused_with_the_first_ones_name_and_a_killed_holder_frees_it(tmp_path):
     target = tmp_path / "runs" / "rce"
     code = (
-        f"from locks import exclusive; import time\n"
+        f"from icl_select.locks import exclusive; import time\n"
         f"with exclusive({str(target)!r}):\n print('held', flush=True); time.sleep(60)"
     )
     holder = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)

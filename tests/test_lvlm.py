@@ -23,8 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import Qwen2_5_VLProcessor
 
-import lvlm
-from lvlm import (
+from icl_select import lvlm
+from icl_select.lvlm import (
     ByteLRU,
     LVLMBackend,
     PromptTemplate,
@@ -35,8 +35,8 @@ from lvlm import (
     load_lvlm,
     prefetched,
 )
-from vqa import answer_rel, normalize_answer, postprocess, vqa_score
-from vqa_data import load_vqa_split
+from icl_select.vqa import answer_rel, normalize_answer, postprocess, vqa_score
+from icl_select.vqa_data import load_vqa_split
 
 VISION_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
 MIB = 2**20

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from strategies import rng, seeds
 
-from checkpoints import load_selector
+from icl_select.runs import load_selector
 from model import PointerSelector, SelectorConfig
 
 CFG = SelectorConfig(dim=12, hidden=16, num_heads=2, num_layers=2, dropout=0.3)

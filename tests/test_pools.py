@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import rng, seeds
 
-import pools
+from icl_select import pools
 
 
 def _gen(seed: int) -> torch.Generator:

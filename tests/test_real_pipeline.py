@@ -7,11 +7,11 @@ import pytest
 import compare
 import evaluate
 import grpo
-import lvlm
 import rce
-from backends import LVLMRun, open_backend
-from data import load_dataset
 from gen_rl_data import Args, generate
+from icl_select import lvlm
+from icl_select.backends import LVLMRun, open_backend
+from icl_select.data import load_dataset
 
 
 def gen_args(assets, out, **kw):

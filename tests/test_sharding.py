@@ -61,7 +61,7 @@ def test_evaluate_two_ranks_equal_one(small_data, tmp_path):
 
 
 def test_share_and_chunk_are_disjoint_covers():
-    import sharding
+    from icl_select import sharding
 
     for n in range(0, 30):
         for world in range(1, 5):
@@ -77,7 +77,7 @@ def test_share_and_chunk_are_disjoint_covers():
 def test_progress_files_keep_every_complete_line_and_resume_after_a_cut(items, cut, same_settings):
     """A killed write leaves a truncated last line: `done` skips it, `own_file` cuts it and appends after it; a file
     started by other settings (another header) counts for nothing and is started afresh."""
-    import sharding
+    from icl_select import sharding
 
     with tempfile.TemporaryDirectory() as tmp:
         path, header = Path(tmp) / "rank0.jsonl", {"shots": [1, 2]}
@@ -99,7 +99,7 @@ def test_progress_files_keep_every_complete_line_and_resume_after_a_cut(items, c
 COUNTING = """
 import os, runpy, signal, sys
 sys.path.insert(0, os.getcwd())
-from backends import SimBackend
+from icl_select.backends import SimBackend
 real, count = SimBackend.score, os.path.join(sys.argv[1], "count." + os.environ["RANK"])
 def score(self, split, queries, icds, gt_prob=True):
     with open(count, "a") as f:

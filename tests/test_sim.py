@@ -18,10 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import seeds
 
-import pools
-import sim
-from data import SEQ_FIELDS
-from vqa import answer_rel, vqa_score
+from icl_select import pools, sim
+from icl_select.data import SEQ_FIELDS
+from icl_select.vqa import answer_rel, vqa_score
 
 ALLOWED_ACC = {0.0, 0.3, 0.6, 0.9, 1.0}
 
@@ -330,7 +329,7 @@ def test_observable_ceiling_sits_between_similarity_and_the_oracle():
 @given(sim_seed=sim_seeds, seed=seeds)
 @settings(max_examples=10)
 def test_score_cache_asks_once_per_distinct_prompt_and_changes_nothing(sim_seed, seed):
-    from backends import ScoreCache, SimBackend
+    from icl_select.backends import ScoreCache, SimBackend
 
     s = small_sim(sim_seed)
     queries, icds, g = _batch(s, seed, 12, 3, split="train")

@@ -19,12 +19,11 @@ from hypothesis import strategies as st
 
 import grpo
 import rce
-import runs
-import training
-from backends import ScoreCache
-from checkpoints import load_selector, save_checkpoint
-from cli import run_cli
-from data import load_dataset
+from icl_select import batches, epochs, runs, validation
+from icl_select.backends import ScoreCache
+from icl_select.cli import run_cli
+from icl_select.data import load_dataset
+from icl_select.runs import load_selector, save_checkpoint
 from model import PointerSelector, SelectorConfig
 
 FAST = dict(batch_size=8, val_frac=0.25, keep_every=1)
@@ -89,7 +88,7 @@ def test_rce_killed_mid_epoch_resumes_bit_identical(small_data, rce_run, tmp_pat
     real = rce.make_batch
     calls = {"n": 0}
     args = rce.Args(data=small_data, out=out, epochs=3, **FAST)
-    steps = training.steps_per_epoch(training.split_queries(load_dataset(small_data), args), args.batch_size)
+    steps = batches.steps_per_epoch(batches.split_queries(load_dataset(small_data), args), args.batch_size)
     assert steps >= 2
 
     def dies_in_epoch_3(*a):
@@ -110,8 +109,8 @@ def test_rce_killed_mid_epoch_resumes_bit_identical(small_data, rce_run, tmp_pat
 
 
 def test_validation_split_is_by_image(small_data):
-    from data import load_dataset
-    from training import split_queries
+    from icl_select.batches import split_queries
+    from icl_select.data import load_dataset
 
     ds = load_dataset(small_data)
     split = split_queries(ds, rce.Args(**FAST))
@@ -212,7 +211,7 @@ def test_online_queries_come_from_train_but_never_from_validation_images(small_d
     assert (args.epochs, args.lr, args.reward_mode, args.kl_beta) == (30, 1e-3, "hard_plus_gtprob", 0.3)
     grpo.main(replace(args, epochs=1))
     ds = load_dataset(small_data)
-    split = training.split_queries(ds, args)
+    split = batches.split_queries(ds, args)
     image = torch.tensor([it["image_id"] for it in ds.items["train"]])
     val_images = set(image[ds.groups.queries[split.val]].tolist())
     trained = torch.cat([q for q in asked if len(q) > len(split.val)])  # the groups (validation asks 12 at a time)
@@ -225,7 +224,7 @@ def test_offline_grpo_resumes_bit_identical_with_a_last_batch_of_one(small_data,
     one used, even when an epoch ends with a one-query batch, whose own products round differently."""
     full, part = tmp_path / "full", tmp_path / "part"
     common = dict(data=small_data, init=rce_run, epochs=3, lr=3e-3, seed=3, **{**FAST, "batch_size": 5})
-    assert len(training.split_queries(load_dataset(small_data), grpo.resolve(grpo.Args(**common))).train) % 5 == 1
+    assert len(batches.split_queries(load_dataset(small_data), grpo.resolve(grpo.Args(**common))).train) % 5 == 1
     grpo.main(grpo.Args(out=full, **common))
     with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
         killed_after_epoch(m, 1)
@@ -261,7 +260,7 @@ def test_grpo_online_and_resume_bit_identical(small_data, rce_run, tmp_path, mon
 def test_curriculum_filters_shrink_the_training_set(small_data, rce_run, tmp_path):
     ds = load_dataset(small_data)
     kept = {
-        q: training.split_queries(ds, grpo.resolve(grpo.Args(quality=q, **FAST)))
+        q: batches.split_queries(ds, grpo.resolve(grpo.Args(quality=q, **FAST)))
         for q in ("high", "medium", "varied", "all")
     }
     sets = [set(kept[q].train.tolist()) for q in ("high", "medium", "varied", "all")]
@@ -381,10 +380,10 @@ def test_nan_loss_stops_with_clear_message(small_data, rce_run, tmp_path, monkey
 @given(st.sampled_from(["constant", "linear", "cosine"]), st.integers(1, 500), st.data())
 def test_lr_schedule_starts_at_the_base_rate_and_never_rises(schedule, total, data):
     step = data.draw(st.integers(0, total - 1))
-    f = [training.lr_factor(schedule, s, total) for s in (0, step, step + 1)]
+    f = [epochs.lr_factor(schedule, s, total) for s in (0, step, step + 1)]
     assert f[0] == 1.0 and 0.0 <= f[2] <= f[1] <= 1.0
     if schedule != "constant":  # decays to 0 at the end of the run: the step after the last one has rate 0
-        assert training.lr_factor(schedule, total, total) == pytest.approx(0.0, abs=1e-12)
+        assert epochs.lr_factor(schedule, total, total) == pytest.approx(0.0, abs=1e-12)
         assert step == 0 or f[1] < 1.0
 
 
@@ -657,7 +656,7 @@ def test_non_finite_or_unusable_flags_are_refused_before_any_work(small_data, rc
 
 
 def test_a_stray_file_among_the_checkpoints_is_named_and_epochs_sort_by_number(tmp_path):
-    from checkpoints import checkpoints
+    from icl_select.runs import checkpoints
 
     (tmp_path / "ckpt").mkdir()
     for epoch in (999, 1000, 7):
@@ -701,6 +700,6 @@ def test_greedy_icds_in_parts_equal_one_whole_call(seed, n, budget):
     with torch.no_grad():
         whole, _ = model.eval().greedy(ds.emb["val"][rows], ds.emb["train"][pool.clamp_min(0)], pool >= 0, 3)
     whole_sizes, sizes[:] = sizes[:], []
-    with patch.object(training, "CHUNK_ELEMENTS", budget):
-        assert torch.equal(training.greedy_icds(model, ds, "val", rows, pool, 3), pool.gather(1, whole))
+    with patch.object(validation, "CHUNK_ELEMENTS", budget):
+        assert torch.equal(validation.greedy_icds(model, ds, "val", rows, pool, 3), pool.gather(1, whole))
     assert sizes == whole_sizes  # BLAS may round a slice of other rows otherwise: same slices, same bits

@@ -9,7 +9,7 @@ from pathlib import Path
 import transformers
 from transformers import GenerationMixin, ProcessorMixin
 
-import lvlm
+from icl_select import lvlm
 
 
 def pinned(package: str) -> str:

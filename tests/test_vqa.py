@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vqa import CONTRACTIONS, NUMBER_WORDS, answer_rel, normalize_answer, postprocess, vqa_score
+from icl_select.vqa import CONTRACTIONS, NUMBER_WORDS, answer_rel, normalize_answer, postprocess, vqa_score
 
 # database=None keeps Hypothesis from writing a .hypothesis/ directory into the repository.
 FAST = settings(database=None, deadline=None, max_examples=150)

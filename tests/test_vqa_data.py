@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vqa_data import load_vqa_split
+from icl_select.vqa_data import load_vqa_split
 
 
 def test_load_okvqa_fixture(assets):

@@ -23,10 +23,9 @@ from hypothesis import strategies as st
 from strategies import seeds
 from test_pinned import AVX2, cpu_model
 
-import pools
-import sim
-from data import DataError, read_meta
-from vqa import answer_rel, vqa_score
+from icl_select import pools, sim
+from icl_select.data import DataError, read_meta
+from icl_select.vqa import answer_rel, vqa_score
 
 ROOT = Path(__file__).resolve().parent.parent
 OTHER_WORLDS = [w for w in sim.WORLDS if w != "additive"]
@@ -376,14 +375,3 @@ def test_meta_json_world_is_validated(small_data, tmp_path, edit, match):
     (tmp_path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(DataError, match=match):
         read_meta(tmp_path)
-
-
-def test_meta_json_without_the_world_fields_reads_as_additive(small_data, tmp_path):
-    """A folder written before the worlds lacks their fields: they take their defaults (the additive world)."""
-    meta = json.loads((small_data / "meta.json").read_text())
-    for name in ("world", "copy_weight", "copy_question", "gain_decay", "help_pair", "primacy", "neighbour"):
-        del meta["sim_config"][name]
-    (tmp_path / "meta.json").write_text(json.dumps(meta))
-    from backends import sim_from_meta
-
-    assert sim_from_meta(read_meta(tmp_path)).cfg == sim_from_meta(read_meta(small_data)).cfg

@@ -38,9 +38,9 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
-from files import DataError, read_json, read_jsonl, read_tensors
+from icl_select.files import DataError, read_json, read_jsonl, read_tensors
+from icl_select.sim import SimConfig
 from model import reward_spread
-from sim import SimConfig
 
 FORMAT_VERSION = 2  # 2: gt_prob at full precision, and each query's zero-shot gt_prob
 RewardMode = Literal[
@@ -183,8 +183,12 @@ def read_meta(folder: Path) -> dict:
         known = {f.name: f.default for f in dataclasses.fields(SimConfig)}
         if unknown := sorted(meta["sim_config"].keys() - known.keys()):
             raise DataError(f"{path}: field 'sim_config.{unknown[0]}' is not a simulator setting")
+        if missing := [k for k in known if k not in meta["sim_config"]]:
+            raise DataError(
+                f"{path}: field 'sim_config.{missing[0]}' is missing; regenerate the folder with gen_rl_data.py"
+            )
         for name, default in known.items():
-            value = meta["sim_config"].get(name, default)
+            value = meta["sim_config"][name]
             where = f"{path}: field 'sim_config.{name}'"
             if isinstance(default, tuple):
                 for v in _typed(value, list, where):

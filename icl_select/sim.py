@@ -62,8 +62,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-import pools
-from vqa import answer_rel, vqa_score
+from icl_select import pools
+from icl_select.vqa import answer_rel, vqa_score
 
 __all__ = ["SimConfig", "Simulator", "WORLDS", "world_config", "parse_settings", "calibrate", "SPLITS", "ANSWER_TYPES"]
 

@@ -17,9 +17,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-import sharding
-from data import SEQ_FIELDS
-from sim import SPLITS, SimConfig, Simulator
+from icl_select import sharding
+from icl_select.data import SEQ_FIELDS
+from icl_select.sim import SPLITS, SimConfig, Simulator
 
 
 class SimBackend:
@@ -150,7 +150,7 @@ class ScoreCache:
 
 
 def lvlm_backend(model: str, items: dict[str, list[dict]], opts: LVLMOptions):
-    from lvlm import LVLMBackend, PromptTemplate
+    from icl_select.lvlm import LVLMBackend, PromptTemplate
 
     template = PromptTemplate(icd=opts.icd_template, query=opts.query_template, style=opts.prompt_style)
     backend = LVLMBackend(

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from files import DataError, append_jsonl, atomic_write_text, read_jsonl
+from icl_select.files import DataError, append_jsonl, atomic_write_text, read_jsonl
 
 
 def init() -> tuple[int, int]:

@@ -92,7 +92,7 @@ from transformers.image_utils import make_flat_list_of_images
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
 
-from vqa import answer_rel, normalize_answer, postprocess, vqa_score
+from icl_select.vqa import answer_rel, normalize_answer, postprocess, vqa_score
 
 PromptStyle = Literal["single-turn", "turn-per-demo"]
 

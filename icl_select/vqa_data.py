@@ -208,7 +208,7 @@ def load_parquet_split(dataset: str, shards: list[Path], split: str) -> list[dic
     """The items of one split of a Hugging Face export, in the shards' order; embedded images written once to files."""
     import datasets
 
-    from files import atomic_write_bytes
+    from icl_select.files import atomic_write_bytes
 
     where = f"{dataset} {split} ({shards[0].parent})"
     try:

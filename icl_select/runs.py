@@ -1,0 +1,511 @@
+"""A run's folder: its files, how they are written, and how they are read back.
+
+    runs/<name>/config.json          flags, argv, git SHA, library versions, the data's digest, the --init hash
+    runs/<name>/metrics.jsonl        one flushed JSON object per epoch (epoch 0 = the starting weights)
+    runs/<name>/ckpt/epoch_NNN.safetensors   model, optimizer, RNG and loop state
+    runs/<name>/model.safetensors + model.json   the best epoch on held-out anchors (`PointerSelector.save`)
+    runs/<name>/scores.safetensors   the LVLM scores the run paid for (rce --val-lvlm, online grpo)
+    runs/<name>/eval/<split>.json    evaluate.py's results (a baseline's folder holds only these)
+
+One writer at a time (locks.exclusive); every file is written to a temporary name and renamed (files.py), so a killed
+run never leaves a half-written file. Under torchrun every rank holds a RunFolder and rank 0 alone writes: the others'
+calls do nothing but share what rank 0 decided, so a training loop handles ranks nowhere else. A checkpoint holds
+every RNG state and the loop state, so a resumed run ends bit-identical to an uninterrupted one; safetensors holds
+tensors only (no pickle), so the optimizer's non-tensor state and the loop state travel as one JSON string of
+metadata. Files the kit wrote are read back as they are; one that is damaged or not the kit's is one line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, fields
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from tqdm import tqdm
+
+from icl_select import sharding
+from icl_select.cli import PATH_ARGS, SIDE_ARGS
+from icl_select.data import data_digest
+from icl_select.files import (
+    DataError,
+    append_line,
+    atomic_write_text,
+    read_json,
+    read_jsonl,
+    read_tensors,
+    save_tensors,
+    sha256,
+)
+from icl_select.locks import exclusive
+from icl_select.tracking import open_tracker
+from model import PointerSelector, SelectorConfig
+
+
+def new_loop(state: dict | None = None) -> dict:
+    """The loop state every checkpoint saves (`state`: a stage's own, such as GRPO's adaptive beta)."""
+    return {"epoch": 0, "step": 0, "best": -math.inf, "best_epoch": None, "state": state or {}}
+
+
+class RunFolder:
+    """`with RunFolder(out, rank, world) as run:` locks and creates `out` (rank 0); if the run then stops with an
+    error before its first checkpoint, a folder this process created is removed again, so a failed check never leaves
+    a config.json behind. Ctrl-C keeps it (the same command then starts the run again)."""
+
+    def __init__(self, out: Path, rank: int = 0, world: int = 1):
+        self.out, self.world, self.lead = Path(out), world, rank == 0
+        self.metrics: MetricsLog | None = None
+        self.created = False
+
+    def __enter__(self) -> RunFolder:
+        if self.lead:
+            self.lock = exclusive(self.out)
+            self.lock.__enter__()
+            self.created = not self.out.exists()
+            self.out.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:
+        if not self.lead:
+            return
+        if self.metrics is not None:
+            self.metrics.close()
+        if isinstance(error, ValueError | OSError) and self.created and last_checkpoint(self.out) is None:
+            shutil.rmtree(self.out, ignore_errors=True)
+        self.lock.__exit__(kind, error, trace)
+
+    def resume(self, args, ds) -> Path | None:
+        """The checkpoint this very run continues from (rank 0 decides, see `resume_point`), or None."""
+        return sharding.from_rank0(resume_point(self.out, args, ds) if self.lead else None, self.world)
+
+    def restore(self, resume_from: Path, model, opt, rngs: dict, cache=None) -> tuple[dict, dict]:
+        """Model, optimizer, RNGs and loop state from `resume_from`, and the LVLM scores the run had paid for by then
+        (so a resumed run neither pays nor counts a score twice); returns the loop state and the extra tensors."""
+        loop, extra = load_checkpoint(resume_from, model, opt, rngs)
+        if cache is not None and "lvlm_calls" in loop["state"]:
+            cache.restore(read_tensors(self.out / "scores.safetensors"), loop["state"]["lvlm_calls"])
+        return loop, extra
+
+    def start(self, args, ds, split, loop: dict, resumed: bool, extra: dict | None = None) -> None:
+        """config.json for a new run; metrics.jsonl (cut back to the resumed epoch) and the --report-to tracker, which
+        a finished run that is re-run does not open."""
+        if not self.lead:
+            return
+        if not resumed:
+            write_config(self.out, args, ds, split, extra)
+        self.metrics = MetricsLog(self.out / "metrics.jsonl", loop["epoch"] if resumed else None)
+        if loop["epoch"] < args.epochs:
+            resumed_at = loop["step"] if resumed else None
+            self.metrics.tracker = open_tracker(args.report_to, self.out, flag_values(args), resumed_at)
+
+    def log(self, record: dict) -> None:
+        if self.lead:
+            self.metrics.write(record)
+
+    def progress(self, epoch: int, epochs: int, steps: int):
+        desc = f"{self.out.name} epoch {epoch}/{epochs}"
+        return tqdm(range(steps), desc=desc, unit="step", dynamic_ncols=True, leave=False, disable=not self.lead)
+
+    def end_epoch(self, record: dict, model, opt, rngs: dict, loop: dict, keep_every: int, cache=None, extra=None):
+        """The epoch's record, the selected weights when it is the best so far, the LVLM scores, the checkpoint and
+        its pruning, and the epoch's line on the terminal."""
+        if not self.lead:
+            return
+        if loop["best_epoch"] == record["epoch"]:
+            model.save(self.out)
+        self.metrics.write(record)  # before the checkpoint: a resume from the epoch before drops this line again
+        if cache is not None:  # before the checkpoint, which names how many of them are its own
+            save_tensors(self.out / "scores.safetensors", cache.state())
+        save_checkpoint(self.out, record["epoch"], model, opt, rngs, loop, extra)
+        prune_checkpoints(self.out, keep_every, loop["best_epoch"])
+
+    def say(self, text: str) -> None:
+        if self.lead:
+            print(text, flush=True)
+
+
+class MetricsLog:
+    """metrics.jsonl, one flushed line per record; on resume, records past the resumed epoch are dropped. Each record
+    also goes to the --report-to tracker, if any."""
+
+    def __init__(self, path: Path, keep_through_epoch: int | None = None):
+        self.path, self.tracker = path, None
+        if keep_through_epoch is not None and path.exists():
+            kept = [r for _, r in read_jsonl(path, truncated="skip") if r.get("epoch", 0) <= keep_through_epoch]
+            atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+        elif keep_through_epoch is None:
+            atomic_write_text(path, "")
+
+    def write(self, record: dict) -> None:
+        append_line(self.path, json.dumps(record))
+        if self.tracker is not None:
+            self.tracker.log(record)
+
+    def close(self) -> None:
+        if self.tracker is not None:
+            self.tracker.close()
+
+
+def git_sha() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
+        return out.stdout.strip() or None
+    except OSError:
+        return None
+
+
+def write_config(out: Path, args, ds, split, extra: dict | None = None) -> None:
+    """config.json of a new run (a resumed run keeps the one it started with)."""
+    ident = run_identity(args, ds)
+    config = {
+        "args": flag_values(args),
+        "argv": sys.argv,
+        "git_sha": git_sha(),
+        "versions": {
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            **{pkg: version(pkg) for pkg in ("transformers", "tqdm", "safetensors", "tyro")},
+        },
+        "data": {"folder": str(ds.folder), "digest": ident["data"], "simulation": ds.is_sim},
+        "init_sha256": ident["init"],
+        "queries": {"train": len(split.train), "val": len(split.val)},
+        **(extra or {}),
+    }
+    atomic_write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
+
+
+def resume_point(out: Path, args, ds) -> Path | None:
+    """Check the output folder before any work; returns the checkpoint to resume from, if any.
+
+    As in every stage of the kit, re-running the same command continues what it finished: a folder holding a run
+    resumes from its last epoch checkpoint (a finished run is left as it is). Only the very same run continues: any
+    other flag, other data content or other --init weights are refused (paths may differ: folders can move). A run
+    that died before its first checkpoint simply starts again.
+    """
+    ckpt = resumable_checkpoint(out)
+    if ckpt is None:
+        if (out / "metrics.jsonl").exists():
+            print(f"note: {out} has no checkpoint yet (killed during epoch 1); starting it again", file=sys.stderr)
+        return None
+    config = read_json(out / "config.json")
+    for name in ("args", "data"):
+        if not isinstance(config, dict) or not isinstance(config.get(name), dict):
+            raise ValueError(
+                f"{out / 'config.json'}: field {name!r} is missing or not an object; is this a run folder?"
+            )
+    now = run_identity(args, ds)
+    then = {
+        "args": {k: v for k, v in config["args"].items() if k not in PATH_ARGS},
+        "data": config["data"].get("digest"),
+        "init": config.get("init_sha256"),
+    }
+    done = checkpoint_meta(ckpt)["epoch"]
+    diff = sorted(k for k in now["args"] if k not in SIDE_ARGS and now["args"][k] != then["args"].get(k))
+    if diff == ["epochs"]:
+        continue_with_more_or_fewer_epochs(out, done, args, config)
+        diff = []
+    if diff:
+        details = "; ".join(
+            f"--{k.replace('_', '-')}: run has {then['args'].get(k)!r}, now {now['args'][k]!r}" for k in diff
+        )
+        raise ValueError(
+            f"{out} holds a run started with other flags ({details}); continue it with the same flags, or "
+            f"start a new run in another --out (--init {out} starts from it)"
+        )
+    if now["data"] != then["data"] or now["init"] != then["init"]:
+        what = "dataset" if now["data"] != then["data"] else "--init selector"
+        raise ValueError(f"{out}: the {what} changed since this run was started; start a new run in another --out")
+    news = "has finished all its epochs; nothing to train" if done >= args.epochs else f"resumes after epoch {done}"
+    print(f"note: {out} holds this run (same flags and data): it {news} (another --out starts anew)", file=sys.stderr)
+    return ckpt
+
+
+def continue_with_more_or_fewer_epochs(out: Path, done: int, args, config: dict) -> None:
+    """A resumed run with another --epochs, where the schedule can be continued honestly; the run's config.json then
+    records the new total and when it changed. Refused where a schedule is spread over all steps of the run: RCE's
+    tau anneal and a decaying learning rate would have taken other values at every step already trained."""
+    before = config["args"]["epochs"]
+    why = args.fixed_length_reason() or (f"it has already trained {done} epochs" if args.epochs < done else None)
+    if why:
+        raise ValueError(
+            f"{out} was started with --epochs {before}, and {why}, so it cannot continue to --epochs "
+            f"{args.epochs}; start a new run with --init {out}"
+        )
+    config["args"]["epochs"] = args.epochs
+    config.setdefault("epochs_changed", []).append({"from": before, "to": args.epochs, "after_epoch": done})
+    atomic_write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
+    print(f"note: {out}: --epochs {before} -> {args.epochs}, continuing after epoch {done}", file=sys.stderr)
+
+
+def flag_values(args) -> dict:
+    """A stage's flags as JSON values (paths as strings), as config.json records them."""
+    return json.loads(json.dumps(asdict(args), default=str))
+
+
+def run_identity(args, ds) -> dict:
+    """What a resumed run must share with the run it continues: flags, data content, and the --init weights."""
+    init = getattr(args, "init", None)
+    init_file = None if init is None else (Path(init) / "model.safetensors" if Path(init).is_dir() else Path(init))
+    return {
+        "args": {k: v for k, v in flag_values(args).items() if k not in PATH_ARGS},
+        "data": data_digest(ds.folder),
+        "init": sha256(init_file)[:16] if init_file is not None and init_file.is_file() else None,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Checkpoints and selectors
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, Tensor], dict]:
+    """Flatten an optimizer state_dict into tensors + JSON-able rest (safetensors holds tensors only; no pickle)."""
+    sd = opt.state_dict()
+    tensors, scalars = {}, {}
+    for pid, st in sd["state"].items():
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                tensors[f"optim.{pid}.{k}"] = v
+            else:
+                scalars[f"{pid}.{k}"] = v
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def restore_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, Tensor], info: dict) -> None:
+    state: dict[int, dict] = {}
+    for name, v in tensors.items():
+        if name.startswith("optim."):
+            _, pid, k = name.split(".", 2)
+            state.setdefault(int(pid), {})[k] = v
+    for key, v in info["scalars"].items():
+        pid, k = key.split(".", 1)
+        state.setdefault(int(pid), {})[k] = v
+    opt.load_state_dict({"state": state, "param_groups": info["param_groups"]})
+
+
+def save_checkpoint(
+    out: Path,
+    epoch: int,
+    model: PointerSelector,
+    opt: torch.optim.Optimizer,
+    rngs: dict[str, torch.Generator],
+    loop: dict,
+    extra: dict[str, Tensor] | None = None,
+) -> None:
+    """ckpt/epoch_NNN.safetensors: model, optimizer and RNG states, plus loop state (best so far, step, beta...) and
+    the trainer's `extra` tensors (stored as "extra.<name>").
+
+    All metadata sits in one JSON string: safetensors writes metadata keys in no fixed order, and a resumed run must
+    write byte-identical files.
+    """
+    tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
+    opt_tensors, opt_meta = optimizer_tensors(opt)
+    tensors.update(opt_tensors)
+    tensors["rng.torch"] = torch.get_rng_state()
+    tensors.update({f"rng.{name}": g.get_state() for name, g in rngs.items()})
+    tensors.update({f"extra.{name}": v for name, v in (extra or {}).items()})
+    (out / "ckpt").mkdir(exist_ok=True)
+    meta = {"epoch": epoch, "optimizer": opt_meta, "loop": loop, "config": asdict(model.cfg)}
+    save_tensors(out / "ckpt" / f"epoch_{epoch:03d}.safetensors", tensors, {"checkpoint": json.dumps(meta)})
+
+
+def checkpoint_meta(path: Path) -> dict:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception as e:  # safetensors' own error types for truncated or foreign files
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+    if "checkpoint" not in meta:
+        raise ValueError(f"{path}: not an icl-select epoch checkpoint (no 'checkpoint' metadata)")
+    return json.loads(meta["checkpoint"])
+
+
+def checkpoints(out: Path) -> dict[int, Path]:
+    """A run folder's epoch checkpoints, epoch -> file, in epoch order (by number: epoch_1000 after epoch_999)."""
+    found = {}
+    for p in (out / "ckpt").glob("epoch_*.safetensors"):
+        number = p.stem.removeprefix("epoch_")
+        if not number.isdigit():
+            raise ValueError(
+                f"{p}: not an epoch checkpoint of this kit (epoch_NNN.safetensors); move it out of {p.parent}"
+            )
+        found[int(number)] = p
+    return dict(sorted(found.items()))
+
+
+def prune_checkpoints(out: Path, keep_every: int, best_epoch: int | None) -> None:
+    """Delete epoch checkpoints other than the last two (resume needs the last, or the one before when the last is
+    damaged), the best and every keep_every-th."""
+    for epoch, path in list(checkpoints(out).items())[:-2]:
+        if epoch != best_epoch and (keep_every == 0 or epoch % keep_every):
+            path.unlink()
+
+
+def last_checkpoint(out: Path) -> Path | None:
+    return next(reversed(checkpoints(out).values()), None)
+
+
+def resumable_checkpoint(out: Path) -> Path | None:
+    """The last epoch checkpoint that reads back whole: a damaged one (truncated, empty, foreign: a kill or a full
+    disk outside the kit's atomic writes) is passed over with a one-line note for the one before it, which the
+    resumed run then recomputes from. None when the run has none; one line when every checkpoint is damaged."""
+    damaged = []
+    for path in reversed(checkpoints(out).values()):
+        try:
+            read_tensors(path)
+            checkpoint_meta(path)
+        except (ValueError, OSError, KeyError) as e:
+            damaged.append(path)
+            print(
+                f"note: {path} is damaged ({str(e).splitlines()[0]}); trying the checkpoint before it", file=sys.stderr
+            )
+            continue
+        return path
+    if damaged:
+        raise ValueError(
+            f"every epoch checkpoint of {out} is damaged ({damaged[-1].name} ... {damaged[0].name}); "
+            "move the ckpt folder away to start the run again"
+        )
+    return None
+
+
+def load_model_part(model: PointerSelector, tensors: dict[str, Tensor], path: Path) -> None:
+    """The checkpoint's "model." tensors into `model`, strictly."""
+    load_state_strict(model, {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}, path)
+
+
+def load_checkpoint(
+    path: Path, model: PointerSelector, opt: torch.optim.Optimizer | None, rngs: dict[str, torch.Generator]
+) -> tuple[dict, dict[str, Tensor]]:
+    """Restore everything save_checkpoint wrote; returns the loop state and the trainer's `extra` tensors."""
+    tensors, meta = read_tensors(path), checkpoint_meta(path)
+    load_model_part(model, tensors, path)
+    if opt is not None:
+        restore_optimizer(opt, tensors, meta["optimizer"])
+    torch.set_rng_state(tensors["rng.torch"])
+    for name, g in rngs.items():
+        g.set_state(tensors[f"rng.{name}"])
+    return meta["loop"], {k.removeprefix("extra."): v for k, v in tensors.items() if k.startswith("extra.")}
+
+
+def load_selector(source: Path) -> PointerSelector:
+    """A selector from a run folder (model.json + model.safetensors) or an epoch checkpoint file."""
+    source = Path(source)
+    if source.is_dir():
+        model = PointerSelector(read_config(source / "model.json"))
+        load_state_strict(model, read_tensors(source / "model.safetensors"), source / "model.safetensors")
+        return model
+    if not source.is_file():
+        raise FileNotFoundError(f"{source}: no such run folder or checkpoint")
+    model = PointerSelector(selector_config(checkpoint_meta(source).get("config"), f"{source} metadata 'checkpoint'"))
+    load_model_part(model, read_tensors(source), source)
+    return model
+
+
+def settings_file(source: Path) -> Path:
+    """Where the settings of the selector at `source` (as `load_selector` takes it) are read from: a run folder's
+    model.json, or the epoch checkpoint itself."""
+    return source / "model.json" if source.is_dir() else source
+
+
+def check_width(model: PointerSelector, source: Path, data: Path, dim: int) -> None:
+    """The selector loaded from `source` reads embeddings as wide as those of the dataset `data` (`dim`)."""
+    if model.cfg.dim != dim:
+        raise DataError(
+            f"{settings_file(source)}: field 'dim' is {model.cfg.dim}, but the embeddings of {data} are {dim}-d; "
+            "use a selector trained on embeddings of this dataset's encoder"
+        )
+
+
+def read_config(path: Path) -> SelectorConfig:
+    """model.json: every field of SelectorConfig, each of its type (int, float or str), and nothing else."""
+    return selector_config(read_json(path), str(path))
+
+
+def selector_config(raw: object, where: str) -> SelectorConfig:
+    """Selector settings as read from a file (`where` names it): every field of SelectorConfig, each of its type,
+    and nothing else."""
+    if not isinstance(raw, dict):
+        raise DataError(f"{where}: expected a JSON object of selector settings, got {type(raw).__name__}")
+    kinds = {f.name: type(f.default) for f in fields(SelectorConfig)}
+    if set(raw) != set(kinds):
+        missing, unknown = sorted(set(kinds) - set(raw)), sorted(set(raw) - set(kinds))
+        raise DataError(f"{where}: fields missing {missing}, unknown {unknown}; expected {sorted(kinds)}")
+    for name, kind in kinds.items():
+        value = raw[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
+            raise DataError(
+                f"{where}: field {name!r} must be {'a number' if kind is float else kind.__name__}, got {value!r}"
+            )
+    if raw["picks"] < 1:
+        raise DataError(f"{where}: field 'picks' must be >= 1, got {raw['picks']}")
+    try:
+        return SelectorConfig(**raw)
+    except ValueError as e:
+        raise DataError(f"{where}: {e}") from None
+
+
+def load_state_strict(model: nn.Module, tensors: dict[str, Tensor], source: Path) -> None:
+    """load_state_dict that names every missing, unexpected or mis-shaped tensor instead of skipping it."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(tensors))
+    unexpected = sorted(set(tensors) - set(own))
+    shapes = [
+        f"{k}: {tuple(tensors[k].shape)} in file, {tuple(v.shape)} in model"
+        for k, v in own.items()
+        if k in tensors and tensors[k].shape != v.shape
+    ]
+    problems = [f"missing tensors {missing}"] * bool(missing) + [f"unexpected tensors {unexpected}"] * bool(unexpected)
+    problems += [f"shape mismatch {s}" for s in shapes]
+    if problems:
+        raise ValueError(f"{source}: does not match the selector architecture: " + "; ".join(problems))
+    model.load_state_dict(tensors, strict=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Reading a run back (evaluate.py, compare.py, ablate.py)
+
+
+def kit_json(path: Path, keys: tuple[str, ...], writer: str) -> dict:
+    """A JSON object the kit wrote, as it is; a damaged or foreign file is one line naming what it lacks."""
+    doc = read_json(path)
+    missing = [k for k in keys if k not in doc] if isinstance(doc, dict) else list(keys)
+    if missing:
+        raise DataError(f"{path}: not a file {writer} writes (no field {missing[0]!r})")
+    return doc
+
+
+def read_eval(path: Path) -> dict:
+    """An evaluation (evaluate.py's eval/<split>.json)."""
+    return kit_json(path, ("shots", "results", "summary"), "evaluate.py")
+
+
+def read_args(path: Path) -> dict:
+    """config.json's recorded flags."""
+    return kit_json(path, ("args",), "rce.py or grpo.py")["args"]
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """metrics.jsonl's epoch records (step records left out)."""
+    records = []
+    for line, r in read_jsonl(path, truncated="warn"):
+        if not isinstance(r, dict) or "epoch" not in r and r.get("kind") != "step":
+            raise DataError(f"{path} line {line}: not a record rce.py or grpo.py writes (no field 'epoch')")
+        if r.get("kind") != "step":
+            records.append(r)
+    return records
+
+
+def unfinished(epochs: list[dict], args: dict | None) -> str | None:
+    """'8 of 30 epochs' for a run whose training stopped before its planned epochs, else None: from its epoch
+    records (`read_metrics`) and flags (`read_args`, None without config.json)."""
+    planned = (args or {}).get("epochs")
+    trained = epochs[-1]["epoch"] if epochs else 0
+    return f"{trained} of {planned} epochs" if planned is not None and trained < planned else None

@@ -1,0 +1,76 @@
+"""Validation: the expected reward over the scored sequences and, where something can answer them, the true accuracy
+of the greedy picks, which chooses a run's best epoch."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from icl_select.backends import ScoreCache, open_backend
+from icl_select.batches import Split, make_batch
+from icl_select.data import Dataset
+from icl_select.pools import CHUNK_ELEMENTS
+from icl_select.train_args import TrainArgs
+from model import DECODE_CHUNK, PointerSelector, slices
+
+
+@torch.no_grad()
+def greedy_icds(model: PointerSelector, ds: Dataset, split: str, rows: Tensor, pool: Tensor, k: int) -> Tensor:
+    """The selector's greedy demonstrations for the questions `rows` (n,) of `split`, from their pools (n, K) of train
+    rows (-1 = padding): (n, k) train rows in pick order.
+
+    The pools' embeddings are gathered for parts of whole decoder slices (DECODE_CHUNK rows, `model.slices`), never
+    for all n questions at once, and every question is decoded in the slice one whole call would put it in."""
+    emb, (n, K) = ds.emb, pool.shape
+    part = DECODE_CHUNK * max(1, CHUNK_ELEMENTS // (DECODE_CHUNK * K * emb["train"].shape[1]))
+    model.eval()
+    picks = []
+    for s in slices(n, part):
+        query, pool_emb = emb[split][rows[s]], emb["train"][pool[s].clamp_min(0)]  # (P, d), (P, K, d)
+        picks.append(model.greedy(query, pool_emb, pool[s] >= 0, k)[0])  # (P, k)
+    return pool.gather(1, torch.cat(picks))
+
+
+@torch.no_grad()
+def validate(model: PointerSelector, ds: Dataset, split: Split, backend=None, max_queries: int | None = None) -> dict:
+    """val/reward = mean over validation queries of sum_i softmax_i(log pi(seq_i)) r_i (the policy's expected
+    reward when restricted to the scored sequences); with a backend, val/acc_k = VQA accuracy (%) of the greedy
+    picks' first k on (the first `max_queries` of) the validation anchors, and val/acc = its mean over k."""
+    model.eval()
+    b = make_batch(ds, split.val, split.reward, model.cfg)
+    logp = model.log_probs(b.query, b.pool, b.pool_mask, b.seqs, b.seq_mask).sum(-1)  # (B, G)
+    w = logp.masked_fill(~b.seq_mask, float("-inf")).softmax(-1)
+    out = {"val/reward": float((w * b.reward).sum(-1).mean()), "select_metric": selection_metric(backend)}
+    if backend is not None:
+        n = max_queries or len(split.val)
+        queries, pools = ds.groups.queries[split.val[:n]], ds.groups.pools[split.val[:n]]
+        icds = greedy_icds(model, ds, "train", queries, pools, ds.seq_len)  # (n, S) train rows in pick order
+        accs = [
+            100 * float(backend.score("train", queries, model.cfg.to_prompt(icds[:, :k]))["acc"].mean())
+            for k in range(1, ds.seq_len + 1)
+        ]
+        out.update({f"val/acc_{k}": a for k, a in enumerate(accs, 1)}, **{"val/acc": sum(accs) / len(accs)})
+    return out
+
+
+def dataset_backend(ds: Dataset, args: TrainArgs) -> ScoreCache:
+    """The backend that scored the dataset (the simulator, or its LVLM with the run's flags), behind a score cache."""
+    backend = open_backend(ds.meta, ds.items, ds.emb, args)
+    return ScoreCache(backend)
+
+
+def validation_backend(ds: Dataset, args: TrainArgs) -> ScoreCache | None:
+    """What answers the validation anchors' greedy picks (cached): the simulator of a simulated dataset, the
+    dataset's LVLM with --val-lvlm, else None (then the best epoch is chosen by val/reward)."""
+    return dataset_backend(ds, args) if ds.is_sim or args.val_lvlm else None
+
+
+def selection_metric(backend) -> str:
+    """What chooses the best epoch: the true accuracy of the greedy picks when they can be answered, else the
+    expected reward over the scored validation groups (a proxy: it rewards probability on the better *scored*
+    sequences, which need not move the greedy picks the evaluation uses). Never the loss, never test questions.
+
+    Epoch 0 (the starting weights) is logged but never a candidate: a trained start was itself chosen as the best
+    of its run on these same anchors, so its score there is biased upwards and would beat a better later epoch by
+    chance. Whether training helped is for evaluate.py and compare.py to say, with paired tests."""
+    return "val/reward" if backend is None else "val/acc"
