@@ -1,19 +1,21 @@
 """Stage 5: one Markdown report over run folders, read top-down: which run won, by how much, and whether it is noise.
 
-At a glance: a runs x shots table of VQA accuracy at the largest question count every run has, each cell with its
-delta to the reference run (the RCE run by default) and a significance mark, the average likewise, the best run,
-every unfinished run and every stale evaluation (of weights the run no longer holds) marked. Then the trained runs
-(flags that differ, epochs trained, the selected epoch), paired deltas with 95% CIs against the reference and between
-trained runs, the share of the room to the simulator's ceilings, how often runs pick the same ICDs, and what moved
-during training. Tables and rows that say nothing (constant curves, pairs that never pick alike, baselines' share of
-a room they are below) are left out.
+Verdict first: whether the best selector beats zero-shot, random demonstrations and RICES, and each selector against
+each baseline; where no demonstrations beat every selector, the first line says so. At a glance: a runs x shots
+table of VQA accuracy at the largest question count every run has, each cell with its delta to the reference run (the
+RCE run by default) and a significance mark, the average likewise, the best run, every unfinished run and every stale
+evaluation (of weights the run no longer holds) marked. Then the trained runs (flags that differ, epochs trained,
+the selected epoch), paired deltas with 95% CIs against the reference and between trained runs, the share of the
+room to the simulator's ceilings, how often runs pick the same ICDs, and what moved during training. Tables and rows
+that say nothing (constant curves, pairs that never pick alike, baselines' share of a room they are below) are left
+out.
 
 One verdict rule, stated once in the report: a delta is significant only when its paired bootstrap 95% CI excludes 0
 and its exact sign-test p-value passes Holm's correction over the pair's cells (every shot and their average). Runs
 are paired only on the same dataset content (digest) and questions. Deltas come from unrounded accuracies, so every
 table agrees with the glance table.
 
-With --out, the report goes to that file and only the glance table and the file's path are printed.
+With --out, the report goes to that file and only the verdict, the glance table and the file's path are printed.
 
 Usage:
     python compare.py runs/*
@@ -400,6 +402,72 @@ def rule(cells: int) -> str:
     )
 
 
+# What each baseline is, in the verdict's words.
+BASELINE_WORDS = {
+    "zero-shot": "zero-shot (no demonstrations)",
+    "random": "random demonstrations",
+    "image-sim": "RICES (most image-similar)",
+    "text-sim": "most text-similar",
+}
+
+
+def verdict_section(c: Comparison, args: Args) -> str:
+    """The report's first lines: does the best selector beat zero-shot, random and RICES (paired, one rule), and
+    what every selector does against each. Where no demonstrations beat every selector, that comes first."""
+    selectors = [r for r in c.evaluated if r.phase is not None]
+    baselines = [r for r in c.evaluated if r.eval.get("baseline") in BASELINE_WORDS]
+    if not selectors or not baselines:
+        return ""
+    rng = np.random.default_rng(args.seed)
+    avg = {
+        (r.name, b.name): pair_cells(b.eval, r.eval, c.shots, c.n, args.bootstrap, rng)["avg"]
+        for r in selectors
+        for b in baselines
+        if not not_comparable(b.eval, r.eval)
+    }
+
+    def words(x: Cell) -> str:
+        verdict = ("better" if x.delta > 0 else "worse") if x.significant else "no significant difference"
+        return f"{verdict}, {signed(x.delta)} [{signed(x.lo)}, {signed(x.hi)}]"
+
+    best = max(selectors, key=lambda r: c.acc[r.name]["avg"])
+    zero = next((b for b in baselines if b.eval["baseline"] == "zero-shot"), None)
+    lines = []
+    if zero is not None and (x := avg.get((best.name, zero.name))) is not None and not (x.significant and x.delta > 0):
+        if x.significant:
+            lines.append(
+                f"**Zero-shot wins.** Without demonstrations the LVLM scores {c.acc[zero.name]['avg']:.2f}; every "
+                f"selector scores less, the best ({best.name}) by {-x.delta:.2f} points [{-x.hi:.2f}, {-x.lo:.2f}]. "
+                "Demonstrations hurt on these questions."
+            )
+        else:
+            lines.append(
+                f"**No selector beats zero-shot.** The best, {best.name}, is {signed(x.delta)} points "
+                f"[{signed(x.lo)}, {signed(x.hi)}] from zero-shot ({c.acc[zero.name]['avg']:.2f}): not significant."
+            )
+    beaten = [b for b in baselines if (x := avg.get((best.name, b.name))) and x.significant and x.delta > 0]
+    if beaten and len(beaten) == len(baselines):
+        lines.append(f"**{best.name} beats every baseline** ({', '.join(b.name for b in baselines)}).")
+    elif not lines:
+        lines.append(
+            f"**{best.name} beats {', '.join(b.name for b in beaten) or 'no baseline'}** and not "
+            f"{', '.join(b.name for b in baselines if b not in beaten)}."
+        )
+    lines.append("")
+    for r in selectors:
+        against = [
+            f"{BASELINE_WORDS[b.eval['baseline']]}: {words(avg[r.name, b.name])}"
+            for b in baselines
+            if (r.name, b.name) in avg
+        ]
+        lines.append(f"- {r.name} ({c.acc[r.name]['avg']:.2f}) against " + "; ".join(against) + ".")
+    lines += [
+        "",
+        f"Average over {', '.join(map(str, c.shots))} shots, first {c.n} questions, points. {rule(len(c.shots) + 1)}",
+    ]
+    return "## Verdict\n\n" + "\n".join(lines) + "\n"
+
+
 def glance_section(c: Comparison) -> str:
     best = c.best()
     rows = []
@@ -626,7 +694,10 @@ def report_parts(runs: list[Run], c: Comparison | None, args: Args) -> tuple[str
     """The glance section and the rest of the report."""
     sim = c is not None and any(r.eval.get("simulation") for r in c.evaluated)
     title = f"# Comparison ({args.split} split{', simulated LVLM' if sim else ''})"
-    glance = glance_section(c) if c is not None else f"No run has eval/{args.split}.json: training only."
+    if c is None:
+        glance = f"No run has eval/{args.split}.json: training only."
+    else:
+        glance = "\n".join(x for x in (verdict_section(c, args), glance_section(c)) if x)
     rest = trained_section(runs)
     if c is not None:
         rest += deltas_section(c) + gap_section(c, args) + selection_section(c)

@@ -507,3 +507,33 @@ def test_training_table_numbers_read_as_numbers():
         "0.01235",
         "-1.171",
     ]
+
+
+def baseline_run(folder, name, scores):
+    run = write_run(folder, {1: scores, 2: scores}, ns=(len(scores),))
+    doc = json.loads((run / "eval" / "val.json").read_text())
+    (run / "eval" / "val.json").write_text(json.dumps({**doc, "baseline": name}))
+    return run
+
+
+def test_the_verdict_comes_first_and_says_when_zero_shot_wins(tmp_path):
+    """A world where demonstrations hurt: zero-shot answers 60 of 80 questions, the selector 40, random 20. The
+    report's first section says zero-shot wins; with the orders swapped it says the selector beats every baseline."""
+    rce = [{"phase": "rce", "epoch": 1, "step": 1, "best_epoch": 1}]
+
+    def world(root, zero, sel, rand):
+        runs = [
+            baseline_run(root / "zero-shot", "zero-shot", zero),
+            baseline_run(root / "random", "random", rand),
+            write_run(root / "rce", {1: sel, 2: sel}, metrics=rce, ns=(len(sel),)),
+        ]
+        return report(Args(runs=runs, bootstrap=1000))
+
+    high, mid, low = ([1.0] * k + [0.0] * (80 - k) for k in (60, 40, 20))
+    text = world(tmp_path / "hurt", high, mid, low)
+    first = text.split("## At a glance")[0]
+    assert first.index("## Verdict") < first.index("**Zero-shot wins.**") < first.index("- rce (50.00)")
+    assert "zero-shot (no demonstrations): worse, -25.00" in first and "random demonstrations: better, +25.00" in first
+    text = world(tmp_path / "helps", low, high, mid)
+    first = text.split("## At a glance")[0]
+    assert "Zero-shot" not in first and "**rce beats every baseline** (zero-shot, random)" in first
