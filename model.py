@@ -1,4 +1,5 @@
-"""The pointer selector and the RL math, shared by every stage (no CLI, no files read here: see checkpoints.py).
+"""The pointer selector and the RL math, shared by every stage (no CLI; checkpoints.py reads selector files, also for
+the Hugging Face Hub route at the end of `PointerSelector`).
 
 `PointerSelector` picks S in-context demonstrations, one at a time, from a per-query candidate pool of K embeddings:
 the query attends over its pool (L cross-attention layers, residual + LayerNorm), query state and candidates are
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,9 +27,12 @@ from typing import Literal, NamedTuple, get_args
 import torch
 import torch.nn.functional as F
 from einops import rearrange
+from huggingface_hub import ModelCard, ModelHubMixin, snapshot_download
+from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, HFValidationError
 from torch import Tensor, nn
 
-from files import atomic_write_text, save_tensors
+from files import DataError, atomic_write_bytes, atomic_write_text, read_json, save_tensors, sha256
+from tables import accuracy_table
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The selector
@@ -118,8 +124,39 @@ def _near_identity(n: int) -> nn.Linear:
     return lin
 
 
-class PointerSelector(nn.Module):
-    """Pointer network over a per-query candidate pool. All methods are batched over queries (B) and sequences (G)."""
+# What of a run folder travels with its selector to the Hub, beside model.safetensors and model.json; and the
+# README.md that push_to_hub uploads (a Jinja template: the Hub mixin fills it in).
+RUN_FILES = ("config.json", "metrics.jsonl")
+CARD = """---
+{{ card_data }}
+---
+
+# Pointer selector (icl-select)
+
+Picks up to {{ picks }} in-context demonstrations for a vision-language model, one at a time, from a per-query pool
+of candidates given as {{ dim }}-d embeddings (the icl-select kit's `PointerSelector`: {{ settings }}).
+{{ run }}
+## Use
+
+```python
+from model import PointerSelector  # icl-select
+
+selector = PointerSelector.from_pretrained("{{ repo_id | default("<user>/<name>", true) }}")
+```
+
+Evaluate it on a dataset folder of the kit (the same embedding encoder):
+`hf download {{ repo_id | default("<user>/<name>", true) }} --local-dir selector` and
+`python evaluate.py selector --data <dataset folder>`.
+{{ evaluation }}"""
+
+
+class PointerSelector(nn.Module, ModelHubMixin, tags=["icl-select", "in-context-learning"], model_card_template=CARD):
+    """Pointer network over a per-query candidate pool. All methods are batched over queries (B) and sequences (G).
+
+    `from_pretrained(run folder or Hub id)` and `push_to_hub(id)` come from huggingface_hub's ModelHubMixin."""
+
+    run_files: dict[str, bytes] | None = None  # RUN_FILES of the folder `from_pretrained` read, to travel with it
+    run_eval: dict | None = None  # its eval/val.json, where it evaluated these weights, for the model card
 
     def __init__(self, cfg: SelectorConfig):
         super().__init__()
@@ -300,6 +337,93 @@ class PointerSelector(nn.Module):
         network = json.dumps({k: v for k, v in config.items() if k != "picks"}, indent=2)
         save_tensors(directory / "model.safetensors", self.state_dict(), {"config": network})
         atomic_write_text(directory / "model.json", json.dumps(config, indent=2) + "\n")
+
+    # -- the Hub (huggingface_hub.ModelHubMixin's hooks) -------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, source: str | Path, **kwargs) -> PointerSelector:
+        """A selector from a run folder or a Hub repository id (`revision=`, `cache_dir=`... as in huggingface_hub)."""
+        try:
+            return super().from_pretrained(source, **kwargs)
+        except (EntryNotFoundError, HfHubHTTPError, HFValidationError) as e:
+            first = str(e).splitlines()[0]
+            raise FileNotFoundError(f"{source}: no such run folder, nor a selector on the Hub ({first})") from None
+
+    @classmethod
+    def _from_pretrained(
+        cls, *, model_id: str, revision, cache_dir, force_download: bool, local_files_only: bool, token
+    ) -> PointerSelector:
+        """A run folder, or a Hub repository's files (from the local cache when offline), read by `load_selector`,
+        in eval mode (as Hub models load); keeps the folder's RUN_FILES to travel with it, and its evaluation of these
+        weights for the model card."""
+        from checkpoints import load_selector  # checkpoints imports this module
+        from compare import read_eval
+
+        folder = Path(model_id)
+        if not folder.is_dir():
+            hub = dict(revision=revision, cache_dir=cache_dir, force_download=force_download, token=token)
+            files = ["model.json", "model.safetensors", *RUN_FILES]
+            folder = Path(snapshot_download(model_id, allow_patterns=files, local_files_only=local_files_only, **hub))
+        model = load_selector(folder)
+        model.run_files = {name: (folder / name).read_bytes() for name in RUN_FILES if (folder / name).is_file()}
+        if "config.json" in model.run_files and not isinstance(read_json(folder / "config.json"), dict):
+            raise DataError(f"{folder / 'config.json'}: expected a JSON object of the run's settings")
+        evaluation = folder / "eval" / "val.json"
+        if evaluation.is_file():
+            doc = read_eval(evaluation)
+            if doc.get("selector_sha256") == sha256(folder / "model.safetensors"):
+                model.run_eval = doc
+            else:  # training went on after it: its table is not about these weights
+                print(f"note: {evaluation} evaluated other weights; the model card leaves it out", file=sys.stderr)
+        return model.eval()
+
+    def _save_pretrained(self, save_directory: Path) -> None:
+        """The kit's two files and the run's config.json (the Hub route reads it first) and metrics.jsonl, so that
+        evaluate.py and compare.py see the run's flags and history in a downloaded folder."""
+        self.save(save_directory)
+        for name, data in self.run_files.items():
+            atomic_write_bytes(save_directory / name, data)
+
+    def save_pretrained(self, save_directory: str | Path, **kwargs) -> str | None:
+        """What `push_to_hub` uploads, in a folder; only for a selector read from its run folder with config.json."""
+        self.check_run()  # before the mixin replaces save_directory's config.json
+        return super().save_pretrained(save_directory, **kwargs)
+
+    def push_to_hub(self, repo_id: str, **kwargs) -> str:
+        """Upload model.safetensors, model.json, the run's RUN_FILES and a model card (README.md) to `repo_id`."""
+        self.check_run()  # before the repository is created
+        kwargs["model_card_kwargs"] = {"repo_id": repo_id} | (kwargs.get("model_card_kwargs") or {})
+        return super().push_to_hub(repo_id, **kwargs)
+
+    def check_run(self) -> None:
+        """One line where there is no run to share: a pushed selector carries its run's config.json and card."""
+        if "config.json" not in (self.run_files or {}):
+            raise ValueError(
+                "this selector has no run config.json to share beside it: load it with "
+                "PointerSelector.from_pretrained(<run folder holding config.json>)"
+            )
+
+    def generate_model_card(self, *args, **kwargs) -> ModelCard:
+        """README.md: what the selector is, how to load and evaluate it, the run that trained it and its accuracy."""
+        facts = {"dim": self.cfg.dim, "picks": self.cfg.picks, "run": "", "evaluation": ""}
+        facts["settings"] = ", ".join(f"{k}={v}" for k, v in asdict(self.cfg).items())
+        if "config.json" in (self.run_files or {}):
+            config = json.loads(self.run_files["config.json"])
+            argv, data = config.get("argv") or [], config.get("data") or {}
+            line = f"Trained by `python {shlex.join([Path(argv[0]).name, *argv[1:]])}`" if argv else "Trained"
+            line += f" at kit commit `{config['git_sha'][:12]}`" if config.get("git_sha") else ""
+            if data.get("digest"):
+                kind = "simulated LVLM" if data.get("simulation") else "LVLM-scored"
+                line += f" on dataset content `{data['digest']}` ({kind})"
+            facts["run"] = f"\n{line}; config.json holds every flag and library version, metrics.jsonl each epoch.\n"
+        if doc := self.run_eval:
+            world = doc.get("backend_info", {}).get("sim_config", {}).get("world")
+            lvlm = f"simulated LVLM, world {world}" if world else f"LVLM {doc['backend']}"
+            facts["evaluation"] = (
+                f"\n## Accuracy\n\n`evaluate.py` on `{doc['data']}` (val split, {lvlm}), weights "
+                f"sha256 `{doc['selector_sha256'][:16]}`: VQA accuracy (%) of the first n questions (rows) with k "
+                f"demonstrations picked (columns).\n\n{accuracy_table(doc)}\n"
+            )
+        return super().generate_model_card(*args, **(facts | kwargs))
 
 
 def argmax(log_dist: Tensor) -> Tensor:
