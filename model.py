@@ -1,4 +1,5 @@
-"""The pointer selector and the RL math, shared by every stage (no CLI, no files read here: see icl_select/runs.py).
+"""The pointer selector and the RL math, shared by every stage (no CLI, no files read here: icl_select/runs.py reads
+selectors, icl_select/hub.py carries them to and from the Hugging Face Hub).
 
 `PointerSelector` picks S in-context demonstrations, one at a time, from a per-query candidate pool of K embeddings:
 the query attends over its pool (L cross-attention layers, residual + LayerNorm), query state and candidates are
@@ -24,8 +25,10 @@ from typing import Literal, NamedTuple, get_args
 import torch
 import torch.nn.functional as F
 from einops import rearrange
+from huggingface_hub import ModelCard, ModelHubMixin
 from torch import Tensor, nn
 
+from icl_select import hub
 from icl_select.files import atomic_write_text, save_tensors
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -118,8 +121,15 @@ def _near_identity(n: int) -> nn.Linear:
     return lin
 
 
-class PointerSelector(nn.Module):
-    """Pointer network over a per-query candidate pool. All methods are batched over queries (B) and sequences (G)."""
+class PointerSelector(
+    nn.Module, ModelHubMixin, tags=["icl-select", "in-context-learning"], model_card_template=hub.CARD
+):
+    """Pointer network over a per-query candidate pool. All methods are batched over queries (B) and sequences (G).
+
+    `from_pretrained(run folder or Hub id)` and `push_to_hub(id)` come from huggingface_hub's ModelHubMixin."""
+
+    run_files: dict[str, bytes] | None = None  # RUN_FILES of the folder `from_pretrained` read, to travel with it
+    run_eval: dict | None = None  # its eval/val.json, where it evaluated these weights, for the model card
 
     def __init__(self, cfg: SelectorConfig):
         super().__init__()
@@ -300,6 +310,34 @@ class PointerSelector(nn.Module):
         network = json.dumps({k: v for k, v in config.items() if k != "picks"}, indent=2)
         save_tensors(directory / "model.safetensors", self.state_dict(), {"config": network})
         atomic_write_text(directory / "model.json", json.dumps(config, indent=2) + "\n")
+
+    # -- the Hub: huggingface_hub.ModelHubMixin's hooks, carried out by icl_select/hub.py ------------------------------
+    @classmethod
+    def from_pretrained(cls, source: str | Path, **kwargs) -> PointerSelector:
+        """A selector from a run folder or a Hub repository id (`revision=`, `cache_dir=`... as in huggingface_hub)."""
+        with hub.one_line(source):
+            return super().from_pretrained(source, **kwargs)
+
+    @classmethod
+    def _from_pretrained(cls, *, model_id: str, **hub_kwargs) -> PointerSelector:
+        return hub.load(model_id, **hub_kwargs)
+
+    def _save_pretrained(self, save_directory: Path) -> None:
+        hub.save(self, save_directory)
+
+    def save_pretrained(self, save_directory: str | Path, **kwargs) -> str | None:
+        """What `push_to_hub` uploads, in a folder; only for a selector read from its run folder with config.json."""
+        hub.check_run(self)  # before the mixin replaces save_directory's config.json
+        return super().save_pretrained(save_directory, **kwargs)
+
+    def push_to_hub(self, repo_id: str, **kwargs) -> str:
+        """Upload model.safetensors, model.json, the run's config.json and metrics.jsonl and a model card."""
+        hub.check_run(self)  # before the repository is created
+        kwargs["model_card_kwargs"] = {"repo_id": repo_id} | (kwargs.get("model_card_kwargs") or {})
+        return super().push_to_hub(repo_id, **kwargs)
+
+    def generate_model_card(self, *args, **kwargs) -> ModelCard:
+        return super().generate_model_card(*args, **(hub.card_facts(self) | kwargs))
 
 
 def argmax(log_dist: Tensor) -> Tensor:
