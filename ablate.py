@@ -139,7 +139,7 @@ def build(args: Args, world: str, seed: int, names: list[str]) -> None:
         if (run / "config.json").is_file():  # a cached run must have been made with exactly these flags
             then = read_args(run / "config.json")
             now = flag_values(run_args)
-            planned = ("epochs",) if now.get("lvlm_budget") and now["epochs"] is None else ()  # grpo plans them
+            planned = [k for k in ("epochs", "replay_steps") if now.get("lvlm_budget") and now[k] is None]  # grpo's
             if diff := sorted(k for k in now if k not in ("out", *SIDE_ARGS, *planned) and now[k] != then.get(k)):
                 raise ValueError(f"{run} was made with other flags ({', '.join(diff)}): delete it to rebuild it")
         if (run / "eval" / "val.json").is_file():

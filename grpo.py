@@ -53,6 +53,16 @@ MODE_DEFAULTS = {
 }
 
 
+# What an online run uses when --lvlm-budget cuts the default run short, unless told otherwise: measured best at small
+# budgets in every simulated world (docs/worlds.md), so a budgeted command needs no other flag.
+BUDGET_DEFAULTS = {"replay_steps": 4}
+
+
+def per_budget(name: str):
+    """--help's default of a flag that a short --lvlm-budget sets."""
+    return default_is(f"{BUDGET_DEFAULTS[name]} when --lvlm-budget cuts the default run short, else 0")
+
+
 def per_mode(name: str):
     """--help's default of a flag left at None: its value in each mode."""
     return default_is(" offline, ".join(str(MODE_DEFAULTS[mode][name]) for mode in ("offline", "online")) + " online")
@@ -103,7 +113,7 @@ class Args(TrainArgs):
     """Online: sequences the LVLM may score in the whole run, training and validation, counted after the score
     cache. The steps, the learning-rate schedule and the epochs are planned from it at the start (each step and each
     validation counted at its most calls), and the last step is cut to the calls left."""
-    replay_steps: int = 0
+    replay_steps: Annotated[int | None, per_budget("replay_steps")] = None
     """Online: also update, each step, on the groups of the last N steps, PPO-clipped against the log-prob each was
     sampled with, so every scored sequence teaches more than one step where LVLM calls are what is scarce (0 = off:
     each group is used once, as it is scored)."""
@@ -115,10 +125,10 @@ class Args(TrainArgs):
 
 
 def resolve(args: Args) -> Args:
-    """Fill the per-mode defaults in (config.json records the resolved values)."""
-    defaults = MODE_DEFAULTS["online" if args.online else "offline"]
-    if args.lvlm_budget is not None:  # main plans the epochs from the budget
-        defaults = {k: v for k, v in defaults.items() if k != "epochs"}
+    """Fill the per-mode and per-budget defaults in (config.json records the resolved values)."""
+    defaults = MODE_DEFAULTS["online" if args.online else "offline"] | {"replay_steps": 0}
+    if args.lvlm_budget is not None:  # main plans these from the budget
+        defaults = {k: v for k, v in defaults.items() if k not in ("epochs", *BUDGET_DEFAULTS)}
     return replace(args, **{k: v for k, v in defaults.items() if getattr(args, k) is None})
 
 
@@ -142,7 +152,7 @@ def default_out(args: Args) -> Path:
         f"t{args.temperature:g}": args.online and args.temperature != 1.0,
         f"g{args.group_size}": args.online and args.group_size != 16,
         f"budget{args.lvlm_budget}": args.lvlm_budget is not None,
-        f"replay{args.replay_steps}": args.online and args.replay_steps > 0,
+        f"replay{args.replay_steps}": args.online and args.replay_steps not in (None, 0),
         f"seed{args.seed}": args.seed != 0,
         f"from-{init_tag(args.init)}": Path(args.init) != Args.init,  # never the --init folder itself
     }
@@ -158,7 +168,7 @@ def init_tag(init: Path) -> str:
 def check_args(args: Args) -> None:
     if args.lvlm_budget is not None and (not args.online or args.lvlm_budget < 1):
         raise ValueError(f"--lvlm-budget needs --online and must be >= 1, got {args.lvlm_budget}")
-    if args.replay_steps < 0 or (args.replay_steps and not args.online):
+    if (args.replay_steps or 0) < 0 or (args.replay_steps and not args.online):
         raise ValueError(f"--replay-steps needs --online and must be >= 0, got {args.replay_steps}")
     check_train_args(args)
     numbers = {"--kl-beta": args.kl_beta, "--kl-target": args.kl_target, "--epsilon": args.epsilon}
@@ -481,7 +491,9 @@ def main(args: Args) -> None:
         plan = budget_plan(
             args.lvlm_budget, args.epochs, args.batch_size * args.group_size, val_calls, args.group_size, steps
         )
-        args, steps = replace(args, epochs=plan.epochs), plan.steps_per_epoch
+        short = plan.steps < (args.epochs or MODE_DEFAULTS["online"]["epochs"]) * steps  # fewer than the default run
+        unset = {k: v if short else 0 for k, v in BUDGET_DEFAULTS.items() if getattr(args, k) is None}
+        args, steps = replace(args, epochs=plan.epochs, **unset), plan.steps_per_epoch
     total = plan.steps if plan else args.epochs * steps
 
     with RunFolder(out, rank, world) as run:
