@@ -105,7 +105,7 @@ class Args:
     out: Path = Path("runs/ablate")
     """Folder of the cached datasets and runs (one subfolder per world)."""
     only: list[str] = field(default_factory=list)
-    """Train only these variants (their references too; none given: all). The tables show whatever is finished."""
+    """Train only these variants and their references (none: all); tables show what is finished."""
     bootstrap: int = 10000
     """Bootstrap resamples for the CIs."""
 

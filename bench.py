@@ -34,48 +34,43 @@ from model import DECODE_CHUNK, PointerSelector, SelectorConfig, slices
 @dataclass
 class Args:
     only: Literal["all", "log-probs", "epochs", "grpo", "decode", "pools", "lvlm", "sim"] = "all"
-    """Which benchmark to run (all = the CPU ones but pools, which takes long; lvlm needs --lvlm and --vqa-root)."""
+    """Which benchmark (all = the CPU ones but pools; lvlm needs --lvlm and --vqa-root)."""
     shapes: list[str] = field(default_factory=lambda: ["64,16,4"])
-    """GRPO benchmark: pool size, group size, shots of each simulated dataset, e.g. 64,16,4 32,8,1 256,64,8."""
+    """GRPO benchmark: K,G,S (pool size, group size, shots) of each simulated dataset."""
     reference_queries: int = 64
-    """GRPO benchmark: training queries Lever-Plus's step is timed on (its time is linear in them)."""
+    """GRPO benchmark: training queries Lever-Plus's step is timed on (time is linear in them)."""
     grpo_epochs: int = 10
     """GRPO benchmark: epochs per run (10 = grpo.py's offline default; 1 shows a run's fixed costs)."""
     repeats: int = 5
-    """Timed repeats per measurement (reported as min / median / max, or the median where one figure is shown)."""
+    """Timed repeats per measurement (min / median / max, or the median alone)."""
     threads: int = 1
     """torch threads for the log-prob benchmark (0 = torch's default)."""
     thread_counts: list[int] = field(default_factory=lambda: [1])
     """Epoch benchmark: the thread counts to compare, interleaved (e.g. 1 2)."""
     pool_rows: list[int] = field(default_factory=lambda: [50_000, 200_000, 443_757])
-    """Pool benchmark: train rows of each synthetic dataset (443,757 = VQAv2's train questions)."""
+    """Pool benchmark: train rows of each synthetic dataset (443,757 = VQAv2's train set)."""
     pool_queries: int = 15_000
     """Pool benchmark: anchor queries (train rows) that each get a pool of 64."""
     pool_samplers: list[str] = field(default_factory=lambda: ["random", "image", "mix"])
     """Pool benchmark: samplers to time (text costs what image does)."""
     pool_whole_rows: int = 0
-    """Pool benchmark: at row counts up to this, also build the pools from the whole (queries, rows) exclusion mask
-    and similarities at once, and check that they equal the chunked ones (memory grows with queries x rows)."""
+    """Pool benchmark: up to this many rows, also check the chunked pools against a whole-mask build."""
     data: Annotated[Path | None, default_is("a fresh simulated dataset")] = None
     """Dataset folder for the epoch benchmarks."""
     lvlm: str | None = None
-    """LVLM benchmark: the model (hub id in the local cache, or a folder); "tiny" = the tiny random-weight checkpoint
-    of every family tested here (tests/real_fixtures.py) on its mixed-image OK-VQA folder, one line per family;
-    "random-3b" = random weights in Qwen2.5-VL-3B-Instruct's shape on 640 x 480 pictures (a GPU's cost of scoring
-    without the checkpoint; the answers are noise)."""
+    """LVLM benchmark: a hub id or folder, or tiny / random-3b (docs/flags.md)."""
     vqa_root: Path | None = None
     """LVLM benchmark: folder of the official OK-VQA / VQAv2 files and COCO images."""
     dataset: Literal["okvqa", "vqav2"] = "okvqa"
     """LVLM benchmark: which dataset's files are under --vqa-root."""
     device: str = "auto"
-    """LVLM benchmark: cpu, cuda, or auto (this process's CUDA device in bf16, else CPU float32)."""
+    """LVLM benchmark: cpu, cuda, or auto (CUDA in bf16 if present, else CPU float32)."""
     queries: int = 4
     """LVLM benchmark: validation questions, each with --group-size sequences."""
     group_size: int = 8
     """LVLM benchmark: sequences (G) per question."""
     pool_size: int = 0
-    """LVLM benchmark: draw each question's sequences from its own pool of this many train questions, as a GRPO
-    group does (0 = from all of them)."""
+    """LVLM benchmark: pool each question's sequences are drawn from (0 = all train questions)."""
     shots: int = 4
     """LVLM benchmark: ICDs (S) per sequence."""
     lvlm_batch_size: int = 8

@@ -60,10 +60,7 @@ class Args(LVLMRun, CpuArgs):
     runs: tyro.conf.Positional[list[Path]] = field(default_factory=list)
     """Run folders whose selector (model.safetensors) to evaluate."""
     baseline: Baseline | None = None
-    """Evaluate a baseline instead: zero-shot, random, image-sim, text-sim; simulator only: oracle (searches the
-    answer model of the dataset's world, docs/worlds.md) or observable (the same search with the latents that probes
-    read off the embeddings: an estimate of how far embeddings alone can take a selector; a learned one can still
-    beat it, e.g. by remembering which train items helped)."""
+    """Evaluate a baseline instead; oracle and observable need the simulator (docs/worlds.md)."""
     out: Annotated[Path | None, default_is("runs/baseline-<name>")] = None
     """Run folder for a baseline."""
     data: Path = DEFAULT_DATA
@@ -75,9 +72,7 @@ class Args(LVLMRun, CpuArgs):
     num_samples: list[int] = field(default_factory=lambda: [100, 200, 400, 800])
     """Question counts to summarise (nested prefixes of the fixed order)."""
     order: Literal["auto", "selected", "reversed"] = "auto"
-    """ICD order in the prompt: selected (first pick first), reversed (first pick next to the query); auto = the
-    selector's own pick order (model.json's pick_order), reversed for the similarity baselines (RICES convention),
-    selected otherwise."""
+    """ICD order in the prompt: selected (first pick first), reversed, or auto (docs/flags.md)."""
     epochs: list[int] = field(default_factory=list)
     """Also evaluate these epoch checkpoints of each run (eval/<split>-epochNNN.json)."""
     seeds: int = 1
@@ -87,9 +82,9 @@ class Args(LVLMRun, CpuArgs):
     batch_size: int = 256
     """Questions per backend call (each one's line is flushed when its call returns)."""
     lvlm: Annotated[str | None, default_is("the dataset's own")] = None
-    """Answer with this LVLM (HF id or path) instead of the one that scored the dataset (real datasets only)."""
+    """Answer with this LVLM (HF id or path) instead of the dataset's (real datasets only)."""
     data_root: Path | None = None
-    """Real data: where the dataset's files live now, if they moved since gen_rl_data.py (image paths re-rooted)."""
+    """Real data: where the dataset's files live now, if they moved since gen_rl_data.py."""
 
 
 def check_args(args: Args) -> None:

@@ -70,11 +70,6 @@ from model import reward_spread
 @help_first("out", "lvlm", "dataset", "data_root")
 @dataclass
 class Args(RewardArgs, LVLMOptions, CpuArgs):
-    """Build a dataset folder: candidate pools and LVLM-scored demonstration sequences for RCE and GRPO. Each sequence
-    stores acc (official VQA accuracy of the answer), correct (acc > 0), gt_prob (the LVLM's probability of replying
-    with an answer the metric credits, times that credit, summed over every normalised annotator answer and each raw
-    spelling annotators used: 0.3/0.6/0.9/1.0 for 1/2/3/4+ of 10 matching annotators) and rel (answer closeness)."""
-
     out: Annotated[Path | None, default_is("data/sim, or data/<dataset>-<model name> for a real LVLM")] = None
     """Dataset folder to write; re-running the same command resumes it."""
     num_queries: int = 800
@@ -90,7 +85,7 @@ class Args(RewardArgs, LVLMOptions, CpuArgs):
     seq_len: int = 4
     """Demonstrations per sequence (S), i.e. the largest shot count."""
     sampler: Literal["random", "image", "text", "mix"] = "random"
-    """How pools are built: random, most image-similar, most text-similar, or half of each similarity."""
+    """How pools are built: random, most image-similar, most text-similar, or half of each."""
     init: Path | None = None
     """A trained selector run folder: add its greedy, beam and sampled sequences to each group."""
     init_beams: int = 4
@@ -102,15 +97,15 @@ class Args(RewardArgs, LVLMOptions, CpuArgs):
     seed: int = 0
     """Seed of the simulator, the anchors, the pools and the random sequences."""
     world: Literal[tuple(WORLDS)] = "additive"  # type: ignore[valid-type]
-    """Simulator: which simulated LVLM answers (docs/worlds.md): additive, copy, saturating, strong, order."""
+    """Simulator: which simulated LVLM answers (docs/worlds.md)."""
     sim_set: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
-    """Simulator: FIELD=VALUE, set a parameter of sim.SimConfig on top of the world's (a tuple as a comma list)."""
+    """Simulator: FIELD=VALUE sets a sim.SimConfig field on top of the world's."""
     lvlm: str = "sim"
-    """`sim` (the built-in simulator) or a Hugging Face model id / local path, e.g. Qwen/Qwen2.5-VL-3B-Instruct."""
+    """`sim` (the built-in simulator) or a Hugging Face model id / local path."""
     dataset: Literal["okvqa", "vqav2"] = "okvqa"
     """Real data: which official question/annotation files to read."""
     data_root: Path | None = None
-    """Real data: folder with the question/annotation JSON files and the COCO train2014/ and val2014/ images."""
+    """Real data: folder of the official question/annotation files and the COCO images."""
     train_questions: Annotated[str | None, default_is("the official name")] = None
     """Real data: train questions file under --data-root."""
     train_annotations: Annotated[str | None, default_is("the official name")] = None
@@ -130,11 +125,9 @@ class Args(RewardArgs, LVLMOptions, CpuArgs):
     encoder: str = "openai/clip-vit-base-patch32"
     """Real data: CLIP model (id or path) for the image and question embeddings."""
     chunk: int = 0
-    """Anchor queries per backend call; each query's line is flushed when its call returns (0 = 64 for the
-    simulator, 1 for a real LVLM)."""
+    """Anchor queries per backend call (0 = 64 for the simulator, 1 for a real LVLM)."""
     calibrate: bool = False
-    """Print the simulator's calibration table (zero-shot, random, similarity, oracle, observable at 1..S shots) and
-    exit."""
+    """Print the simulator's calibration table (docs/worlds.md) and exit."""
     report: Path | None = None
     """Print a Markdown report of this dataset folder and exit."""
     allow_truncated: bool = False

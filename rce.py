@@ -49,8 +49,7 @@ class Args(TrainArgs, SelectorConfig):
     temp_end: float = 0.5
     """RCE temperature at the last step (linear annealing)."""
     quality: Quality = "varied"
-    """Training queries: varied (default) = those whose scored sequences do not all share one reward; high / medium /
-    all as in grpo.py."""
+    """Training queries; varied = those whose rewards are not all equal (docs/flags.md)."""
     top1: bool = False
     """Plain cross-entropy on each group's best sequence instead of reward weighting."""
     init: Path | None = None

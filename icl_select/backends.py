@@ -44,15 +44,15 @@ class LVLMRun:
     lvlm_batch_tokens: int = 0
     """Real LVLM: padded prompt tokens per forward pass at most, a memory bound (0 = none)."""
     lvlm_workers: int = 0
-    """Real LVLM: threads that decode and preprocess pictures ahead of the model (0 = one per CPU core, at most 8)."""
+    """Real LVLM: threads that prepare pictures ahead of the model (0 = one per core, at most 8)."""
     device: str = "auto"
-    """Real LVLM: auto = this rank's CUDA device in bf16 when present, else CPU float32."""
+    """Real LVLM: auto = this rank's CUDA device in bf16 if present, else CPU float32."""
     image_cache_mib: int = 4096
-    """Real LVLM: memory per process for pictures decoded and preprocessed once and reused (half each)."""
+    """Real LVLM: memory per process for decoded and preprocessed pictures (half each)."""
     encoder_cache_mib: int = 4096
-    """Real LVLM: GPU memory per process for each picture's vision-encoder output (Qwen2/2.5/3-VL; 0 = off)."""
+    """Real LVLM: GPU memory per process for vision-encoder outputs (Qwen family; 0 = off)."""
     skip_self_check: bool = False
-    """Real LVLM: skip the check, before a long run, that batched scoring gives plain transformers' results."""
+    """Real LVLM: skip the self-check against plain transformers (docs/real-models.md)."""
 
 
 def check_lvlm_run(run: LVLMRun) -> None:
@@ -71,10 +71,9 @@ class LVLMOptions(LVLMRun):
     icd_template: str = "Question: {question} Short answer: {answer}"
     """Text after each demonstration's image."""
     query_template: str = "Question: {question} Short answer:"
-    """Text after the query's image (the end of the user turn); in turn-per-demo also each ICD's question."""
+    """Text after the query's image; in turn-per-demo also each ICD's question."""
     prompt_style: Literal["single-turn", "turn-per-demo"] = "single-turn"
-    """single-turn: every ICD and the query in one user turn; turn-per-demo: each ICD its own user and assistant
-    turn, then the query's user turn."""
+    """One user turn for all, or a user + assistant turn per ICD (docs/real-models.md)."""
     max_new_tokens: int = 10
     """Greedy generation length."""
 

@@ -23,8 +23,7 @@ class CpuArgs:
     """The CPU thread count of a stage (every stage that computes with torch has it)."""
 
     threads: int = 1
-    """torch CPU threads. 1 (default) gives the same bytes on every machine and does not slow down when other
-    processes share the cores (docs/speed.md measures both); results may differ in the last bits between counts."""
+    """torch CPU threads (1: the same bytes on every machine; docs/speed.md)."""
 
 
 # Flags that name places, not settings: a resumed run compares what they hold (the data's digest, the --init
