@@ -79,13 +79,9 @@ class LVLMOptions(LVLMRun):
 
 
 class ScoreCache:
-    """A backend's scores by (split, query, ICD train rows): only unseen ones go to the backend, in one batch.
-
-    Online GRPO and per-epoch validation score the same sequences again and again (greedy picks change slowly);
-    each distinct prompt is scored once per run (under torchrun, by one of the ranks). `calls` counts what the
-    backend was asked to score (the cache misses); `state`/`restore` carry the memo over a resume, so a resumed run
-    neither pays nor counts a score twice.
-    """
+    """A backend's scores by (split, query, ICD train rows): only unseen ones go to the backend, in one batch, since
+    online GRPO and validation ask for the same prompts again and again. `calls` counts the misses; `state` / `restore`
+    carry the memo over a resume, so a resumed run neither pays nor counts a score twice."""
 
     def __init__(self, backend):
         self.backend, self.memo = backend, {}
@@ -186,12 +182,9 @@ def sim_from_meta(meta: dict) -> Simulator:
 def open_backend(
     meta: dict, items: dict[str, list[dict]], emb: dict[str, Tensor], run: LVLMRun, lvlm: str | None = None
 ):
-    """The backend a dataset folder was scored with (or another LVLM, `lvlm`), rebuilt from its meta.json and run
-    as `run` says.
-
-    For the simulator the folder's embeddings must be the ones the rebuilt simulator produces, else the stored
-    scores and the backend would disagree.
-    """
+    """The backend a dataset folder was scored with (or another LVLM, `lvlm`), rebuilt from its meta.json and run as
+    `run` says. A simulated folder's embeddings must be those the rebuilt simulator makes, else its scores would
+    disagree."""
     if meta.get("source") == "sim" and lvlm in (None, "sim"):
         sim = sim_from_meta(meta)
         if not all(torch.equal(sim.emb[k], emb[k]) for k in ("train", "val")):

@@ -296,8 +296,6 @@ def parse_groups(path: Path, records: list[tuple[int, dict]], num_train: int, se
 
 @dataclass
 class Dataset:
-    """A validated dataset folder."""
-
     folder: Path
     meta: dict
     items: dict[str, list[dict]]

@@ -15,8 +15,6 @@ from icl_select.tracking import ReportTo, check_installed
 
 @dataclass
 class TrainArgs(RewardArgs, LVLMRun, CpuArgs):
-    """Flags common to rce.py and grpo.py."""
-
     data: Path = DEFAULT_DATA
     """Dataset folder written by gen_rl_data.py."""
     epochs: Annotated[int, alias("--num-train-epochs")] = 10
