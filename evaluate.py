@@ -1,21 +1,18 @@
 """Stage 4: VQA accuracy at 1..4 shots of a selector run or a baseline, on the dataset's fixed question order.
 
-For each question, ICDs come from the question's own pool (eval_pools.json for val; the anchor's rl_data pool for
---split train, which never holds the question itself): a run's selector decodes the largest shot greedily once and
-k-shot uses its first k picks, laid out in the prompt order it was trained with (model.json's pick_order);
-baselines pick zero-shot / random / most image- or text-similar / the simulator's oracle and its observable twin.
-The backend (simulator or LVLM) answers, and `vqa.vqa_score`-style accuracy is recorded per question and shot.
-Sample counts are nested prefixes of one fixed order (800 contains 400), so two runs are paired question by question
-and compare.py can test their differences.
+Each question's ICDs come from its own pool (eval_pools.json; with --split train the anchor's rl_data pool): a run's
+selector decodes the largest shot greedily once and k-shot uses its first k picks, in the prompt order it was trained
+with. Question counts are nested prefixes of one fixed order (800 contains 400), so compare.py pairs runs question by
+question.
 
 Writes RUN/eval/<split>.json (or <split>-epoch002.json with --epochs):
     {"data", "backend", "split", "selector", "selector_epoch", "selector_sha256", "order", "shots", "num_samples",
      "results": [{"question_id", "row", "shot", "icds": [train rows], "prediction", "score"}, ...],  # question order
      "summary": {"800": {"1": 48.55, ...}, ...}}                                                    # percentages
 With --seeds N > 1 (random baseline) a result holds the mean "score" and "per_seed": [{"seed", "icds",
-"prediction", "score"}, ...] instead of one seed's icds and prediction.
-Progress is kept per question in <file>.seedN.rankR.partial.jsonl, so an interrupted evaluation resumes where it
-stopped; under torchrun each rank scores every world-th question and rank 0 writes the file.
+"prediction", "score"}, ...] instead of one seed's icds and prediction. Progress is kept per question in
+<file>.seedN.rankR.partial.jsonl, so an interrupted evaluation resumes; under torchrun each rank scores every
+world-th question and rank 0 writes the file.
 
 Usage:
     python evaluate.py runs/rce runs/grpo-kl0.1
@@ -375,10 +372,8 @@ def reroot_images(ds: Dataset, root: Path) -> None:
 
 
 def preflight(args: Args, ds: Dataset, jobs: list[Job]) -> None:
-    """What can be checked without the LVLM, before it is loaded: the question count, the shots against the pools
-    and each selector's picks, and on real data every image the evaluation may read (the questions' own and, unless
-    zero-shot, their pools'), so that a bad file stops the run at once with its name instead of failing a batch
-    after the model has loaded."""
+    """What can be checked before the LVLM loads: the question count, the shots against the pools and each selector's
+    picks, and on real data every image the evaluation may read, so a bad file stops the run at once with its name."""
     rows, pool, items = questions(ds, args.split, max(args.num_samples))
     k = max(args.shots)
     for job in (j for j in jobs if j.model is not None):

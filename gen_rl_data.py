@@ -1,21 +1,12 @@
 """Stage 1: embeddings, per-query candidate pools, and LVLM-scored demonstration sequences.
 
-For each anchor query (a train item) it builds a pool of K train items (never the query nor another question on
-its image), makes G distinct sequences of S picks from it (a selector's greedy/beam/sampled picks with `--init`,
-one similarity-retrieval sequence, random ones to fill the group), and scores every sequence with the LVLM:
-official VQA accuracy `acc`, `correct = acc > 0`, `gt_prob` (the LVLM's probability of replying with an answer the
-VQA metric credits, each credited reply weighted by its credit: every normalised annotator answer and each raw
-spelling the annotators used, 0.3/0.6/0.9/1.0 for 1/2/3/4+ of 10 matching annotators; full float precision, so that
-log-space rewards can be computed) and `rel`; and once per anchor query `zero_shot_gt_prob`, the same gt_prob with no
-ICDs (what data.py's info_score reward subtracts; one more prompt per query). It also builds one
-pool per validation query (eval_pools.json) with the same sampler, so training and inference see the same kind of
-pool.
-
-The default LVLM is the built-in simulator (`--lvlm sim`), labelled as simulation in every output.
-
-Departures from Lever-Plus's generator: each query's line is appended and flushed as soon as it is scored
-(a crash loses at most the queries in flight) and a re-run resumes; the folder records every setting and refuses
-to mix with different ones; sequences are distinct within a group; no top-k filtering of the sequences.
+For each anchor query (a train item) it builds a pool of K train items (never the query nor another question on its
+image), makes G distinct sequences of S picks from it (a selector's picks with --init, one similarity-retrieval
+sequence, random ones to fill the group) and scores each with the LVLM: VQA accuracy `acc`, `correct = acc > 0`,
+`gt_prob` (the probability of replying with an answer the VQA metric credits, weighted by that credit, at full precision
+for log-space rewards) and `rel`; once per anchor, `zero_shot_gt_prob` for the info_score reward. Each validation query
+gets a pool from the same sampler (eval_pools.json). The default LVLM is the built-in simulator, labelled as simulation
+in every output.
 
 Usage:
     python gen_rl_data.py                              # builds data/sim/ (800 anchors, G=16, S=4, K=64)
@@ -272,9 +263,8 @@ def make_pools(
 
 
 def init_candidates(args: Args, train: Tensor, anchors: Tensor, pool: Tensor) -> tuple[Tensor, list[str]]:
-    """Sequences decoded by a trained selector: greedy, beams, samples -> (Q, C, S) and their sources. The anchors
-    go a chunk at a time (their pools' embeddings are never gathered for all anchors at once); the samples of a
-    chunk are the next draws of one generator."""
+    """Sequences decoded by a trained selector: greedy, beams, samples -> (Q, C, S) and their sources; a chunk of
+    anchors at a time (`pools.pool_chunks`), the samples of each chunk the next draws of one generator."""
     model = load_selector(args.init).eval()
     gen, seqs = rng(args.seed, 4), []
     for c in pools.pool_chunks(*pool.shape, train.shape[1]):
@@ -343,8 +333,7 @@ def jsonl_line(record: dict) -> str:
 
 
 def merge_shards(out: Path, anchors: Tensor, done: dict[int, dict]) -> None:
-    """rl_data.jsonl in anchor order from `done` (scored_queries: itself and every shard file); the shards are then
-    removed."""
+    """rl_data.jsonl in anchor order from `done` (`scored_queries`), then the shard files removed."""
     atomic_write_text(out / "rl_data.jsonl", "".join(jsonl_line(done[q]) for q in anchors.tolist() if q in done))
     for path in shard_files(out):
         path.unlink()
