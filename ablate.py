@@ -1,10 +1,9 @@
 """Ablations on the simulator: each variant against the stage defaults, on several seeds, with paired CIs.
 
-In each simulated world asked for (docs/worlds.md) and for every seed: a dataset, the default RCE and online GRPO
-runs, the variants (each differs from its reference in the flags shown), and the baselines, all evaluated on the
-same 800 validation questions. Every number is VQA accuracy averaged over 1-4 shots; a delta's 95% CI comes from a
-paired bootstrap over questions (pooled: over the questions of all seeds). Runs are cached in --out: re-running
-resumes, and a finished variant is never retrained. The last table has one row per world.
+Per simulated world (docs/worlds.md) and seed: a dataset, the default RCE and online GRPO runs, the variants (each
+differs from its reference in the flags shown) and the baselines, evaluated on the same 800 validation questions.
+Numbers are VQA accuracy averaged over 1-4 shots, a delta's 95% CI a paired bootstrap over questions (pooled over
+seeds). Runs are cached in --out, so a re-run resumes; the last table has one row per world.
 
 Usage:
     python ablate.py                                  # seeds 0 1 2 -> runs/ablate/additive (about 35 min a seed)
@@ -105,7 +104,7 @@ class Args:
     out: Path = Path("runs/ablate")
     """Folder of the cached datasets and runs (one subfolder per world)."""
     only: list[str] = field(default_factory=list)
-    """Train only these variants (their references too; none given: all). The tables show whatever is finished."""
+    """Train only these variants and their references (none: all); tables show what is finished."""
     bootstrap: int = 10000
     """Bootstrap resamples for the CIs."""
 
@@ -233,7 +232,6 @@ def tables(args: Args, world: str) -> str:
 
 
 def calls(args: Args, world: str, seed: int, name: str) -> str:
-    """The LVLM calls a run spent, training and validation."""
     return f"{read_metrics(args.out / world / f'seed{seed}' / slug(name) / 'metrics.jsonl')[-1]['lvlm/calls']:,}"
 
 

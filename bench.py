@@ -34,48 +34,43 @@ from model import DECODE_CHUNK, PointerSelector, SelectorConfig, slices
 @dataclass
 class Args:
     only: Literal["all", "log-probs", "epochs", "grpo", "decode", "pools", "lvlm", "sim"] = "all"
-    """Which benchmark to run (all = the CPU ones but pools, which takes long; lvlm needs --lvlm and --vqa-root)."""
+    """Which benchmark (all = the CPU ones but pools; lvlm needs --lvlm and --vqa-root)."""
     shapes: list[str] = field(default_factory=lambda: ["64,16,4"])
-    """GRPO benchmark: pool size, group size, shots of each simulated dataset, e.g. 64,16,4 32,8,1 256,64,8."""
+    """GRPO benchmark: K,G,S (pool size, group size, shots) of each simulated dataset."""
     reference_queries: int = 64
-    """GRPO benchmark: training queries Lever-Plus's step is timed on (its time is linear in them)."""
+    """GRPO benchmark: training queries Lever-Plus's step is timed on (time is linear in them)."""
     grpo_epochs: int = 10
     """GRPO benchmark: epochs per run (10 = grpo.py's offline default; 1 shows a run's fixed costs)."""
     repeats: int = 5
-    """Timed repeats per measurement (reported as min / median / max, or the median where one figure is shown)."""
+    """Timed repeats per measurement (min / median / max, or the median alone)."""
     threads: int = 1
     """torch threads for the log-prob benchmark (0 = torch's default)."""
     thread_counts: list[int] = field(default_factory=lambda: [1])
     """Epoch benchmark: the thread counts to compare, interleaved (e.g. 1 2)."""
     pool_rows: list[int] = field(default_factory=lambda: [50_000, 200_000, 443_757])
-    """Pool benchmark: train rows of each synthetic dataset (443,757 = VQAv2's train questions)."""
+    """Pool benchmark: train rows of each synthetic dataset (443,757 = VQAv2's train set)."""
     pool_queries: int = 15_000
     """Pool benchmark: anchor queries (train rows) that each get a pool of 64."""
     pool_samplers: list[str] = field(default_factory=lambda: ["random", "image", "mix"])
     """Pool benchmark: samplers to time (text costs what image does)."""
     pool_whole_rows: int = 0
-    """Pool benchmark: at row counts up to this, also build the pools from the whole (queries, rows) exclusion mask
-    and similarities at once, and check that they equal the chunked ones (memory grows with queries x rows)."""
+    """Pool benchmark: up to this many rows, also check the chunked pools against a whole-mask build."""
     data: Annotated[Path | None, default_is("a fresh simulated dataset")] = None
     """Dataset folder for the epoch benchmarks."""
     lvlm: str | None = None
-    """LVLM benchmark: the model (hub id in the local cache, or a folder); "tiny" = the tiny random-weight checkpoint
-    of every family tested here (tests/real_fixtures.py) on its mixed-image OK-VQA folder, one line per family;
-    "random-3b" = random weights in Qwen2.5-VL-3B-Instruct's shape on 640 x 480 pictures (a GPU's cost of scoring
-    without the checkpoint; the answers are noise)."""
+    """LVLM benchmark: a hub id or folder, or tiny / random-3b (docs/flags.md)."""
     vqa_root: Path | None = None
     """LVLM benchmark: folder of the official OK-VQA / VQAv2 files and COCO images."""
     dataset: Literal["okvqa", "vqav2"] = "okvqa"
     """LVLM benchmark: which dataset's files are under --vqa-root."""
     device: str = "auto"
-    """LVLM benchmark: cpu, cuda, or auto (this process's CUDA device in bf16, else CPU float32)."""
+    """LVLM benchmark: cpu, cuda, or auto (CUDA in bf16 if present, else CPU float32)."""
     queries: int = 4
     """LVLM benchmark: validation questions, each with --group-size sequences."""
     group_size: int = 8
     """LVLM benchmark: sequences (G) per question."""
     pool_size: int = 0
-    """LVLM benchmark: draw each question's sequences from its own pool of this many train questions, as a GRPO
-    group does (0 = from all of them)."""
+    """LVLM benchmark: pool each question's sequences are drawn from (0 = all train questions)."""
     shots: int = 4
     """LVLM benchmark: ICDs (S) per sequence."""
     lvlm_batch_size: int = 8
@@ -179,11 +174,10 @@ def bench_epochs(data: Path | None, repeats: int, thread_counts: list[int]) -> N
 
 
 def reference_grpo_steps(model: PointerSelector, ds, queries: Tensor, epochs: int, beta: float = 0.1) -> None:
-    """GRPO steps as Lever-Plus's v3 trainer takes them, written here for a like-for-like timing (same network, same
-    weights): one query per optimizer step; its query and pool copied once per sequence of its group and encoded
-    G times; teacher forcing with a Python loop over steps, taken candidates masked with -100; PPO clip (0.2) on
-    sequence ratios against old log-probs computed once before training, plus beta * mean(rho - 1 - log rho);
-    backward, global-norm clipping at 1, AdamW (its defaults, lr 1e-5), and eight .item() calls per step."""
+    """GRPO steps as Lever-Plus's v3 trainer takes them, on our network and weights for a like-for-like timing: one
+    query per optimizer step, its query and pool copied and encoded once per sequence, a Python loop over steps with
+    -100 masking, PPO clip 0.2 against old log-probs computed once, beta * mean(rho - 1 - log rho), global-norm clipping
+    at 1, AdamW (lr 1e-5) and eight .item() calls per step."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01)
     g, emb = ds.groups, ds.emb["train"]
     reward = g.fields["acc"] + g.fields["correct"]  # (Q, G)
@@ -225,10 +219,9 @@ def reference_grpo_steps(model: PointerSelector, ds, queries: Tensor, epochs: in
 
 
 def bench_grpo_epoch(repeats: int, shapes: list[tuple[int, int, int]], reference_queries: int, epochs: int) -> None:
-    """An offline GRPO run of `epochs` epochs (`grpo.main`, validation and checkpoints included) against as many
-    epochs of Lever-Plus's step (`reference_grpo_steps`, its one-off old-policy pass included) on the same
-    simulated data and init, interleaved; each as seconds per epoch per 800 training queries. Then the same run as
-    a fresh `python grpo.py` process, start-up included."""
+    """An offline GRPO run (`grpo.main`, validation and checkpoints included) against as many epochs of
+    `reference_grpo_steps` on the same data and init, interleaved, in seconds per epoch per 800 training queries; then
+    the same run as a fresh `python grpo.py` process, start-up included."""
     import contextlib
     import io
     import subprocess
@@ -288,11 +281,10 @@ def proc_status_bytes(field: str) -> int:
 
 
 def pool_build_run(rows: int, queries: int, sampler: str, whole: bool, repeats: int) -> dict:
-    """Run in a fresh process: unit-norm random embeddings (rows, 512) of the three views a dataset holds (fused,
-    image, text), then pools of 64 for `queries` train anchors, `repeats` times: by `pools.query_pools` (chunked),
-    or with `whole`, from the whole (queries, rows) exclusion mask and similarities at once by `pools.build_pools`.
-    Peak memory is the process's peak RSS while building (VmHWM, reset once the embeddings exist) minus its RSS
-    just before."""
+    """In a fresh process: random unit-norm embeddings (rows, 512) of the three views, then pools of 64 for `queries`
+    anchors, `repeats` times, chunked (`pools.query_pools`) or with `whole` from the whole matrices
+    (`pools.build_pools`). Peak memory: the peak RSS while building (VmHWM, reset once the embeddings exist) minus the
+    RSS just before."""
     import hashlib
 
     from icl_select import pools
@@ -525,12 +517,9 @@ def padding(lengths: list[int], batches: list[list[int]]) -> float:
 
 
 def bench_lvlm(args: Args) -> dict:
-    """G sequences of S shots for a few validation questions, scored (greedy answer + gt_prob) by the default path
-    (LVLMBackend: one pass per prompt, batches of similar length prepared in a background thread with parallel
-    picture workers), by the same path with each of its levers off, and by the unshared reference. Every timed pass
-    starts with the picture caches empty, so the rate counts only the reuse within its own groups; passes are
-    interleaved, --repeats of each. Then what the default path achieves against the device's peak, and where its
-    wall time goes (one more pass, synchronised at each phase boundary)."""
+    """G sequences of S shots for a few validation questions, scored by the default path (`LVLMBackend`), by that path
+    with each of its levers off, and by the unshared reference, interleaved, --repeats each, every timed pass starting
+    with empty picture caches. Then the default path against the device's peak, and where its wall time goes."""
     import random
     import resource
 
@@ -690,10 +679,9 @@ def real_fixtures():
 
 
 def bench_random_3b(args: Args) -> dict:
-    """bench_lvlm on random weights in Qwen2.5-VL-3B-Instruct's shape, in bfloat16, over an OK-VQA-format folder of
-    1,000 train pictures of 640 x 480 (COCO's usual size), all built in a temporary folder: the GPU time scoring takes,
-    measured without the checkpoint. A random model rarely stops before its 10 new tokens (the default), where a real
-    model's short answers stop after a few, so the rate is a floor for the LVLM's side of a run."""
+    """bench_lvlm on random weights in Qwen2.5-VL-3B-Instruct's shape, in bfloat16, on 1,000 train pictures of 640 x 480
+    built in a temporary folder: the GPU time of scoring without the checkpoint. A random model rarely stops before its
+    10 new tokens, so the rate is a floor."""
     from dataclasses import replace
 
     fixtures, root = real_fixtures(), Path(tempfile.mkdtemp(prefix="icl-select-bench-"))

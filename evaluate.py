@@ -1,21 +1,18 @@
 """Stage 4: VQA accuracy at 1..4 shots of a selector run or a baseline, on the dataset's fixed question order.
 
-For each question, ICDs come from the question's own pool (eval_pools.json for val; the anchor's rl_data pool for
---split train, which never holds the question itself): a run's selector decodes the largest shot greedily once and
-k-shot uses its first k picks, laid out in the prompt order it was trained with (model.json's pick_order);
-baselines pick zero-shot / random / most image- or text-similar / the simulator's oracle and its observable twin.
-The backend (simulator or LVLM) answers, and `vqa.vqa_score`-style accuracy is recorded per question and shot.
-Sample counts are nested prefixes of one fixed order (800 contains 400), so two runs are paired question by question
-and compare.py can test their differences.
+Each question's ICDs come from its own pool (eval_pools.json; with --split train the anchor's rl_data pool): a run's
+selector decodes the largest shot greedily once and k-shot uses its first k picks, in the prompt order it was trained
+with. Question counts are nested prefixes of one fixed order (800 contains 400), so compare.py pairs runs question by
+question.
 
 Writes RUN/eval/<split>.json (or <split>-epoch002.json with --epochs):
     {"data", "backend", "split", "selector", "selector_epoch", "selector_sha256", "order", "shots", "num_samples",
      "results": [{"question_id", "row", "shot", "icds": [train rows], "prediction", "score"}, ...],  # question order
      "summary": {"800": {"1": 48.55, ...}, ...}}                                                    # percentages
 With --seeds N > 1 (random baseline) a result holds the mean "score" and "per_seed": [{"seed", "icds",
-"prediction", "score"}, ...] instead of one seed's icds and prediction.
-Progress is kept per question in <file>.seedN.rankR.partial.jsonl, so an interrupted evaluation resumes where it
-stopped; under torchrun each rank scores every world-th question and rank 0 writes the file.
+"prediction", "score"}, ...] instead of one seed's icds and prediction. Progress is kept per question in
+<file>.seedN.rankR.partial.jsonl, so an interrupted evaluation resumes; under torchrun each rank scores every
+world-th question and rank 0 writes the file.
 
 Usage:
     python evaluate.py runs/rce runs/grpo-kl0.1
@@ -60,10 +57,7 @@ class Args(LVLMRun, CpuArgs):
     runs: tyro.conf.Positional[list[Path]] = field(default_factory=list)
     """Run folders whose selector (model.safetensors) to evaluate."""
     baseline: Baseline | None = None
-    """Evaluate a baseline instead: zero-shot, random, image-sim, text-sim; simulator only: oracle (searches the
-    answer model of the dataset's world, docs/worlds.md) or observable (the same search with the latents that probes
-    read off the embeddings: an estimate of how far embeddings alone can take a selector; a learned one can still
-    beat it, e.g. by remembering which train items helped)."""
+    """Evaluate a baseline instead; oracle and observable need the simulator (docs/worlds.md)."""
     out: Annotated[Path | None, default_is("runs/baseline-<name>")] = None
     """Run folder for a baseline."""
     data: Path = DEFAULT_DATA
@@ -75,9 +69,7 @@ class Args(LVLMRun, CpuArgs):
     num_samples: list[int] = field(default_factory=lambda: [100, 200, 400, 800])
     """Question counts to summarise (nested prefixes of the fixed order)."""
     order: Literal["auto", "selected", "reversed"] = "auto"
-    """ICD order in the prompt: selected (first pick first), reversed (first pick next to the query); auto = the
-    selector's own pick order (model.json's pick_order), reversed for the similarity baselines (RICES convention),
-    selected otherwise."""
+    """ICD order in the prompt: selected (first pick first), reversed, or auto (docs/flags.md)."""
     epochs: list[int] = field(default_factory=list)
     """Also evaluate these epoch checkpoints of each run (eval/<split>-epochNNN.json)."""
     seeds: int = 1
@@ -87,9 +79,9 @@ class Args(LVLMRun, CpuArgs):
     batch_size: int = 256
     """Questions per backend call (each one's line is flushed when its call returns)."""
     lvlm: Annotated[str | None, default_is("the dataset's own")] = None
-    """Answer with this LVLM (HF id or path) instead of the one that scored the dataset (real datasets only)."""
+    """Answer with this LVLM (HF id or path) instead of the dataset's (real datasets only)."""
     data_root: Path | None = None
-    """Real data: where the dataset's files live now, if they moved since gen_rl_data.py (image paths re-rooted)."""
+    """Real data: where the dataset's files live now, if they moved since gen_rl_data.py."""
 
 
 def check_args(args: Args) -> None:
@@ -380,10 +372,8 @@ def reroot_images(ds: Dataset, root: Path) -> None:
 
 
 def preflight(args: Args, ds: Dataset, jobs: list[Job]) -> None:
-    """What can be checked without the LVLM, before it is loaded: the question count, the shots against the pools
-    and each selector's picks, and on real data every image the evaluation may read (the questions' own and, unless
-    zero-shot, their pools'), so that a bad file stops the run at once with its name instead of failing a batch
-    after the model has loaded."""
+    """What can be checked before the LVLM loads: the question count, the shots against the pools and each selector's
+    picks, and on real data every image the evaluation may read, so a bad file stops the run at once with its name."""
     rows, pool, items = questions(ds, args.split, max(args.num_samples))
     k = max(args.shots)
     for job in (j for j in jobs if j.model is not None):

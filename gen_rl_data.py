@@ -1,21 +1,12 @@
 """Stage 1: embeddings, per-query candidate pools, and LVLM-scored demonstration sequences.
 
-For each anchor query (a train item) it builds a pool of K train items (never the query nor another question on
-its image), makes G distinct sequences of S picks from it (a selector's greedy/beam/sampled picks with `--init`,
-one similarity-retrieval sequence, random ones to fill the group), and scores every sequence with the LVLM:
-official VQA accuracy `acc`, `correct = acc > 0`, `gt_prob` (the LVLM's probability of replying with an answer the
-VQA metric credits, each credited reply weighted by its credit: every normalised annotator answer and each raw
-spelling the annotators used, 0.3/0.6/0.9/1.0 for 1/2/3/4+ of 10 matching annotators; full float precision, so that
-log-space rewards can be computed) and `rel`; and once per anchor query `zero_shot_gt_prob`, the same gt_prob with no
-ICDs (what data.py's info_score reward subtracts; one more prompt per query). It also builds one
-pool per validation query (eval_pools.json) with the same sampler, so training and inference see the same kind of
-pool.
-
-The default LVLM is the built-in simulator (`--lvlm sim`), labelled as simulation in every output.
-
-Departures from Lever-Plus's generator: each query's line is appended and flushed as soon as it is scored
-(a crash loses at most the queries in flight) and a re-run resumes; the folder records every setting and refuses
-to mix with different ones; sequences are distinct within a group; no top-k filtering of the sequences.
+For each anchor query (a train item) it builds a pool of K train items (never the query nor another question on its
+image), makes G distinct sequences of S picks from it (a selector's picks with --init, one similarity-retrieval
+sequence, random ones to fill the group) and scores each with the LVLM: VQA accuracy `acc`, `correct = acc > 0`,
+`gt_prob` (the probability of replying with an answer the VQA metric credits, weighted by that credit, at full precision
+for log-space rewards) and `rel`; once per anchor, `zero_shot_gt_prob` for the info_score reward. Each validation query
+gets a pool from the same sampler (eval_pools.json). The default LVLM is the built-in simulator, labelled as simulation
+in every output.
 
 Usage:
     python gen_rl_data.py                              # builds data/sim/ (800 anchors, G=16, S=4, K=64)
@@ -70,11 +61,6 @@ from model import reward_spread
 @help_first("out", "lvlm", "dataset", "data_root")
 @dataclass
 class Args(RewardArgs, LVLMOptions, CpuArgs):
-    """Build a dataset folder: candidate pools and LVLM-scored demonstration sequences for RCE and GRPO. Each sequence
-    stores acc (official VQA accuracy of the answer), correct (acc > 0), gt_prob (the LVLM's probability of replying
-    with an answer the metric credits, times that credit, summed over every normalised annotator answer and each raw
-    spelling annotators used: 0.3/0.6/0.9/1.0 for 1/2/3/4+ of 10 matching annotators) and rel (answer closeness)."""
-
     out: Annotated[Path | None, default_is("data/sim, or data/<dataset>-<model name> for a real LVLM")] = None
     """Dataset folder to write; re-running the same command resumes it."""
     num_queries: int = 800
@@ -90,7 +76,7 @@ class Args(RewardArgs, LVLMOptions, CpuArgs):
     seq_len: int = 4
     """Demonstrations per sequence (S), i.e. the largest shot count."""
     sampler: Literal["random", "image", "text", "mix"] = "random"
-    """How pools are built: random, most image-similar, most text-similar, or half of each similarity."""
+    """How pools are built: random, most image-similar, most text-similar, or half of each."""
     init: Path | None = None
     """A trained selector run folder: add its greedy, beam and sampled sequences to each group."""
     init_beams: int = 4
@@ -102,15 +88,15 @@ class Args(RewardArgs, LVLMOptions, CpuArgs):
     seed: int = 0
     """Seed of the simulator, the anchors, the pools and the random sequences."""
     world: Literal[tuple(WORLDS)] = "additive"  # type: ignore[valid-type]
-    """Simulator: which simulated LVLM answers (docs/worlds.md): additive, copy, saturating, strong, order."""
+    """Simulator: which simulated LVLM answers (docs/worlds.md)."""
     sim_set: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
-    """Simulator: FIELD=VALUE, set a parameter of sim.SimConfig on top of the world's (a tuple as a comma list)."""
+    """Simulator: FIELD=VALUE sets a sim.SimConfig field on top of the world's."""
     lvlm: str = "sim"
-    """`sim` (the built-in simulator) or a Hugging Face model id / local path, e.g. Qwen/Qwen2.5-VL-3B-Instruct."""
+    """`sim` (the built-in simulator) or a Hugging Face model id / local path."""
     dataset: Literal["okvqa", "vqav2"] = "okvqa"
     """Real data: which official question/annotation files to read."""
     data_root: Path | None = None
-    """Real data: folder with the question/annotation JSON files and the COCO train2014/ and val2014/ images."""
+    """Real data: folder of the official question/annotation files and the COCO images."""
     train_questions: Annotated[str | None, default_is("the official name")] = None
     """Real data: train questions file under --data-root."""
     train_annotations: Annotated[str | None, default_is("the official name")] = None
@@ -130,11 +116,9 @@ class Args(RewardArgs, LVLMOptions, CpuArgs):
     encoder: str = "openai/clip-vit-base-patch32"
     """Real data: CLIP model (id or path) for the image and question embeddings."""
     chunk: int = 0
-    """Anchor queries per backend call; each query's line is flushed when its call returns (0 = 64 for the
-    simulator, 1 for a real LVLM)."""
+    """Anchor queries per backend call (0 = 64 for the simulator, 1 for a real LVLM)."""
     calibrate: bool = False
-    """Print the simulator's calibration table (zero-shot, random, similarity, oracle, observable at 1..S shots) and
-    exit."""
+    """Print the simulator's calibration table (docs/worlds.md) and exit."""
     report: Path | None = None
     """Print a Markdown report of this dataset folder and exit."""
     allow_truncated: bool = False
@@ -279,9 +263,8 @@ def make_pools(
 
 
 def init_candidates(args: Args, train: Tensor, anchors: Tensor, pool: Tensor) -> tuple[Tensor, list[str]]:
-    """Sequences decoded by a trained selector: greedy, beams, samples -> (Q, C, S) and their sources. The anchors
-    go a chunk at a time (their pools' embeddings are never gathered for all anchors at once); the samples of a
-    chunk are the next draws of one generator."""
+    """Sequences decoded by a trained selector: greedy, beams, samples -> (Q, C, S) and their sources; a chunk of
+    anchors at a time (`pools.pool_chunks`), the samples of each chunk the next draws of one generator."""
     model = load_selector(args.init).eval()
     gen, seqs = rng(args.seed, 4), []
     for c in pools.pool_chunks(*pool.shape, train.shape[1]):
@@ -350,8 +333,7 @@ def jsonl_line(record: dict) -> str:
 
 
 def merge_shards(out: Path, anchors: Tensor, done: dict[int, dict]) -> None:
-    """rl_data.jsonl in anchor order from `done` (scored_queries: itself and every shard file); the shards are then
-    removed."""
+    """rl_data.jsonl in anchor order from `done` (`scored_queries`), then the shard files removed."""
     atomic_write_text(out / "rl_data.jsonl", "".join(jsonl_line(done[q]) for q in anchors.tolist() if q in done))
     for path in shard_files(out):
         path.unlink()

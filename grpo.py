@@ -76,17 +76,15 @@ class Args(TrainArgs):
     out: Annotated[Path | None, alias("--output-dir"), default_is("runs/grpo-<key flags>, e.g. runs/grpo-kl0.1")] = None
     """Run folder."""
     epochs: Annotated[int | None, alias("--num-train-epochs"), per_mode("epochs")] = None
-    """Passes over the training queries (an online epoch takes as many steps); with --lvlm-budget, the epochs (and
-    so the validations) the budget's steps are spread over, as many as it affords."""
+    """Passes over the training queries; with --lvlm-budget, the epochs its steps spread over."""
     lr: Annotated[float | None, alias("--learning-rate"), per_mode("lr")] = None
     """AdamW learning rate."""
     reward_mode: Annotated[RewardMode | None, per_mode("reward_mode")] = None
-    """How a scored sequence becomes a reward (data.compute_reward)."""
+    """How a scored sequence becomes a reward (formulas: docs/flags.md)."""
     kl_beta: Annotated[float | None, alias("--beta"), per_mode("kl_beta")] = None
-    """Weight of the exact KL to the reference policy, used as given for the whole run (TRL's GRPOConfig defaults
-    to 0.0: here the KL is what keeps the selector near its warm-up)."""
+    """Weight of the exact KL to the reference policy, fixed for the run (see --kl-target)."""
     kl_target: float | None = None
-    """Adaptive beta: after each step, x1.5 when its KL is above 1.5x this target, /1.5 below target/1.5."""
+    """Adaptive beta: after a step, x1.5 if its KL > 1.5 x target, /1.5 if below target / 1.5."""
     num_iterations: int = 1
     """Updates per batch before the old policy is refreshed (1 = purely on-policy, ratio exactly 1)."""
     epsilon: float = 0.2
@@ -106,17 +104,11 @@ class Args(TrainArgs):
     temperature: float = 1.0
     """Online: sampling temperature."""
     queries: Literal["train", "anchors"] = "train"
-    """Online: where each step's queries come from. train = any train question whose image is not a validation
-    anchor's, each with a fresh pool from the dataset's sampler (the groups are scored anew anyway, so online GRPO
-    need not be confined to the scored anchors); anchors = the scored anchor queries and their pools."""
+    """Online: where each step's queries come from: any train question, or the anchors (docs/flags.md)."""
     lvlm_budget: int | None = None
-    """Online: sequences the LVLM may score in the whole run, training and validation, counted after the score
-    cache. The steps, the learning-rate schedule and the epochs are planned from it at the start (each step and each
-    validation counted at its most calls), and the last step is cut to the calls left."""
+    """Online: LVLM scores allowed in the whole run, validation included (docs/flags.md)."""
     replay_steps: Annotated[int | None, per_budget("replay_steps")] = None
-    """Online: also update, each step, on the groups of the last N steps, PPO-clipped against the log-prob each was
-    sampled with, so every scored sequence teaches more than one step where LVLM calls are what is scarce (0 = off:
-    each group is used once, as it is scored)."""
+    """Online: also learn, each step, from the groups of the last N steps (0 = off; docs/flags.md)."""
 
     def fixed_length_reason(self) -> str | None:
         if self.lvlm_budget is not None:

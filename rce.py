@@ -1,11 +1,9 @@
 """Stage 2: reward-weighted cross-entropy (RCE) warm-up of the pointer selector.
 
 Loss per query: sum_i w_i * (-log pi(seq_i)) over its group of scored sequences, w = softmax(reward / tau) over the
-group's valid sequences, tau annealed linearly from --temp-start to --temp-end over all steps. `--top1` is plain
-cross-entropy on each group's best sequence (a supervised baseline). Training queries are those whose rewards differ
-(--quality varied): in an all-equal group softmax(reward / tau) is uniform, and its cross-entropy pulls the selector
-towards the uniform policy without saying which demonstrations help. The best epoch is chosen on held-out anchor
-queries (validation.selection_metric); docs/design.md says why each choice differs from Lever-Plus.
+group's valid sequences, tau annealed linearly from --temp-start to --temp-end over all steps; `--top1` is plain
+cross-entropy on each group's best sequence (a supervised baseline). It trains on the groups whose rewards differ and
+keeps the best epoch on held-out anchors; docs/design.md says why each choice differs from Lever-Plus.
 
 Usage:
     python rce.py                                  # data/sim -> runs/rce
@@ -49,8 +47,7 @@ class Args(TrainArgs, SelectorConfig):
     temp_end: float = 0.5
     """RCE temperature at the last step (linear annealing)."""
     quality: Quality = "varied"
-    """Training queries: varied (default) = those whose scored sequences do not all share one reward; high / medium /
-    all as in grpo.py."""
+    """Training queries; varied = those whose rewards are not all equal (docs/flags.md)."""
     top1: bool = False
     """Plain cross-entropy on each group's best sequence instead of reward weighting."""
     init: Path | None = None

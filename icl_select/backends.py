@@ -44,15 +44,15 @@ class LVLMRun:
     lvlm_batch_tokens: int = 0
     """Real LVLM: padded prompt tokens per forward pass at most, a memory bound (0 = none)."""
     lvlm_workers: int = 0
-    """Real LVLM: threads that decode and preprocess pictures ahead of the model (0 = one per CPU core, at most 8)."""
+    """Real LVLM: threads that prepare pictures ahead of the model (0 = one per core, at most 8)."""
     device: str = "auto"
-    """Real LVLM: auto = this rank's CUDA device in bf16 when present, else CPU float32."""
+    """Real LVLM: auto = this rank's CUDA device in bf16 if present, else CPU float32."""
     image_cache_mib: int = 4096
-    """Real LVLM: memory per process for pictures decoded and preprocessed once and reused (half each)."""
+    """Real LVLM: memory per process for decoded and preprocessed pictures (half each)."""
     encoder_cache_mib: int = 4096
-    """Real LVLM: GPU memory per process for each picture's vision-encoder output (Qwen2/2.5/3-VL; 0 = off)."""
+    """Real LVLM: GPU memory per process for vision-encoder outputs (Qwen family; 0 = off)."""
     skip_self_check: bool = False
-    """Real LVLM: skip the check, before a long run, that batched scoring gives plain transformers' results."""
+    """Real LVLM: skip the self-check against plain transformers (docs/real-models.md)."""
 
 
 def check_lvlm_run(run: LVLMRun) -> None:
@@ -71,22 +71,17 @@ class LVLMOptions(LVLMRun):
     icd_template: str = "Question: {question} Short answer: {answer}"
     """Text after each demonstration's image."""
     query_template: str = "Question: {question} Short answer:"
-    """Text after the query's image (the end of the user turn); in turn-per-demo also each ICD's question."""
+    """Text after the query's image; in turn-per-demo also each ICD's question."""
     prompt_style: Literal["single-turn", "turn-per-demo"] = "single-turn"
-    """single-turn: every ICD and the query in one user turn; turn-per-demo: each ICD its own user and assistant
-    turn, then the query's user turn."""
+    """One user turn for all, or a user + assistant turn per ICD (docs/real-models.md)."""
     max_new_tokens: int = 10
     """Greedy generation length."""
 
 
 class ScoreCache:
-    """A backend's scores by (split, query, ICD train rows): only unseen ones go to the backend, in one batch.
-
-    Online GRPO and per-epoch validation score the same sequences again and again (greedy picks change slowly);
-    each distinct prompt is scored once per run (under torchrun, by one of the ranks). `calls` counts what the
-    backend was asked to score (the cache misses); `state`/`restore` carry the memo over a resume, so a resumed run
-    neither pays nor counts a score twice.
-    """
+    """A backend's scores by (split, query, ICD train rows): only unseen ones go to the backend, in one batch, since
+    online GRPO and validation ask for the same prompts again and again. `calls` counts the misses; `state` / `restore`
+    carry the memo over a resume, so a resumed run neither pays nor counts a score twice."""
 
     def __init__(self, backend):
         self.backend, self.memo = backend, {}
@@ -187,12 +182,9 @@ def sim_from_meta(meta: dict) -> Simulator:
 def open_backend(
     meta: dict, items: dict[str, list[dict]], emb: dict[str, Tensor], run: LVLMRun, lvlm: str | None = None
 ):
-    """The backend a dataset folder was scored with (or another LVLM, `lvlm`), rebuilt from its meta.json and run
-    as `run` says.
-
-    For the simulator the folder's embeddings must be the ones the rebuilt simulator produces, else the stored
-    scores and the backend would disagree.
-    """
+    """The backend a dataset folder was scored with (or another LVLM, `lvlm`), rebuilt from its meta.json and run as
+    `run` says. A simulated folder's embeddings must be those the rebuilt simulator makes, else its scores would
+    disagree."""
     if meta.get("source") == "sim" and lvlm in (None, "sim"):
         sim = sim_from_meta(meta)
         if not all(torch.equal(sim.emb[k], emb[k]) for k in ("train", "val")):

@@ -1,8 +1,5 @@
-"""What every command-line stage shares: flag parsing and help layout, the thread count, and how a run ends.
-
-Each stage (gen_rl_data, rce, grpo, evaluate, compare, ablate) is `run_cli(main, Args)`: tyro parses the flags of
-the `Args` dataclass, the help opens with the first line of the stage's docstring, and bad input, Ctrl-C or a full
-disk end in one line instead of a traceback.
+"""What every stage shares: `run_cli(main, Args)` parses the flags of `Args` with tyro, opens --help with the first line
+of the stage's docstring, sets --threads, and ends bad input, Ctrl-C or a full disk in one line.
 """
 
 from __future__ import annotations
@@ -23,8 +20,7 @@ class CpuArgs:
     """The CPU thread count of a stage (every stage that computes with torch has it)."""
 
     threads: int = 1
-    """torch CPU threads. 1 (default) gives the same bytes on every machine and does not slow down when other
-    processes share the cores (docs/speed.md measures both); results may differ in the last bits between counts."""
+    """torch CPU threads (1: the same bytes on every machine; docs/speed.md)."""
 
 
 # Flags that name places, not settings: a resumed run compares what they hold (the data's digest, the --init

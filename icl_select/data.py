@@ -4,25 +4,8 @@ A dataset folder holds meta.json, items.json, embeddings.safetensors, rl_data.js
 rl_data.jsonl line is one anchor query: {"query", "pool", "zero_shot_gt_prob" (its gt_prob with no ICDs), "seqs":
 [{"icds", "source", "acc", "correct", "gt_prob", "rel", "prediction"}, ...]}, gt_prob at full float precision. Every
 malformed input raises one `DataError` naming the file, the line (jsonl) and the field; stages call
-`load_dataset` before writing anything, so bad input never leaves a half-made run behind.
-
-Rewards are computed here, from the per-sequence fields every backend stores (acc, correct, gt_prob, rel), by a
-`reward_mode` (Lever-Plus's names):
-    hard_plus_soft             hard_w * correct + soft_w * acc
-    separated                  correct ? 2 + acc : acc
-    hard_only                  correct
-    soft_only                  acc
-    hard_plus_gtprob           hard_w * correct + soft_w * gt_prob
-    hard_plus_gtprob_plus_rel  hard_w * correct + soft_w * gt_prob + rel_w * (1 - correct) * rel
-    info_score                 soft_w * (log max(gt_prob, 1e-6) - log max(zero_shot_gt_prob, 1e-6))
-
-info_score is the InfoScore-style reward Lever-LM scores ICDs with: how much the ICDs raise the log-probability of
-the credited answers over the query alone (each rl_data line stores its query's zero-shot gt_prob once). Both
-probabilities are floored at INFO_FLOOR: a stored 0 (an underflow) has no logarithm, and below one in a million the
-answer is not produced either way, so tail differences there would otherwise swing the reward by tens of nats. The
-zero-shot term is one constant per query: objectives that compare sequences within a group (RCE's softmax, GRPO's
-group advantages, the reward gaps of the curriculum tiers) train exactly as on log gt_prob; it makes the reward
-readable (> 0: the ICDs help) and comparable across queries.
+`load_dataset` before writing anything, so bad input never leaves a half-made run behind. Rewards are computed
+here from the stored fields (the modes and why info_score is what it is: docs/flags.md).
 """
 
 from __future__ import annotations
@@ -56,7 +39,7 @@ REWARD_MODES: tuple[str, ...] = get_args(RewardMode)
 Quality = Literal["high", "medium", "varied", "all"]
 SEQ_FIELDS = ("acc", "correct", "gt_prob", "rel")  # what a backend scores for every sequence
 ZERO_SHOT = "zero_shot_gt_prob"  # gt_prob of an anchor query with no ICDs: one per rl_data line
-INFO_FLOOR = 1e-6  # info_score's floor on both probabilities (module docstring)
+INFO_FLOOR = 1e-6  # info_score's floor on both probabilities: a stored 0 (an underflow) has no logarithm
 DEFAULT_DATA = Path("data/sim")  # the dataset folder every stage reads and gen_rl_data.py writes by default
 
 
@@ -65,14 +48,13 @@ class RewardArgs:
     """How a scored sequence becomes a scalar reward (shared by rce.py, grpo.py and the data report)."""
 
     reward_mode: RewardMode = "hard_plus_soft"
-    """hard_plus_soft | separated | hard_only | soft_only | hard_plus_gtprob | hard_plus_gtprob_plus_rel |
-    info_score (log gt_prob with the ICDs minus without)."""
+    """How a scored sequence becomes a reward (formulas: docs/flags.md)."""
     hard_weight: float = 1.0
     """Weight of `correct` (0/1) in the modes that have one."""
     soft_weight: float = 1.0
     """Weight of the soft term (acc, gt_prob or info_score's log ratio)."""
     rel_weight: float = 0.2
-    """hard_plus_gtprob_plus_rel: weight of the answer's closeness to the truth, on wrong answers only."""
+    """hard_plus_gtprob_plus_rel: weight of a wrong answer's closeness to the truth."""
 
 
 def compute_reward(fields: dict[str, Tensor], args: RewardArgs) -> Tensor:
@@ -314,8 +296,6 @@ def parse_groups(path: Path, records: list[tuple[int, dict]], num_train: int, se
 
 @dataclass
 class Dataset:
-    """A validated dataset folder."""
-
     folder: Path
     meta: dict
     items: dict[str, list[dict]]

@@ -1,12 +1,8 @@
 """Files every stage writes and reads: atomic writes, tensors, JSON with one-line errors, and JSONL logs.
 
-Whole files (configs, tensors, evaluations) are written to a temporary name and renamed, so a killed process never
-leaves a half-written one. Append-only JSONL files (metrics.jsonl, scored queries, evaluation progress) are flushed
-line by line instead, so a killed process can leave one truncated last line: `read_jsonl` is the one reader that
-decides what to do with it, and `append_jsonl` mends it before appending again.
-
-Every file is created by a plain open(), so every file the kit writes gets the same mode (0666 less the umask). A
-full disk or quota ends in one line naming the file (`DiskFull`), and an atomic write removes its temporary file.
+Whole files are written to a temporary name and renamed, so a kill never leaves a half-written one; JSONL logs are
+flushed line by line, so a kill can leave one truncated last line, which `read_jsonl` alone judges and `append_jsonl`
+mends. A full disk or quota is one line naming the file (`DiskFull`).
 """
 
 from __future__ import annotations
@@ -42,7 +38,8 @@ def full_disk_names(path: Path) -> Iterator[None]:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """`data` to `path` through a temporary file and a rename; on any failure the temporary file is removed."""
+    """`data` to `path` through a temporary file and a rename; on any failure the temporary file is removed. A plain
+    open(), so every file the kit writes gets the same mode (0666 less the umask)."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         with full_disk_names(path), open(tmp, "wb") as f:
@@ -78,7 +75,6 @@ def read_tensors(path: Path, map_location: str = "cpu") -> dict:
 
 
 def sha256(path: Path) -> str:
-    """The SHA-256 of a file's bytes, in hex."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):

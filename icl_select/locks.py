@@ -1,10 +1,6 @@
-"""One writer per dataset folder, run folder and evaluation file.
-
-Two processes writing one folder corrupt it quietly (two rce.py into one --out interleave their metrics and leave
-one's model beside the other's config). Every stage therefore holds an advisory lock on what it writes: flock on a
-hidden sibling file `.<name>.lock` that records the holder (pid, host, command, start time). The kernel releases it
-when the holder exits, however it exits, so a killed run never leaves a stale lock; the small file may stay and
-holds no state. Under torchrun only rank 0 takes it: the job's other ranks write their own shard files under it.
+"""One writer per dataset folder, run folder and evaluation file: two would corrupt it quietly (two rce.py into one
+--out interleave their metrics). flock on a hidden sibling `.<name>.lock` that names the holder; the kernel releases it
+however the holder exits, so no lock goes stale. Under torchrun only rank 0 takes it.
 """
 
 from __future__ import annotations

@@ -6,45 +6,13 @@
     backend.describe() -> {"lvlm", "revision", "prompt_template", "system_prompt", "generation", "simulation": False}
     clip_embed(items) -> {"image", "text", "fused"}: (N, d) L2-normalised CLIP embeddings
 
-Prompt: an optional system turn, then ONE user turn holding the k ICDs, each as its image followed by
-"Question: {q} Short answer: {a}" (a = the ICD's most common annotator answer), then the query's image and
-"Question: {q} Short answer:", rendered with the model's own chat template and its generation prompt. The other
-common multi-image ICL layout, one user/assistant turn pair per ICD, is PromptTemplate(style="turn-per-demo"); it is
-also used, with a note, for templates that write every image of a turn before its texts (LLaVA-1.5/NeXT/OneVision),
-where one turn would lose which image belongs to which demonstration.
-
-The contract, for every family and batch size: the greedy answer is model.generate()'s on the prompt alone, and
-P(reply) is one full forward pass over the prompt plus the reply as the chat template renders the assistant turn.
-How it is kept, and why the obvious implementation breaks it:
-- Models load only from a local folder or the local Hugging Face cache, never from the network: the commit hash of
-  the cached snapshot is recorded as the revision, so a run says exactly which weights scored it.
-- Decoding is plain greedy from a fresh GenerationConfig: checkpoints ship sampling defaults (Qwen2.5-VL-Instruct:
-  top_k=1, temperature=0.1, repetition_penalty=1.05) that would otherwise silently change the "greedy" answer.
-- Each prompt (images included) runs through the model once: its KV cache serves the greedy answer (decoded token
-  by token, as generate() would) and then every credited reply, teacher-forced over the reply tokens only, instead
-  of 1 + R passes (R = 3-5 distinct annotator answers). Positions are generate()'s own: a batch is left-padded, and
-  a forward pass without position ids would number each row from its pad slots. Sliding-window caches (Gemma3)
-  cannot be cut back after decoding, so they are copied before it.
-- gt_prob scores only the assistant reply's tokens (never the prompt's), as the chat template renders the turn (a
-  byte-level BPE template's " black" is not the tokens of "black"), up to and including the stop token that ends
-  the turn, so P("red") is the probability of answering exactly "red". Distinct replies are then exclusive events,
-  and gt_prob = sum over the replies the VQA metric credits (each normalised annotator answer and every raw spelling
-  of it the annotators used: "yes" and "Yes") of credit * P(reply), credit being the official leave-one-out VQA
-  accuracy of that answer (0.3/0.6/0.9/1.0): the expected VQA accuracy of the model's answers over those spellings.
-- A prompt's images go to the processor together, as that prompt's list: tiling (Idefics3), patch padding
-  (LLaVA-NeXT) and multi-image modes (LLaVA-OneVision) depend on the prompt. Only processors that turn each image
-  into its own rows of patches (Qwen2/2.5/3-VL) have them cached per image, which gives the same tensors.
-- Processors whose video half needs torchvision are built without it (image_only), one mechanism for every family.
-- Two things have no public route in transformers 5.23, so each has one named home here, checked by
-  tests/test_transformers_routes.py against the pinned release: generate()'s own positions for a prompt
-  (generation_positions) and a processor's list of sub-processors (image_only).
-- Decoded images and cached patches live in least-recently-used caches bounded by bytes: --image-cache-mib (default
-  4096 per process, half decoded images, half patches; one COCO image is about 0.9 + 7 MiB at Qwen2.5-VL's defaults).
-- Throughput without changing a result: a call's prompts are batched longest first (less padding), at most
-  --lvlm-batch-size prompts and --lvlm-batch-tokens padded tokens a batch; a background thread prepares the next
-  batches (pictures decoded and preprocessed by --lvlm-workers threads, tokens, positions, reply tokens) while the
-  model runs this one; and nothing in the loop waits for the GPU (inputs are copied from page-locked memory, decoding
-  reads its stop flag a step late, results come back once, at the end).
+The contract, for every family and batch size: the greedy answer is model.generate()'s on the prompt alone, and P(reply)
+is one full forward pass over the prompt plus the reply as the chat template renders the assistant turn. Each prompt
+runs through the model once, its KV cache serving the greedy answer and then every credited reply; docs/real-models.md
+says what keeps that exact. Models load only from a local folder or the local Hugging Face cache, the snapshot's commit
+hash recorded as the revision. Two things have no public route in transformers 5.23, so each has one named home here,
+checked by tests/test_transformers_routes.py: generate()'s positions (generation_positions) and a processor's
+sub-processors (image_only).
 """
 
 from __future__ import annotations
@@ -138,10 +106,8 @@ IMAGE_KEY = "icl_select_path"  # set in each loaded image's .info, so preprocess
 
 
 class ByteLRU:
-    """A least-recently-used cache bounded by the bytes of what it holds, not by a count (COCO images and their
-    patch tensors vary tenfold in size). The newest entry always stays, even alone over the budget. Safe to share
-    between the threads that prepare batches: a value is made outside the lock, so two threads may make the same one,
-    and the first put wins."""
+    """A least-recently-used cache bounded by the bytes it holds (COCO images and their patches vary tenfold in size);
+    the newest entry always stays. Thread-safe: a value is made outside the lock, and the first put wins."""
 
     def __init__(self, budget: int, sizeof: Callable[[object], int]):
         self.budget, self.sizeof = budget, sizeof
@@ -203,8 +169,7 @@ def _decode(path: str) -> Image.Image:
 
 
 def load_image(path: str) -> Image.Image:
-    """The RGB image at `path`, decoded once while it stays in DECODED_IMAGES and shared (callers must not modify
-    it)."""
+    """The RGB image at `path`, decoded once while it stays in DECODED_IMAGES and shared: callers must not modify it."""
     return DECODED_IMAGES.get(path, lambda: _decode(path))
 
 
@@ -232,13 +197,8 @@ def _feature_bytes(feature: BatchFeature) -> int:
 
 
 class CachedImageProcessor:
-    """Wraps a processor's image processor so each image (by path) is preprocessed once while it stays cached.
-
-    The processor still does everything else (placeholder expansion, tokenisation); this only replaces repeated
-    resizing/normalising of the same ICD images, which recur across thousands of prompts and across the teacher-forced
-    gt_prob passes. Results are kept in a ByteLRU of `budget` bytes: at Qwen2.5-VL's default pixel bounds a COCO
-    image is about 7 MiB of float32 patches. Misses are preprocessed in `pool`'s threads when one is given.
-    """
+    """A processor's image processor that preprocesses each image (by path) once while it stays in a ByteLRU of `budget`
+    bytes: ICD images recur across thousands of prompts. Misses run in `pool`'s threads when one is given."""
 
     def __init__(self, inner, budget: int = DEFAULT_IMAGE_CACHE_MIB * MIB // 2, pool: ThreadPoolExecutor | None = None):
         self.inner, self.pool = inner, pool
@@ -284,11 +244,9 @@ class CachedImageProcessor:
 
 
 class EncoderCache:
-    """Each picture's vision-encoder output by path, kept on the model's device, for the families whose encoder sees
-    every picture alone (Qwen2/2.5/3-VL: patch rows and attention per picture). A picture that recurs across prompts,
-    as a pool's pictures do across a group's sequences and a query's across its group, is encoded once while it stays
-    cached, and the model takes the outputs through its own `mm_encoder_outputs` input in place of the pixels. The
-    encoder is a large share of a multi-image prompt's cost (docs/real-models.md measures what the cache saves)."""
+    """Each picture's vision-encoder output by path, on the model's device, for the families whose encoder sees every
+    picture alone (Qwen2/2.5/3-VL): a picture that recurs across prompts is encoded once while cached, and the model
+    takes the outputs through its own `mm_encoder_outputs` input in place of the pixels."""
 
     def __init__(self, model, budget: int, counts: Counter):
         self.model, self.counts = model, counts
@@ -320,11 +278,8 @@ class EncoderCache:
 
 
 def answer_counts(answers: list[str]) -> list[tuple[str, int]]:
-    """Distinct annotator answers, most frequent first: (most common raw spelling, count) per normalised answer.
-
-    Answers are grouped by the official VQA normalisation ("Red" and "red" are one answer), as the VQA score does.
-    Ties keep first-occurrence order.
-    """
+    """Distinct annotator answers, most frequent first (ties in first-occurrence order): (most common raw spelling,
+    count) per answer under the official VQA normalisation ("Red" and "red" are one)."""
     groups: dict[str, Counter] = {}
     for a in answers:
         groups.setdefault(normalize_answer(a), Counter())[a] += 1
@@ -333,14 +288,9 @@ def answer_counts(answers: list[str]) -> list[tuple[str, int]]:
 
 
 def credited_replies(answers: list[str]) -> list[tuple[str, float]]:
-    """The replies whose probability gt_prob adds up, each with the VQA credit the official metric gives it.
-
-    For every normalised answer that some annotator gave: its normalised form and each distinct raw spelling the
-    annotators used ("yes", "Yes"), all credited alike because the metric normalises the prediction too. Credit =
-    vqa_score(answer, answers): leave-one-out min(matches / 3, 1) averaged over annotators, so 0.3 / 0.6 / 0.9 / 1.0
-    for 1 / 2 / 3 / 4+ of 10 matching annotators (not min(count / 3, 1)). Sorted, so the annotators' order changes
-    nothing.
-    """
+    """The replies gt_prob adds up, each with its VQA credit: every normalised annotator answer and each raw spelling of
+    it the annotators used ("yes", "Yes"), all credited alike since the metric normalises the prediction too. Credit =
+    vqa_score(answer, answers), leave-one-out: 0.3 / 0.6 / 0.9 / 1.0 for 1 / 2 / 3 / 4+ of 10 matching annotators."""
     replies = []
     for norm in sorted({normalize_answer(a) for a in answers}):
         credit = vqa_score(norm, answers)
@@ -372,10 +322,8 @@ def resolve_device(device: str = "auto", dtype: str = "auto") -> tuple[torch.dev
 
 
 def resolve_model(model: str, cache_dir: str | Path | None = None) -> tuple[Path, str | None]:
-    """The local folder of a model given as a path or a hub id, and its revision (commit hash for a hub snapshot).
-
-    Hub ids are looked up in the local cache only (so HF_HUB_OFFLINE or not, nothing is fetched here).
-    """
+    """The local folder of a model given as a path or a hub id, and its revision (commit hash for a hub snapshot); hub
+    ids are looked up in the local cache only."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path.resolve(), None
@@ -410,13 +358,9 @@ def generation_positions(model, inputs: BatchFeature) -> Tensor:
 
 
 def image_only(cls: type[ProcessorMixin]) -> type[ProcessorMixin]:
-    """`cls` without its video processor, so that it builds without torchvision (only its video half needs it).
-
-    ProcessorMixin loads one sub-processor per name that get_attributes() lists; this subclass leaves
-    video_processor out of that list and hands the family's own __init__ video_processor=None (which it passes on
-    positionally, where ProcessorMixin drops it). Everything else, the folder's processor settings included, is the
-    family's own, so one mechanism serves every family; passing videos is unsupported.
-    """
+    """`cls` without its video processor, so that it builds without torchvision (only its video half needs it): the
+    subclass leaves video_processor out of get_attributes() and hands the family's __init__ video_processor=None.
+    Everything else is the family's own, so one mechanism serves every family; videos are unsupported."""
 
     class ImageOnly(cls):
         @classmethod
@@ -442,12 +386,9 @@ def _processor_class(folder: Path, config: PretrainedConfig) -> type[ProcessorMi
 
 
 def _load_processor(folder: Path, config: PretrainedConfig) -> ProcessorMixin:
-    """The model's image+text processor, set up for left padding (batched generation appends on the right).
-
-    AutoProcessor first; then the folder's processor class without its video processor (image_only), which loads
-    what AutoProcessor cannot here: processors whose video half needs torchvision (ImportError) or that transformers
-    5 saved without one (OSError). Anything else is one ValueError naming the folder and each loader's reason.
-    """
+    """The model's image+text processor with left padding (batched generation appends on the right): AutoProcessor, else
+    the folder's processor class without its video processor (image_only), for processors whose video half needs
+    torchvision or that were saved without one. Anything else is one ValueError naming each loader's reason."""
     cls = _processor_class(folder, config)
     video = cls is not None and "video_processor" in cls.get_attributes()
     loaders = [AutoProcessor] + ([image_only(cls)] if video else [])
@@ -469,12 +410,9 @@ def _load_processor(folder: Path, config: PretrainedConfig) -> ProcessorMixin:
 def load_lvlm(
     model: str, device: str = "auto", dtype: str = "auto", cache_dir: str | Path | None = None
 ) -> tuple[torch.nn.Module, ProcessorMixin, dict]:
-    """Load an image-text-to-text model and its processor from a local path or the local hub cache.
-
-    Returns (model in eval mode on `device`, processor with left padding, info) where info holds "lvlm" (as given),
-    "revision" (the snapshot's commit hash when loaded from the hub cache, else None), "path", "model_class",
-    "processor_class", "device" and "dtype".
-    """
+    """An image-text-to-text model and its processor from a local path or the local hub cache: (model in eval mode on
+    `device`, processor with left padding, info: "lvlm", "revision", "path", "model_class", "processor_class", "device",
+    "dtype")."""
     folder, revision = resolve_model(model, cache_dir)
     config = _load_config(model, folder)
     if type(config) not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
@@ -718,11 +656,9 @@ class LVLMBackend:
         return text, [load_image(item["image"]) for item in (*icds, query)]
 
     def process(self, examples: list[Example]) -> BatchFeature:
-        """Processor inputs for a batch of prompts, left-padded, on the CPU.
-
-        Each prompt's images go in as that prompt's list, as the stock apply_chat_template passes them: multi-image
-        processors (LLaVA-OneVision) shape an image by how many share its prompt.
-        """
+        """Processor inputs for a batch of prompts, left-padded, on the CPU. Each prompt's images go in as that prompt's
+        list, as the stock apply_chat_template passes them: multi-image processors shape an image by how many share its
+        prompt."""
         decode_ahead([it["image"] for query, icds in examples for it in (*icds, query)], self.pool)
         texts, images = zip(*(self.render(query, icds) for query, icds in examples))
         return self.processor(
@@ -738,17 +674,13 @@ class LVLMBackend:
         return self.process(examples).to(self.model.device, dtype=self.model.dtype)  # casts only floating tensors
 
     def reply_ids(self, messages: list[dict], replies: list[str]) -> list[list[int]]:
-        """Each reply's tokens as the chat template renders it as the assistant's turn after `messages`, up to and
-        including the first stop token.
+        """Each reply's tokens as the chat template renders the assistant's turn after `messages`, up to and including
+        the first stop token: what the rendered chat adds to the prompt's tokens, never guessed (LLaVA's " black").
 
-        The tokens are those the rendered chat adds to the prompt's: spacing and merges are the template's and the
-        tokenizer's, never guessed (LLaVA's " black" is scored as that). Two template quirks: a header before a reply
-        that differs from the generation prompt (LLaVA-OneVision renders "assistant \n" before a reply but prompts
-        with "assistant\n") gets the text rendered after that header, behind the prompt the model is actually given;
-        a turn closed without a stop token (LLaVA-1.5 renders "ASSISTANT: black ") ends at the reply's last
-        character, followed by the model's first stop token, since what the template writes after it separates turns
-        and is never generated.
-        """
+        Two template quirks: a reply header that differs from the generation prompt (LLaVA-OneVision: "assistant \n"
+        against "assistant\n") gets the text rendered after it; a turn closed without a stop token (LLaVA-1.5:
+        "ASSISTANT: black ") ends at the reply's last character plus the model's first stop token, since what follows
+        only separates turns."""
         prompt = self._chat(messages, add_generation_prompt=True)
         special = self._special(prompt)
 
@@ -844,19 +776,12 @@ class LVLMBackend:
     def run(
         self, examples: list[Example], replies: list[list[str]] | None = None, answer: bool = True
     ) -> tuple[list[str], list[Tensor]]:
-        """Everything asked of each prompt from ONE pass over it, in batches of similar length (see batches()).
-
-        The prompt pass keeps its KV cache. With `answer`, the greedy answer is decoded from it (raw text, new tokens
-        only, special tokens dropped), token by token as generate() would with do_sample=False. Then every reply of
-        replies[i] (its tokens as the template renders the assistant turn, see reply_ids) is teacher-forced behind
-        prompt i from the prompt's cache, each prompt's rows repeated once per reply, in one more forward over the
-        reply tokens only: P(reply) is the product of its tokens' probabilities, the first from the prompt pass's last
-        logits. Returns (answers or [], [P(reply) per reply of example i: (R_i,)]).
-
-        The CPU side of each batch (decoding and preprocessing pictures, tokenising, positions) is prepared in a
-        background thread while the model runs the batch before it, and nothing in the loop waits for the device:
-        the results are copied back once, at the end.
-        """
+        """Everything asked of each prompt from ONE pass over it, in batches of similar length (`batches`): with
+        `answer`, the greedy answer (raw text, new tokens only) decoded from the prompt's KV cache as generate() would;
+        then every reply of replies[i] (`reply_ids`) teacher-forced behind prompt i from that cache in one more forward
+        over the reply tokens, P(reply) the product of its tokens' probabilities. Returns (answers or [], [P(reply)
+        (R_i,) per example]). The CPU side of each batch is prepared in a background thread, and results come back from
+        the device once, at the end."""
         device = self.model.device
         made = []  # (rows, greedy tokens (B, new) | None, P(reply) (R,) | None, replies per row), on the device
         batches = self.batches(examples, replies)
@@ -908,10 +833,9 @@ class LVLMBackend:
         return pixels.numel() // (pixels.shape[-3] * patch * patch) if torch.is_tensor(pixels) and patch else 0
 
     def _greedy(self, last: Tensor, cache, mask: Tensor, pos: Tensor) -> Tensor:
-        """Greedy tokens (B, new) from a prompt's last logits and cache, padded after each row's stop token.
-
-        It stops once every row has stopped. On a GPU that is read from the step before last through a pinned copy
-        and an event, so the host never waits for the device here (at most one step more is decoded, all padding)."""
+        """Greedy tokens (B, new) from a prompt's last logits and cache, padded after each row's stop token; it stops
+        once every row has, read on a GPU a step late through `Watch`, so the host never waits (at most one padding step
+        more)."""
         done = torch.zeros(last.shape[0], dtype=torch.bool, device=last.device)  # (B,)
         stop = self.stop_tensor
         watch = Watch(last.device)
@@ -997,15 +921,12 @@ class LVLMBackend:
         return examples
 
     def self_check(self, examples: list[Example] | None = None) -> dict:
-        """Compare run() (batched, left-padded, one shared pass per prompt) with plain() on each prompt alone, for
-        the greedy answer and every credited reply (check_examples() when no examples are given).
-
-        Returns {"prompts", "answers_differ", "max_abs_logp_diff", "tolerance", "tolerance_rel"} and raises ValueError
-        (one line) when an answer differs or a log P(reply) differs from plain()'s lp by more than tolerance +
-        tolerance_rel * |lp|: 1e-3 nats in float32; in half precision 0.1 nats + 0.5% of |lp|, and one answer in four
-        may flip. Half precision rounds each logit to about 3 significant digits, and padding changes the kernels'
-        rounding, so the error grows with the logits' size (a long, unlikely reply) and can swap near-tied tokens.
-        """
+        """Compare run() (batched, left-padded, one shared pass per prompt) with plain() on each prompt alone, for the
+        greedy answer and every credited reply (check_examples() when no examples are given). Returns {"prompts",
+        "answers_differ", "max_abs_logp_diff", "tolerance", "tolerance_rel"}; raises one-line ValueError when an answer
+        differs or a log P(reply) is off by more than tolerance + tolerance_rel * |lp|: 1e-3 nats in float32; in half
+        precision 0.1 nats + 0.5% of |lp| with one answer in four allowed to flip, since rounding grows with the logits
+        and swaps near ties."""
         examples = self.check_examples() if examples is None else examples
         replies = [[r for r, _ in credited_replies(query["answers"])] for query, _ in examples]
         half = self.model.dtype in (torch.float16, torch.bfloat16)
@@ -1039,21 +960,15 @@ class LVLMBackend:
         return self.run(examples)[0]
 
     def gt_prob(self, examples: list[Example]) -> Tensor:
-        """Probability mass the model puts on replies the VQA metric credits, weighted by that credit: (N,), in [0, 1].
-
-        sum over credited_replies(answers) of credit * P(reply): distinct reply strings end with the turn's closing
-        token, so they are exclusive events and the sum is the expected VQA accuracy of the model's answers over these
-        spellings (a lower bound of the full expectation: spellings no annotator used, like "Yes.", are not scored).
-        """
+        """Probability mass on replies the VQA metric credits, weighted by that credit: (N,) in [0, 1]. Distinct replies
+        end with the turn's closing token, so they are exclusive and the sum is the expected VQA accuracy over these
+        spellings (a lower bound: spellings no annotator used, like "Yes.", are not scored)."""
         credited = [credited_replies(query["answers"]) for query, _ in examples]
         return credit_sum(credited, self.run(examples, [[r for r, _ in c] for c in credited], answer=False)[1])
 
     def score_examples(self, examples: list[Example], gt_prob: bool = True) -> dict:
-        """score() for explicit (query item, ICD items) prompts; the ICD lists may differ in length.
-
-        One prompt pass per example serves both the answer and gt_prob (run()); gt_prob=False skips the replies
-        (NaN instead): evaluation needs only the answers.
-        """
+        """score() for explicit (query item, ICD items) prompts, ICD lists of any length; gt_prob=False skips the
+        replies (NaN instead): evaluation needs only the answers."""
         credited = [credited_replies(query["answers"]) for query, _ in examples] if gt_prob else None
         texts, probs = self.run(examples, [[r for r, _ in c] for c in credited] if gt_prob else None)
         predictions = [postprocess(text) for text in texts]
@@ -1098,11 +1013,9 @@ def clip_embed(
     device: str = "auto",
     cache_dir: str | Path | None = None,
 ) -> dict[str, Tensor]:
-    """CLIP embeddings of each item's image and question: "image", "text" and "fused" (N, d), float32, unit norm.
-
-    fused = normalize(normalize(image) + normalize(text)). Each distinct image is embedded once (questions share
-    images). The encoder runs in float32 on any device so embeddings do not depend on the GPU.
-    """
+    """CLIP embeddings of each item's image and question, (N, d) float32 unit norm: "image", "text" and "fused" =
+    normalize(normalize(image) + normalize(text)). Each distinct image is embedded once, in float32 on any device, so
+    embeddings do not depend on the GPU."""
     if not items:
         raise ValueError("clip_embed needs at least one item")
     folder, _ = resolve_model(encoder, cache_dir)

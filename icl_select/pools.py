@@ -1,21 +1,8 @@
-"""Candidate pools and candidate ICD sequences, as pure torch functions.
+"""Candidate pools and candidate ICD sequences, as pure torch functions of their inputs and an explicit generator.
 
-Every query (a `val` question at evaluation, a `train` anchor during data generation) gets its own pool of K
-train rows to pick demonstrations from. A pool never holds the query itself nor any other question on the same
-image: an ICD showing the query's own image would leak its answer. Sequences are positions into the pool (0..K-1),
-in prompt order.
-
-Samplers (`build_pools`):
-- "random": K uniformly random allowed rows, in random order;
-- "image" / "text": the K allowed rows most similar to the query by the image / text similarity matrix, most similar
-  first (RICES-style);
-- "mix": the K//2 most image-similar rows, then the most text-similar rows not taken yet.
-
-Candidate sequences: `random_sequences` draws G distinct random ones per query, `first_distinct` keeps the first G
-distinct ones of a larger sample (e.g. from a policy), `similarity_ranking` orders a pool by cosine to the query.
-
-Everything random is drawn from an explicit `torch.Generator`, so a pool or a sequence set is a pure function of
-its inputs and the generator state.
+Every query gets its own pool of K train rows, never holding the query nor another question on its image (such an ICD
+would leak the answer). Samplers: random; image / text (the most similar first, RICES-style); mix (the K//2 most
+image-similar, then the most text-similar not taken). Sequences are pool positions (0..K-1) in prompt order.
 """
 
 from __future__ import annotations
@@ -48,11 +35,8 @@ CHUNK_ELEMENTS = 2**25
 
 
 def exclusion_mask(query_image_ids: Tensor, train_image_ids: Tensor, query_rows: Tensor) -> Tensor:
-    """Which train rows may NOT enter each query's pool: its own row and every row sharing its image.
-
-    query_image_ids (Q,) long, train_image_ids (N,) long, query_rows (Q,) long: the query's own train row, or -1
-    when the query is not a train item (e.g. a val question). Returns (Q, N) bool, True = excluded.
-    """
+    """Which train rows may NOT enter each query's pool: its own row and every row sharing its image. query_image_ids
+    (Q,), train_image_ids (N,), query_rows (Q,) its own train row or -1 -> (Q, N) bool, True = excluded."""
     same_image = query_image_ids[:, None] == train_image_ids[None, :]  # (Q, N)
     rows = torch.arange(train_image_ids.shape[0], device=train_image_ids.device)  # (N,)
     # -1 never equals a row index, so non-train queries exclude nothing by row.
@@ -110,11 +94,8 @@ def build_pools(
     image_sim: Tensor | None = None,
     text_sim: Tensor | None = None,
 ) -> Tensor:
-    """Build one pool of `pool_size` distinct allowed train rows per query.
-
-    exclude (Q, N) bool from `exclusion_mask`; image_sim / text_sim (Q, N) similarities, needed by the samplers
-    that use them. Returns (Q, K) long train-row ids. `generator` is only consumed by the "random" sampler.
-    """
+    """One pool of `pool_size` distinct allowed train rows per query: exclude (Q, N) bool from `exclusion_mask`,
+    image_sim / text_sim (Q, N) for the samplers that use them -> (Q, K) train rows."""
     if sampler not in SAMPLERS:
         raise ValueError(f"unknown sampler {sampler!r}; expected one of {SAMPLERS}")
     needs = {"random": (), "image": ("image_sim",), "text": ("text_sim",), "mix": ("image_sim", "text_sim")}[sampler]
@@ -140,18 +121,10 @@ def query_pools(
     generator: torch.Generator,
     chunk: int | None = None,
 ) -> Tensor:
-    """One pool per query: rows `queries` of `split` -> (Q, K) train rows, as `build_pools` builds them from
-    `exclusion_mask` and the similarities of the views the sampler uses.
-
-    emb: "<split>_image" / "<split>_text" (N, d) views, read only by the samplers that use them; image_ids: split ->
-    (N,) image id per row; query_rows: the queries' own train rows, or -1 (see `exclusion_mask`).
-
-    Built `chunk` queries at a time (default: CHUNK_ELEMENTS // N), so memory grows with the chunk, not with Q x N,
-    and without any (Q, N) mask: the excluded rows are looked up among the train rows sorted by image. A query's pool
-    depends only on its own row of the matrices, and a chunk's random keys are the next rows of the same generator
-    stream, so the pools (and the generator's state afterwards) equal one `build_pools` call on the whole (Q, N)
-    matrices, whatever the chunk.
-    """
+    """One pool per query: rows `queries` of `split` -> (Q, K) train rows, from the "<split>_image" / "<split>_text" (N,
+    d) views of `emb` and image_ids (split -> (N,)); query_rows: the queries' own train rows, or -1. Equal to one
+    `build_pools` call on the whole (Q, N) matrices, generator state included, but built `chunk` queries at a time with
+    no (Q, N) mask, so memory grows with the chunk, not with Q x N."""
     if sampler not in SAMPLERS:
         raise ValueError(f"unknown sampler {sampler!r}; expected one of {SAMPLERS}")
     train_ids, query_ids = image_ids["train"], image_ids[split][queries]  # (N,), (Q,)
@@ -187,12 +160,8 @@ def query_pools(
 
 
 def random_sequences(pool_mask: Tensor, group_size: int, seq_len: int, generator: torch.Generator) -> Tensor:
-    """Draw `group_size` pairwise-distinct random sequences of `seq_len` distinct valid pool positions per query.
-
-    pool_mask (Q, K) bool, True = a valid candidate. Returns (Q, G, S) long positions into the pool. Each sequence
-    is uniform over ordered S-subsets of the valid positions; duplicates within a group are redrawn (only the
-    duplicated rows, all queries at once) until the group is distinct.
-    """
+    """`group_size` pairwise-distinct sequences of `seq_len` distinct valid positions per query, each uniform over
+    ordered S-subsets: pool_mask (Q, K) bool -> (Q, G, S) positions. Only duplicated rows are redrawn."""
     num_queries, pool_len = pool_mask.shape
     if seq_len < 1 or group_size < 1:
         raise ValueError(f"group_size and seq_len must be >= 1, got {group_size} and {seq_len}")
@@ -237,12 +206,9 @@ def _repeats(seqs: Tensor) -> Tensor:
 
 
 def first_distinct(seqs: Tensor, count: int) -> tuple[Tensor, Tensor]:
-    """Pick the first `count` pairwise-distinct sequences of each group, in sample order (e.g. of 2G policy samples).
-
-    seqs (Q, M, S) long. Returns order (Q, count) long indices into M and ok (Q, count) bool. A group with fewer
-    than `count` distinct sequences gets ok = False on its last entries, whose indices then point at repeats (safe
-    to gather, to be masked).
-    """
+    """The first `count` pairwise-distinct sequences of each group, in sample order: seqs (Q, M, S) -> order (Q,
+    count) indices into M, ok (Q, count) bool; a group short of distinct ones gets ok = False on indices that point
+    at repeats."""
     num_samples = seqs.shape[1]
     if count > num_samples:
         raise ValueError(f"cannot pick {count} distinct sequences out of {num_samples} samples")
@@ -253,10 +219,7 @@ def first_distinct(seqs: Tensor, count: int) -> tuple[Tensor, Tensor]:
 
 
 def similarity_ranking(query_emb: Tensor, pool_emb: Tensor, pool_mask: Tensor) -> Tensor:
-    """Rank each pool by cosine similarity to its query, most similar first, invalid positions last.
-
-    query_emb (Q, d), pool_emb (Q, K, d), pool_mask (Q, K) bool. Returns (Q, K) long pool positions.
-    """
+    """Pool positions by cosine to the query, most similar first, invalid last: (Q, d), (Q, K, d), (Q, K) -> (Q, K)."""
     cos = torch.einsum("qd,qkd->qk", F.normalize(query_emb, dim=-1), F.normalize(pool_emb, dim=-1))  # (Q, K)
     cos = cos.masked_fill(~pool_mask, float("-inf"))  # (Q, K)
     return cos.argsort(dim=1, descending=True, stable=True)  # (Q, K)
@@ -284,13 +247,9 @@ def candidate_groups(
     prefix: Tensor | None = None,
     prefix_sources: list[str] | None = None,
 ) -> tuple[Tensor, list[list[str]]]:
-    """The G distinct sequences scored per anchor query, in priority order, with their sources.
-
-    ranking (Q, K): each full pool's positions, most similar to the query first (`pool_ranking`); `prefix` (Q, C, S)
-    are sequences that come first (e.g. a trained selector's picks). Then one similarity-retrieval sequence (the S
-    most similar, most similar last, next to the query), then random sequences; duplicates are dropped and the first
-    G kept. Returns (Q, G, S) pool positions and per query the source of each sequence.
-    """
+    """The G distinct sequences scored per anchor query, with their sources: `prefix` (Q, C, S) first (a trained
+    selector's picks), then one retrieval sequence (the S most similar, most similar last), then random ones; duplicates
+    dropped. ranking (Q, K) from `pool_ranking` -> (Q, G, S) pool positions."""
     mask = torch.ones(ranking.shape, dtype=torch.bool)
     parts = [] if prefix is None else [prefix]
     sources = list(prefix_sources or [])

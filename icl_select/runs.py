@@ -7,12 +7,8 @@
     runs/<name>/scores.safetensors   the LVLM scores the run paid for (rce --val-lvlm, online grpo)
     runs/<name>/eval/<split>.json    evaluate.py's results (a baseline's folder holds only these)
 
-One writer at a time (locks.exclusive); every file is written to a temporary name and renamed (files.py), so a killed
-run never leaves a half-written file. Under torchrun every rank holds a RunFolder and rank 0 alone writes: the others'
-calls do nothing but share what rank 0 decided, so a training loop handles ranks nowhere else. A checkpoint holds
-every RNG state and the loop state, so a resumed run ends bit-identical to an uninterrupted one; safetensors holds
-tensors only (no pickle), so the optimizer's non-tensor state and the loop state travel as one JSON string of
-metadata. Files the kit wrote are read back as they are; one that is damaged or not the kit's is one line.
+One writer at a time (locks.exclusive), every file written whole (files.py). Under torchrun rank 0 alone writes; the
+other ranks' calls only share what it decided, so a training loop handles ranks nowhere else.
 """
 
 from __future__ import annotations
@@ -181,13 +177,9 @@ def write_config(out: Path, args, ds, split, extra: dict | None = None) -> None:
 
 
 def resume_point(out: Path, args, ds) -> Path | None:
-    """Check the output folder before any work; returns the checkpoint to resume from, if any.
-
-    As in every stage of the kit, re-running the same command continues what it finished: a folder holding a run
-    resumes from its last epoch checkpoint (a finished run is left as it is). Only the very same run continues: any
-    other flag, other data content or other --init weights are refused (paths may differ: folders can move). A run
-    that died before its first checkpoint simply starts again.
-    """
+    """Check the output folder before any work; returns the checkpoint to resume from, if any. Only the very same run
+    continues (same flags, data content and --init weights; paths may differ); a run that died before its first
+    checkpoint starts again."""
     ckpt = resumable_checkpoint(out)
     if ckpt is None:
         if (out / "metrics.jsonl").exists():
@@ -227,9 +219,8 @@ def resume_point(out: Path, args, ds) -> Path | None:
 
 
 def continue_with_more_or_fewer_epochs(out: Path, done: int, args, config: dict) -> None:
-    """A resumed run with another --epochs, where the schedule can be continued honestly; the run's config.json then
-    records the new total and when it changed. Refused where a schedule is spread over all steps of the run: RCE's
-    tau anneal and a decaying learning rate would have taken other values at every step already trained."""
+    """A resumed run with another --epochs, recorded in config.json; refused where a schedule is spread over all steps
+    (RCE's tau, a decaying learning rate), which would have taken other values at every step already trained."""
     before = config["args"]["epochs"]
     why = args.fixed_length_reason() or (f"it has already trained {done} epochs" if args.epochs < done else None)
     if why:
@@ -297,12 +288,9 @@ def save_checkpoint(
     loop: dict,
     extra: dict[str, Tensor] | None = None,
 ) -> None:
-    """ckpt/epoch_NNN.safetensors: model, optimizer and RNG states, plus loop state (best so far, step, beta...) and
-    the trainer's `extra` tensors (stored as "extra.<name>").
-
-    All metadata sits in one JSON string: safetensors writes metadata keys in no fixed order, and a resumed run must
-    write byte-identical files.
-    """
+    """ckpt/epoch_NNN.safetensors: model, optimizer and RNG states, the loop state and the trainer's `extra` tensors
+    ("extra.<name>"). All metadata is one JSON string: safetensors orders metadata keys freely, and a resumed run must
+    write byte-identical files."""
     tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
     opt_tensors, opt_meta = optimizer_tensors(opt)
     tensors.update(opt_tensors)
@@ -353,9 +341,9 @@ def last_checkpoint(out: Path) -> Path | None:
 
 
 def resumable_checkpoint(out: Path) -> Path | None:
-    """The last epoch checkpoint that reads back whole: a damaged one (truncated, empty, foreign: a kill or a full
-    disk outside the kit's atomic writes) is passed over with a one-line note for the one before it, which the
-    resumed run then recomputes from. None when the run has none; one line when every checkpoint is damaged."""
+    """The last epoch checkpoint that reads back whole: a damaged one (a kill or a full disk outside the kit's atomic
+    writes) is passed over, with a one-line note, for the one before it. None without checkpoints; one line when every
+    one is damaged."""
     damaged = []
     for path in reversed(checkpoints(out).values()):
         try:
@@ -430,8 +418,7 @@ def read_config(path: Path) -> SelectorConfig:
 
 
 def selector_config(raw: object, where: str) -> SelectorConfig:
-    """Selector settings as read from a file (`where` names it): every field of SelectorConfig, each of its type,
-    and nothing else."""
+    """Selector settings read from the file `where`: every field of SelectorConfig, each of its type, nothing else."""
     if not isinstance(raw, dict):
         raise DataError(f"{where}: expected a JSON object of selector settings, got {type(raw).__name__}")
     kinds = {f.name: type(f.default) for f in fields(SelectorConfig)}
@@ -483,7 +470,6 @@ def kit_json(path: Path, keys: tuple[str, ...], writer: str) -> dict:
 
 
 def read_eval(path: Path) -> dict:
-    """An evaluation (evaluate.py's eval/<split>.json)."""
     return kit_json(path, ("shots", "results", "summary"), "evaluate.py")
 
 

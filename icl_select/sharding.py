@@ -1,15 +1,9 @@
-"""Scale-out with torchrun and resumable progress: ranks split the items, each appends to its own file, rank 0 merges.
+"""Scale-out with torchrun: ranks split the items, each appends to its own file, rank 0 merges.
 
-    torchrun --nproc-per-node 8 gen_rl_data.py --lvlm Qwen/Qwen2.5-VL-3B-Instruct ...
-
-A plain `python script.py` is world size 1 and needs no process group. Under torchrun every rank loads its own
-model on its own GPU (LOCAL_RANK), takes the queries i with i % world == rank, and flushes each finished query to
-its shard; a crash loses only the queries in flight, and re-running the same command resumes from the shards.
-gen_rl_data.py (scored queries) and evaluate.py (scored questions) share this protocol: `share` splits the work,
-`done` reads what any rank finished, `own_file` opens this rank's file to append to, rank 0 merges after `barrier`.
-
-Online GRPO works in lock-step instead: every rank runs the same training, each scores a `chunk` of every batch of
-new sequences, `gather` hands every rank all the scores, and rank 0 alone writes the run folder.
+A plain `python script.py` is world size 1 with no process group. Under torchrun each rank runs its own model on its own
+GPU, takes the items i with i % world == rank and flushes each to its shard, so a crash loses only the items in flight
+and the same command resumes (gen_rl_data.py, evaluate.py). Online GRPO works in lock-step instead: each rank scores a
+`chunk` of every batch, `gather` hands every rank all the scores, and rank 0 alone writes the run folder.
 """
 
 from __future__ import annotations

@@ -1,52 +1,15 @@
 """A seeded, deterministic simulated "LVLM + VQA dataset" with a planted, known optimum.
 
-Real LVLMs and COCO images are not available everywhere, and the selection algorithms need a testbed where the
-right answer is known. `Simulator` stands in for both: it holds a train split (the ICD source and the RL anchor
-queries) and a val split (evaluation queries) of synthetic VQA items with CLIP-like embeddings, and answers a
-query given an ordered sequence of in-context demonstrations (ICDs) instantly and deterministically.
+The selection algorithms need a testbed where the right answer is known. `Simulator` holds a train split (the ICD source
+and the anchor queries) and a val split of synthetic VQA items with CLIP-like embeddings, and answers a query given an
+ordered sequence of ICDs, instantly. Per item: one of 40 topics in 8 supertopics (1-3 questions share an image), an
+answer type, an ICD quality ~ N(0, 1) and a misleading flag; per query: a difficulty, a sensitivity > 0 and an answer
+threshold. Each world's answer model (WORLDS, presets of SimConfig) and its equations: docs/worlds.md.
 
-Latent structure (all drawn from one `torch.Generator` seeded with `SimConfig.seed`):
-- 40 topics (scenes) in 8 supertopics; 1-3 questions share an image, and so its topic and its image embedding;
-- an answer type per question (yes/no, number, color, other), an ICD quality ~ N(0, 1), a misleading flag;
-- per query: a difficulty, an ICD sensitivity > 0 and an answer threshold (logit space).
-
-Answer model of the `additive` world (the default), for query q and ICDs c_1..c_k in prompt order (c_k next to
-the query):
-    logit = difficulty_q + sensitivity_q * effect - shot_cost * k,   effect = sum_i w_i * h(q, c_i) - redundancy(c)
-    w_i = position_decay ** (k - i)                  (later positions weigh more; the last one weighs 1)
-    h(q, c) = help_base + affinity(q, c) * topical(c) + help_type * [same answer type] + help_quality * quality_c
-    affinity = 1 for the same topic, help_supertopic for another topic of the same supertopic, else 0
-    topical(c) = help_topic + help_topic_quality * quality_c, or -help_misleading if c is misleading
-    redundancy = redundancy_weight * sum_{i<j} relu(cos(e_i, e_j) - t) / (1 - t), on fused embeddings, t fixed
-The answer is correct iff logit > threshold_q, i.e. sigmoid(logit) exceeds the query's fixed threshold
-(deterministic, like greedy decoding): the majority annotator answer, or, in a band just above the threshold, a
-minority annotator answer when the query has one (VQA acc 0.3/0.6). Below the threshold comes a near miss, then a
-far wrong answer (acc 0). gt_prob = sigmoid(logit); acc is the official VQA accuracy of the prediction over the
-query's 10 annotator answers; rel = vqa.answer_rel(prediction, answers); so correct = acc > 0 as well.
-
-Worlds (WORLDS: presets of SimConfig; docs/worlds.md says what each mirrors and gives its calibration). Each term
-below is off at its parameter's default, so the terms mix freely (`world_config(name, **overrides)`):
-- copy (copy_weight > 0): the reply may repeat an ICD's answer. With margin = logit - threshold_q,
-      resemblance(q, c) = [same answer type] * (copy_question + (1 - copy_question) * affinity(q, c))
-      pull = copy_weight * max_i w_i * resemblance(q, c_i),   j = the argmax,   copy = pull / (pull + e^margin)
-  the reply is c_j's shown (majority) answer iff copy > 1/2, i.e. pull > e^margin, with the acc and rel it earns
-  from q's annotators; gt_prob = (1 - copy) * sigmoid(logit) + copy * acc(c_j's answer for q).
-- saturating (gain_decay < 1, help_pair > 0): in the effect, sum_i w_i h_i becomes
-      sum_r gain_decay ** r * g_(r) + sum_i min(w_i h_i, 0),   g_(r) = the r-th largest max(w_i h_i, 0)
-      + help_pair * max_{i != j} [c_i has q's answer type] * [c_j has q's topic and is not misleading]
-- order (primacy > 0, neighbour != 0): w_i = position_decay ** (k - i) + primacy * [i = 1 < k] (a U shape), and
-      effect += neighbour * sum_{i<k} min(h(q, c_i), h(q, c_{i+1}))       (adjacent ICDs lean on each other)
-- strong: the additive equations with other values (a higher zero-shot logit, distracting ICDs, help only from
-  high-quality ones).
-
-What a selector can learn from embeddings alone: topic (noisy: image and text views), answer type (text view),
-and, along two fixed directions of the text view, a noisy read-out of quality and of the misleading flag. Plain
-cosine similarity uses topic and type but is blind to quality and walks into misleading same-topic items, so a
-trained selector has room above it; the oracle (search over the known answer model) bounds that room. Which answer
-an ICD shows is not in any embedding.
-
-Departure from a real LVLM: in the additive world scores are additive over ICDs apart from the pairwise
-redundancy term, so for a fixed set of ICDs the best order is the most helpful last (`oracle` relies on this there).
+What a selector can learn from the embeddings: topic (noisy, in both views), answer type (text view) and noisy read-outs
+of quality and of the misleading flag (text view), never which answer an ICD shows. Cosine similarity uses topic and
+type but is blind to quality and walks into misleading same-topic items, so a trained selector has room above it; the
+oracle bounds that room.
 """
 
 from __future__ import annotations
@@ -146,16 +109,13 @@ MAJORITY, MINORITY, NEAR_MISS, FAR_MISS = range(4)
 
 @dataclass(frozen=True)
 class SimConfig:
-    """Every parameter of the simulator. Lengths are in unit-free embedding norms, effects in logit units.
-
-    A world is a set of values of these parameters: `world_config` applies a preset of WORLDS and overrides on top.
-    Every world's calibration table and the command that reproduces it: docs/worlds.md.
-    """
+    """Every parameter of the simulator (lengths in unit-free embedding norms, effects in logit units); a world is a set
+    of their values (`world_config`)."""
 
     world: str = "additive"
-    """The preset of WORLDS these values started from (a label: the values alone decide the answer model)."""
+    """The WORLDS preset these values started from (a label: the values alone decide the answers)."""
     seed: int = 0
-    """Seed of the single torch.Generator behind every random draw (same seed -> bitwise identical simulator)."""
+    """Seed of the one torch.Generator behind every draw (same seed -> bitwise identical simulator)."""
     dim: int = 512
     """Embedding size (CLIP ViT-B/32 is 512)."""
     num_train: int = 5000
@@ -183,7 +143,7 @@ class SimConfig:
     text_misleading: float = 0.6
     """Scale of the (noisy) misleading-flag read-out along another fixed direction of the text view."""
     readout_noise: float = 1.0
-    """Std of the noise added to quality and to the misleading flag before they are written into the text view."""
+    """Std of the noise on quality and the misleading flag before they enter the text view."""
     text_noise: float = 1.0
     """Norm of the isotropic per-question noise in the text view."""
     difficulty_mean: float = 0.1
@@ -221,18 +181,17 @@ class SimConfig:
     redundancy_threshold: float = 0.5
     """Fused-embedding cosine above which two ICDs count as near-duplicates (same-image pairs mostly are)."""
     band: float = 0.35
-    """Width (logit units) of the band just above the threshold where a minority annotator answer comes out."""
+    """Width (logit units) of the band above the threshold where a minority answer comes out."""
     near_miss: float = 1.0
     """Width below the threshold where the wrong answer is a near miss (higher rel) rather than a far one."""
     copy_weight: float = 0.0
-    """copy: pull towards replying with the answer of a fully resembling ICD next to the query (0 = never copies)."""
+    """copy: pull towards the answer of a fully resembling ICD next to the query (0 = never copies)."""
     copy_question: float = 0.5
-    """copy: resemblance of an ICD with the query's answer type on a picture of an unrelated topic (1 = same topic)."""
+    """copy: resemblance of an ICD of the query's answer type on an unrelated topic (1 = same topic)."""
     gain_decay: float = 1.0
-    """saturating: the r-th largest helpful ICD effect weighs gain_decay ** r (1 = additive, 0 = only the best)."""
+    """saturating: the r-th largest helpful effect weighs gain_decay ** r (1 = additive, 0 = best only)."""
     help_pair: float = 0.0
-    """saturating: extra help of two different ICDs together, one with the query's answer type (its format), one
-    with its topic (not misleading)."""
+    """saturating: extra help of an ICD of the query's answer type plus a clean one on its topic."""
     primacy: float = 0.0
     """order: extra weight of the first of k > 1 positions (with recency, a U shape; 0 = recency only)."""
     neighbour: float = 0.0
@@ -316,10 +275,8 @@ def world_config(world: str = "additive", **overrides) -> SimConfig:
 
 
 def parse_settings(pairs: list[str]) -> dict:
-    """FIELD=VALUE strings -> SimConfig overrides, each VALUE read as its field's type (a tuple as a comma list).
-
-    Ranges are SimConfig's to check; the world, the seed and the sizes have flags of their own.
-    """
+    """FIELD=VALUE strings -> SimConfig overrides, each VALUE read as its field's type (a tuple as a comma list); the
+    ranges are SimConfig's to check."""
     fields = {f.name: f for f in dataclasses.fields(SimConfig)}
     out = {}
     for pair in pairs:
@@ -354,10 +311,8 @@ def _plural(word: str) -> str:
 
 
 def _answer_set(qtype: int, draw: dict[str, int]) -> tuple[str, list[str], str, str]:
-    """The majority answer, up to 4 distinct minority candidates, a near miss and a far miss for one question.
-
-    None of the wrong answers coincides with the majority or a minority answer, so their VQA accuracy is 0.
-    """
+    """The majority answer, up to 4 distinct minority candidates, a near miss and a far miss for one question; no wrong
+    answer coincides with a credited one, so their VQA accuracy is 0."""
     if qtype == 0:
         gt = "yes" if draw["yes"] else "no"
         wrong = "no" if draw["yes"] else "yes"
@@ -472,11 +427,8 @@ def _with_article(word: str) -> str:
 def _write_items(
     gen: torch.Generator, latents: dict[str, Tensor], rel_cache: dict[tuple[str, tuple[str, ...]], float]
 ) -> tuple[list[dict], list[tuple[str, ...]], Tensor, Tensor]:
-    """Question/answer strings of one split, and per question the answer, VQA acc and rel of each regime.
-
-    Returns items, predictions (N rows of 4 strings), acc (N, 4) and rel (N, 4). `rel_cache` memoises
-    `answer_rel`, whose value depends only on the prediction and the set of distinct answers.
-    """
+    """Question/answer strings of one split and, per question, the answer, VQA acc and rel of each regime: items,
+    predictions (N rows of 4 strings), acc (N, 4), rel (N, 4). `rel_cache` memoises `answer_rel`."""
     n = latents["topic"].shape[0]
     # Word choices drawn as tensors (so only the generator decides them), then assembled per question.
     words = {
@@ -530,7 +482,7 @@ def _write_items(
 
 
 class Simulator:
-    """Synthetic VQA splits with embeddings, and a deterministic simulated LVLM over them (see module docstring).
+    """Synthetic VQA splits with embeddings, and a deterministic simulated LVLM over them.
 
     Attributes:
         cfg: the SimConfig.
@@ -540,8 +492,7 @@ class Simulator:
         latents: split -> planted per-item latents, (N,) tensors: "topic", "supertopic", "answer_type" (index
              into ANSWER_TYPES), "quality", "misleading" (bool), "difficulty", "sensitivity", "threshold" (logit
              space), "majority_count" (annotators giving the majority answer), and "image_id", "question_id" (as
-             in `items`, for vectorised exclusion masks).
-    """
+             in `items`, for vectorised exclusion masks)."""
 
     def __init__(self, cfg: SimConfig = SimConfig()):  # noqa: B008  (frozen, so sharing the default is safe)
         self.cfg = cfg
@@ -595,11 +546,8 @@ class Simulator:
         return cfg.help_base + affinity * topical + cfg.help_type * same_type + cfg.help_quality * quality  # (B, k)
 
     def expected_helpfulness(self, split: str, queries: Tensor, icds: Tensor) -> Tensor:
-        """E[h(query, icd)] under the latents that `Probes` read off the fused embeddings: (B,), (B, k) -> (B, k).
-
-        The planted formula with each latent replaced by its posterior (topic, supertopic and answer-type match
-        probabilities, expected quality, probability of misleading), query and ICD posteriors taken as independent.
-        """
+        """E[h(query, icd)] under the latents `Probes` read off the fused embeddings, query and ICD posteriors taken as
+        independent: (B,), (B, k) -> (B, k)."""
         cfg, probes = self.cfg, self.probes
         q, c = probes.read(split, queries), probes.read("train", icds)
         same_topic = (q["topic"][:, None] * c["topic"]).sum(-1)  # (B, k)
@@ -624,10 +572,8 @@ class Simulator:
         return self.cfg.redundancy_weight * ((cos - t).clamp(min=0) / (1 - t))
 
     def redundancy(self, icds: Tensor, chunk: int = 8192) -> Tensor:
-        """Near-duplicate penalty of each ICD set (order-free): (B, k) train-row ids -> (B,).
-
-        Chunked over B so that scoring a large batch never materialises more than chunk * k * d floats.
-        """
+        """Near-duplicate penalty of each ICD set (order-free): (B, k) train-row ids -> (B,), chunked over B so that it
+        never holds more than chunk * k * d floats."""
         k = icds.shape[1]
         upper = torch.ones(k, k, dtype=torch.bool).triu(1)  # (k, k)
         out = []
@@ -641,11 +587,9 @@ class Simulator:
         """What the answer model needs of each ICD for its query: (B,), (B, k) train-row ids -> dict of (B, k).
 
         "h": helpfulness; with help_pair, "format" (same answer type) and "topic" (same topic, not misleading); with
-        copying, "resemblance" (see the module docstring), "credit" (VQA accuracy of the ICD's answer for the query)
-        and "answer" (its id in `_answers`). observable=True: each latent replaced by what the probes read off the
-        embeddings (posterior probabilities for indicators, `expected_helpfulness`), and "credit" by the mean credit
-        of copying an answer of the same type (the query's answers are not in its embedding); no "answer".
-        """
+        copying, "resemblance" (docs/worlds.md, copy), "credit" (VQA accuracy of the ICD's answer for the query) and
+        "answer" (its id in `_answers`). observable=True: each latent replaced by what the probes read, and "credit" by
+        the mean credit of an answer of the same type (the query's answers are in no embedding); no "answer"."""
         cfg = self.cfg
         f = {"h": (self.expected_helpfulness if observable else self.helpfulness)(split, queries, icds)}
         if not (cfg.help_pair or cfg.copy_weight):
@@ -677,10 +621,8 @@ class Simulator:
         return f
 
     def _effect(self, f: dict[str, Tensor], redundancy: Tensor, k: int, present: Tensor | None = None) -> Tensor:
-        """The ICDs' effect on the logit before the query's sensitivity: features (N, k), redundancy (N,) -> (N,).
-
-        present (N, k): the positions that hold an ICD (the oracle's partial sequences, their other features 0).
-        """
+        """The ICDs' effect on the logit before the query's sensitivity: features (N, k), redundancy (N,) -> (N,);
+        present (N, k) marks the positions that hold an ICD (the oracle's partial sequences)."""
         cfg, h, w = self.cfg, f["h"], self.position_weights(k)
         if cfg.gain_decay == 1:
             effect = h @ w  # (N,)
@@ -701,12 +643,10 @@ class Simulator:
     def _reply(
         self, f: dict[str, Tensor], redundancy: Tensor, k: int, query: dict[str, Tensor], present: Tensor | None = None
     ) -> dict[str, Tensor]:
-        """The answer model on features (N, k) (`_features`) and the query's latents (N,) each: "difficulty",
-        "sensitivity", "threshold", and "acc" (N, 4) its answer table (None: no "acc" out).
-
-        Returns (N,) each: "logit" (of the model's own answer), "regime" (column of the answer tables), "copies"
-        (bool), "source" (the position copied from), "acc" and "gt_prob" (float64).
-        """
+        """The answer model on features (N, k) (`_features`) and the query's latents (N,): "difficulty", "sensitivity",
+        "threshold", and "acc" (N, 4) its answer table (None: no "acc" out). Returns (N,) each: "logit" (of the model's
+        own answer), "regime" (column of the answer tables), "copies" (bool), "source" (the position copied from), "acc"
+        and "gt_prob" (float64)."""
         cfg = self.cfg
         logit = query["difficulty"] + query["sensitivity"] * self._effect(f, redundancy, k, present) - cfg.shot_cost * k
         margin = logit - query["threshold"]  # (N,)
@@ -753,12 +693,9 @@ class Simulator:
         return self._reply(f, self.redundancy(icds), icds.shape[1], query)["logit"]
 
     def score(self, split: str, queries: Tensor, icds: Tensor) -> dict:
-        """Simulated greedy answer and its scores: (B,), (B, k) train-row ids (k may be 0) -> dict of (B,) values.
-
-        Keys: "prediction" (list[str]), "acc" (VQA accuracy, float), "correct" (acc > 0, bool), "gt_prob" (the
-        probability of a credited answer, times its credit for a copied one), "rel" (closeness of the prediction to
-        the annotator answers, 1 when correct).
-        """
+        """Simulated greedy answer and its scores: (B,), (B, k) train-row ids (k may be 0) -> "prediction" (list[str]),
+        "acc" (VQA accuracy), "correct" (acc > 0), "gt_prob" (probability of a credited answer, times its credit for a
+        copied one), "rel" (closeness to the annotator answers, 1 when correct), each (B,)."""
         if queries.dim() != 1 or icds.dim() != 2 or icds.shape[0] != queries.shape[0]:
             raise ValueError(f"expected queries (B,) and icds (B, k), got {tuple(queries.shape)}, {tuple(icds.shape)}")
         f = self._features(split, queries, icds)
@@ -780,20 +717,13 @@ class Simulator:
     def oracle(
         self, split: str, queries: Tensor, pools: Tensor, k: int, beam: int = 16, observable: bool = False
     ) -> Tensor:
-        """The best ordered sequence of k distinct pool items under the known answer model: (B,), (B, K) -> (B, k).
+        """The best ordered sequence of k distinct pool items under the known answer model: (B,), (B, K) -> (B, k) train
+        rows in PROMPT order (score them as they are); pool entries < 0 are padding. observable=True searches with what
+        `Probes` read off the embeddings in place of the latents.
 
-        observable=True searches the same way with the latents that `Probes` read off the embeddings (`_features`):
-        the best an agent that knows the answer model but sees only the embeddings could do by this search.
-
-        Returns train-row ids in PROMPT order (the most helpful ICD last, next to the query): score them as they
-        are. Pool entries < 0 are padding and never picked. A world that is not additive is searched by `_search`.
-
-        Additive world: for a fixed set the best order puts the most helpful ICD last (weights grow towards the
-        query and the redundancy term ignores order), so the search runs over sets, built from the last position
-        backwards in order of decreasing helpfulness: each set is visited once, and its partial score is exact. Beam
-        search keeps the `beam` best partial sets; this is exhaustive (exact) whenever beam >= C(K, t) for all t < k,
-        e.g. always for k = 1, and also exact when no two candidates are redundant (the sort alone is then optimal).
-        """
+        Additive world: the best order of a set puts the most helpful ICD last (weights grow towards the query,
+        redundancy ignores order), so a beam search runs over sets with exact partial scores, exact whenever beam >=
+        C(K, t) for all t < k. Other worlds: `_search`."""
         num, pool_len = pools.shape
         valid = pools >= 0  # (B, K)
         num_valid = valid.sum(dim=1)  # (B,)
@@ -837,15 +767,11 @@ class Simulator:
         return ids.gather(1, best)  # (B, k)
 
     def _search(self, split: str, queries: Tensor, pools: Tensor, k: int, beam: int, observable: bool) -> Tensor:
-        """Beam search over ordered sequences of k distinct pool items: (B,), (B, K) -> (B, k) ids, prompt order.
-
-        The sequence is filled from the query backwards (position k-1 first); a partial sequence is valued by the
-        answer model with the positions still empty left out, and the `beam` best are kept. Then the order of each
-        final sequence is improved by swapping two of its ICDs while a swap helps. Value: VQA accuracy, ties broken
-        by gt_prob; observable=True: the gt_prob of the features the probes give, with the query's difficulty,
-        sensitivity and threshold at their population medians (the embeddings do not reveal them). Neither step is
-        exhaustive, so the accuracy found bounds the best from below.
-        """
+        """Beam search over ordered sequences of k distinct pool items, filled from the query backwards and valued with
+        the empty positions left out, then improved by pairwise swaps while one helps: (B,), (B, K) -> (B, k), prompt
+        order. Value: VQA accuracy, ties broken by gt_prob; observable=True: the probes' gt_prob with the query's
+        difficulty, sensitivity and threshold at their population medians. Not exhaustive: the accuracy found bounds the
+        best from below."""
         num, pool_len = pools.shape
         valid, ids = pools >= 0, pools.clamp(min=0)  # (B, K)
         feats = self._features(split, queries, ids, observable)
@@ -907,13 +833,10 @@ class Simulator:
 
     @functools.cached_property
     def _answers(self) -> dict:
-        """The answers an ICD can pass on, as ids into "words" (built once, for copying worlds).
-
-        "shown" (N_train,): the answer each train item shows as an ICD (its majority answer); per split, "ids"
-        (N, A) of each item's distinct annotator answers (-1 pads) and "acc" (N, A) their VQA accuracy; "rel"
-        (W, W): answer_rel of a shown word (row) against one annotator answer (column); "credit_rate" (4,): per answer
-        type, the mean credit of a train item's shown answer for a train question of that type.
-        """
+        """The answers an ICD can pass on, as ids into "words" (built once, for copying worlds): "shown" (N_train,) each
+        train item's majority answer; per split "ids" (N, A) its distinct annotator answers (-1 pads) and "acc" (N, A)
+        their VQA accuracy; "rel" (W, W) answer_rel of a shown word against an annotator answer; "credit_rate" (4,) per
+        answer type, the mean credit of a train item's shown answer for a train question of that type."""
         words: dict[str, int] = {}
         acc_by_count = [_official_acc(c) for c in range(NUM_ANNOTATORS + 1)]
         out: dict = {}
@@ -944,14 +867,10 @@ class Simulator:
 
 
 class Probes:
-    """What the fused embeddings reveal about the planted latents, by probes fitted on the train split.
-
-    Categorical latents (topic, answer type): linear discriminant analysis with one spherical covariance shared by
-    the classes, which the simulator's isotropic noise makes the right model; supertopic = the sum of its topics'
-    posteriors. Quality: ridge regression (its expected value). Misleading: the ridge read-out along the probe
-    direction, turned into a posterior by two 1-d Gaussians with a shared variance (the read-out noise is
-    Gaussian). All in float64; posteriors of every item of both splits are computed once.
-    """
+    """What the fused embeddings reveal about the planted latents, fitted on the train split in float64: linear
+    discriminant analysis for topic and answer type (the simulator's noise is isotropic, so one spherical covariance
+    is the right model), ridge regression for quality, and two 1-d Gaussians over a ridge read-out for the misleading
+    flag."""
 
     def __init__(self, sim: Simulator):
         x, lat = sim.emb["train"].double(), sim.latents["train"]
@@ -1008,14 +927,10 @@ def _binary_posterior(x: Tensor, y: Tensor):
 def calibrate(
     sim: Simulator, pool_size: int = 64, group_size: int = 16, seq_len: int = 4, num_anchors: int = 800, seed: int = 0
 ) -> dict:
-    """Measure the simulator against the calibration targets (accuracies in %, fractions in [0, 1]).
-
-    Val queries each get their own random pool of `pool_size` train items; "random_k" = first k ICDs of a random
-    sequence from the pool, "similar_k" = the k most similar by fused embedding with the most similar last,
-    "oracle_k" = `Simulator.oracle`, "observable_k" = its observable twin. On `num_anchors` random train anchors with
-    their own random pools, "varying_reward_frac" = share of anchors whose group (1 similarity sequence +
-    group_size-1 distinct random ones, seq_len shots) does not share a single reward, reward = correct + acc.
-    """
+    """The simulator against the calibration targets (accuracies in %, fractions in [0, 1]). Val queries, each with its
+    own random pool: "random_k" (first k of a random sequence), "similar_k" (the k most similar, most similar last),
+    "oracle_k", "observable_k". "varying_reward_frac": the share of `num_anchors` train anchors whose group (one
+    similarity sequence and group_size - 1 random ones) does not share one reward, reward = correct + acc."""
     gen = torch.Generator().manual_seed(seed)
     train_img = sim.latents["train"]["image_id"]  # (N,)
     val_img = sim.latents["val"]["image_id"]  # (V,)

@@ -1,12 +1,7 @@
-"""Experiment trackers beside metrics.jsonl (--report-to tensorboard | wandb): the same records, for the viewers
-TRL and CleanRL users already run. Each library is imported only when asked for, and need not be installed
-otherwise; metrics.jsonl stays the record of truth (compare.py reads it).
-
-Every scalar of an epoch record goes out under its own name at the run's global step (the epoch's last step);
-step records (grpo --kl-target) under "steps/<name>". A resumed run's TensorBoard log first drops what the killed
-run logged past its last checkpoint, as metrics.jsonl does, so no step is drawn twice; W&B continues the same run
-(one per run folder) and ignores steps it already has. The TensorBoard path is tested; the W&B path is not (no
-account or network here).
+"""Experiment trackers beside metrics.jsonl (--report-to tensorboard | wandb), imported only when asked for;
+metrics.jsonl stays the record of truth. Epoch records go out at the run's global step, step records (grpo --kl-target)
+as "steps/<name>"; a resumed run's TensorBoard log drops what the killed run logged past its checkpoint, and W&B ignores
+steps it has. The W&B path is untested (no account or network here).
 """
 
 from __future__ import annotations

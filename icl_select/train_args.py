@@ -15,8 +15,6 @@ from icl_select.tracking import ReportTo, check_installed
 
 @dataclass
 class TrainArgs(RewardArgs, LVLMRun, CpuArgs):
-    """Flags common to rce.py and grpo.py."""
-
     data: Path = DEFAULT_DATA
     """Dataset folder written by gen_rl_data.py."""
     epochs: Annotated[int, alias("--num-train-epochs")] = 10
@@ -30,30 +28,25 @@ class TrainArgs(RewardArgs, LVLMRun, CpuArgs):
     grad_clip: Annotated[float, alias("--max-grad-norm")] = 1.0
     """Clip the global gradient norm to this (0 = off)."""
     keep_every: int = 5
-    """Checkpoints kept (model, optimizer and RNG state, for resuming and for evaluate.py --epochs): every N-th
-    epoch's, plus the best, the last and the one before it (0 = only those; 1 = every epoch's)."""
+    """Keep every N-th epoch's checkpoint besides the best and the last two (0 = only those)."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    """Learning rate over the run: constant, or decayed to 0 at the last step (linear as TRL's default, cosine)."""
+    """Learning rate over the run: constant, or decayed to 0 at the last step (linear, cosine)."""
     seed: int = 0
     """Seed of the init, the train/val split, the shuffling and dropout."""
     val_frac: float = 0.1
     """Share of anchor queries held out (fixed by seed) to select the best epoch."""
     quality: Quality = "all"
-    """Curriculum filter on training queries: high (high only), medium (high + medium), varied (rewards not all
-    equal), all; see the data report."""
+    """Curriculum filter on training queries (tiers: docs/flags.md and the data report)."""
     require_positive: bool = False
     """Train only on queries with at least one correct sequence."""
     allow_truncated: bool = False
-    """Ignore a truncated last line of rl_data.jsonl (an interrupted gen_rl_data run) instead of failing."""
+    """Ignore a truncated last line of rl_data.jsonl (an interrupted gen_rl_data.py)."""
     val_lvlm: bool = False
-    """Real data: each epoch, also ask the dataset's LVLM to answer the validation anchors with the greedy picks
-    (1..S shots, at most --val-max-queries anchors, each distinct prompt once per process) and choose the best
-    epoch by that accuracy. The simulator always does this (it answers instantly)."""
+    """Real data: pick the best epoch by the LVLM's accuracy on validation anchors (docs/flags.md)."""
     val_max_queries: int = 200
-    """--val-lvlm: validation anchors answered per epoch (the first N of the held-out split)."""
+    """--val-lvlm: validation anchors answered per epoch (the first N held out)."""
     report_to: ReportTo = "none"
-    """Also send every logged record to TensorBoard (<out>/tensorboard) or Weights & Biases (project icl-select),
-    if that package is installed; metrics.jsonl is always written."""
+    """Also log to TensorBoard (<out>/tensorboard) or Weights & Biases (project icl-select)."""
 
     def fixed_length_reason(self) -> str | None:
         """Why a schedule of this run depends on its total length (then --epochs cannot change on resume), or None."""

@@ -16,11 +16,9 @@ from model import DECODE_CHUNK, PointerSelector, slices
 
 @torch.no_grad()
 def greedy_icds(model: PointerSelector, ds: Dataset, split: str, rows: Tensor, pool: Tensor, k: int) -> Tensor:
-    """The selector's greedy demonstrations for the questions `rows` (n,) of `split`, from their pools (n, K) of train
-    rows (-1 = padding): (n, k) train rows in pick order.
-
-    The pools' embeddings are gathered for parts of whole decoder slices (DECODE_CHUNK rows, `model.slices`), never
-    for all n questions at once, and every question is decoded in the slice one whole call would put it in."""
+    """The selector's greedy demonstrations for the questions `rows` (n,) of `split` from their pools (n, K) of train
+    rows (-1 = padding) -> (n, k) train rows in pick order. Gathered slice by slice (`model.slices`), never for all n at
+    once, each question decoded in the slice one whole call would put it in."""
     emb, (n, K) = ds.emb, pool.shape
     part = DECODE_CHUNK * max(1, CHUNK_ELEMENTS // (DECODE_CHUNK * K * emb["train"].shape[1]))
     model.eval()
@@ -66,11 +64,7 @@ def validation_backend(ds: Dataset, args: TrainArgs) -> ScoreCache | None:
 
 
 def selection_metric(backend) -> str:
-    """What chooses the best epoch: the true accuracy of the greedy picks when they can be answered, else the
-    expected reward over the scored validation groups (a proxy: it rewards probability on the better *scored*
-    sequences, which need not move the greedy picks the evaluation uses). Never the loss, never test questions.
-
-    Epoch 0 (the starting weights) is logged but never a candidate: a trained start was itself chosen as the best
-    of its run on these same anchors, so its score there is biased upwards and would beat a better later epoch by
-    chance. Whether training helped is for evaluate.py and compare.py to say, with paired tests."""
+    """What chooses the best epoch: the true accuracy of the greedy picks when they can be answered, else the expected
+    reward over the scored validation groups (a proxy: it need not move the greedy picks). Epoch 0 is logged but never a
+    candidate: a trained start was chosen on these anchors, so its score there is biased upwards."""
     return "val/reward" if backend is None else "val/acc"

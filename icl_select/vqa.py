@@ -233,7 +233,6 @@ def postprocess(generation: str) -> str:
 
 
 def _levenshtein(a: str, b: str) -> int:
-    """Edit distance (insert, delete, substitute; unit costs) with a two-row DP."""
     if len(a) < len(b):
         a, b = b, a
     prev = list(range(len(b) + 1))

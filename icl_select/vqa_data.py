@@ -9,17 +9,10 @@ Official layout under `data_root` (every name can be overridden; relative overri
     VQAv2   v2_OpenEnded_mscoco_{split}2014_questions.json  v2_mscoco_{split}2014_annotations.json
     images  {split}2014/COCO_{split}2014_{image_id:012d}.jpg
 
-Hugging Face exports (HuggingFaceM4/OK-VQA, HuggingFaceM4/VQAv2, lmms-lab/OK-VQA, ... downloaded with
-`hf download --repo-type dataset`): any `*.parquet` under `data_root` whose file or folder name starts with the
-split's name (train; validation or val) is read through the `datasets` library, when the official JSON files are
-absent. Each row needs question, question_id, answers (annotator answer strings or the official answer objects) and
-an image; image_id is read from its column, else from the COCO file name the image carries. The embedded images are
-written once as files under an image cache (ICL_SELECT_CACHE, default ~/.cache/icl-select), since every stage reads
-images by path.
-
-Items keep the questions file's (or the shards') order. Every problem with the input (a missing or unparsable file,
-a missing field, a question without an annotation or with a different image id, missing images) raises one
-`ValueError` naming the file, before any scoring starts, rather than a KeyError deep inside a long run.
+Without the official files, any `*.parquet` under `data_root` named for the split (`parquet_shards`) is read; each row
+needs question, question_id, answers and an image (image_id from its column, else the image's COCO file name). Every
+problem with the input raises one ValueError naming the file before any scoring starts, not a KeyError deep inside a
+long run.
 """
 
 from __future__ import annotations
@@ -66,7 +59,6 @@ def _records(doc: dict, key: str, fields: tuple[str, ...], path: Path) -> list[d
 
 
 def _answers(ann: dict, index: int, path: Path) -> list[str]:
-    """The raw annotator answer strings of one annotation record."""
     answers = ann["answers"]
     if not isinstance(answers, list) or not answers:
         raise ValueError(f"{path}: annotations[{index}] has no annotator answers")
