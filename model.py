@@ -55,14 +55,10 @@ class SelectorConfig:
     temperature: float = 0.1
     """Scores are cosine / temperature: how sharp the selector's distribution over its pool is."""
     pick_order: PickOrder = "nearest_first"
-    """How the picks become a prompt. nearest_first: the first pick sits next to the query (the prompt lists the
-    picks in reverse), so the best pick of a greedy decode lands where an LVLM weighs it most and the k-shot prompt
-    of the first k picks keeps it there for every k. prompt: pick t is the t-th demonstration (Lever-Plus).
-    Decoders return picks in pick order; `to_prompt` / `from_prompt` convert wherever picks meet scored data or
-    the LVLM."""
+    """How picks become a prompt: nearest_first (first pick next to the query) or prompt (Lever-Plus)."""
+    # Decoders return picks in pick order; to_prompt / from_prompt convert wherever picks meet scored data or the LVLM.
     picks: int = 4
-    """Demonstrations the selector is trained to pick, the sequence length of its training data (rce.py takes it
-    from the data, grpo.py keeps its --init's): evaluate.py asks it for at most this many shots."""
+    """Demonstrations it is trained to pick (its data's sequence length): evaluate.py asks for at most this many."""
 
     def __post_init__(self):
         if self.hidden % self.num_heads:
