@@ -1,5 +1,5 @@
-"""The pointer selector and the RL math, shared by every stage (no CLI, no files read here: icl_select/runs.py reads
-selectors, icl_select/hub.py carries them to and from the Hugging Face Hub).
+"""The pointer selector and the RL math, shared by every stage (no CLI; the selector writes and reads its own two
+files, icl_select/runs.py the rest of a run, icl_select/hub.py carries a selector to and from the Hugging Face Hub).
 
 `PointerSelector` picks S in-context demonstrations, one at a time, from a per-query candidate pool of K embeddings:
 the query attends over its pool (L cross-attention layers, residual + LayerNorm), query state and candidates are
@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Literal, NamedTuple, get_args
 
@@ -29,7 +29,7 @@ from huggingface_hub import ModelCard, ModelHubMixin
 from torch import Tensor, nn
 
 from icl_select import hub
-from icl_select.files import atomic_write_text, save_tensors
+from icl_select.files import DataError, atomic_write_text, read_json, read_tensors, save_tensors
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The selector
@@ -77,6 +77,45 @@ class SelectorConfig:
     def from_prompt(self, seqs: Tensor) -> Tensor:
         """Sequences (..., S) in prompt order (as scored data stores them) -> pick order; the inverse of to_prompt."""
         return self.to_prompt(seqs)  # a reversal is its own inverse
+
+
+def selector_config(raw: object, where: str) -> SelectorConfig:
+    """Selector settings read from the file `where`: every field of SelectorConfig, each of its type, nothing else."""
+    if not isinstance(raw, dict):
+        raise DataError(f"{where}: expected a JSON object of selector settings, got {type(raw).__name__}")
+    kinds = {f.name: type(f.default) for f in fields(SelectorConfig)}
+    if set(raw) != set(kinds):
+        missing, unknown = sorted(set(kinds) - set(raw)), sorted(set(raw) - set(kinds))
+        raise DataError(f"{where}: fields missing {missing}, unknown {unknown}; expected {sorted(kinds)}")
+    for name, kind in kinds.items():
+        value = raw[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
+            raise DataError(
+                f"{where}: field {name!r} must be {'a number' if kind is float else kind.__name__}, got {value!r}"
+            )
+    if raw["picks"] < 1:
+        raise DataError(f"{where}: field 'picks' must be >= 1, got {raw['picks']}")
+    try:
+        return SelectorConfig(**raw)
+    except ValueError as e:
+        raise DataError(f"{where}: {e}") from None
+
+
+def load_state_strict(model: nn.Module, tensors: dict[str, Tensor], source: Path) -> None:
+    """load_state_dict that names every missing, unexpected or mis-shaped tensor instead of skipping it."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(tensors))
+    unexpected = sorted(set(tensors) - set(own))
+    shapes = [
+        f"{k}: {tuple(tensors[k].shape)} in file, {tuple(v.shape)} in model"
+        for k, v in own.items()
+        if k in tensors and tensors[k].shape != v.shape
+    ]
+    problems = [f"missing tensors {missing}"] * bool(missing) + [f"unexpected tensors {unexpected}"] * bool(unexpected)
+    problems += [f"shape mismatch {s}" for s in shapes]
+    if problems:
+        raise ValueError(f"{source}: does not match the selector architecture: " + "; ".join(problems))
+    model.load_state_dict(tensors, strict=True)
 
 
 class Steps(NamedTuple):
@@ -307,6 +346,14 @@ class PointerSelector(
         save_tensors(directory / "model.safetensors", self.state_dict(), {"config": network})
         atomic_write_text(directory / "model.json", json.dumps(config, indent=2) + "\n")
 
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> PointerSelector:
+        """What `save` wrote, read strictly: a bad field or tensor is one line naming the file."""
+        directory = Path(directory)
+        model = cls(selector_config(read_json(directory / "model.json"), str(directory / "model.json")))
+        load_state_strict(model, read_tensors(directory / "model.safetensors"), directory / "model.safetensors")
+        return model
+
     # -- the Hub: huggingface_hub.ModelHubMixin's hooks, carried out by icl_select/hub.py ------------------------------
     @classmethod
     def from_pretrained(cls, source: str | Path, **kwargs) -> PointerSelector:
@@ -316,7 +363,7 @@ class PointerSelector(
 
     @classmethod
     def _from_pretrained(cls, *, model_id: str, **hub_kwargs) -> PointerSelector:
-        return hub.load(model_id, **hub_kwargs)
+        return hub.load(cls, model_id, **hub_kwargs)
 
     def _save_pretrained(self, save_directory: Path) -> None:
         hub.save(self, save_directory)

@@ -61,27 +61,26 @@ def one_line(source) -> Iterator[None]:
         raise FileNotFoundError(f"{source}: no such run folder, nor a selector on the Hub ({first})") from None
 
 
-def load(model_id: str, revision, cache_dir, force_download: bool, local_files_only: bool, token) -> PointerSelector:
-    """A run folder, or a Hub repository's files (from the local cache when offline), read by `load_selector`, in
-    eval mode (as Hub models load); keeps the folder's RUN_FILES to travel with it, and its evaluation of these weights
-    for the model card."""
-    from icl_select.runs import load_selector, read_eval  # runs.py imports model.py, which imports this module
-
+def load(
+    cls: type[PointerSelector], model_id: str, revision, cache_dir, force_download: bool, local_files_only: bool, token
+):
+    """A run folder, or a Hub repository's files (from the local cache when offline), in eval mode (as Hub models
+    load); keeps the folder's RUN_FILES to travel with it, and its evaluation of these weights for the model card."""
     folder = Path(model_id)
     if not folder.is_dir():
         hub = dict(revision=revision, cache_dir=cache_dir, force_download=force_download, token=token)
         files = ["model.json", "model.safetensors", *RUN_FILES]
         folder = Path(snapshot_download(model_id, allow_patterns=files, local_files_only=local_files_only, **hub))
-    model = load_selector(folder)
+    model = cls.load(folder)
     model.run_files = {name: (folder / name).read_bytes() for name in RUN_FILES if (folder / name).is_file()}
     if "config.json" in model.run_files and not isinstance(read_json(folder / "config.json"), dict):
         raise DataError(f"{folder / 'config.json'}: expected a JSON object of the run's settings")
     evaluation = folder / "eval" / "val.json"
     if evaluation.is_file():
-        doc = read_eval(evaluation)
-        if doc.get("selector_sha256") == sha256(folder / "model.safetensors"):
+        doc = read_json(evaluation)
+        if isinstance(doc, dict) and doc.get("selector_sha256") == sha256(folder / "model.safetensors"):
             model.run_eval = doc
-        else:  # training went on after it: its table is not about these weights
+        else:  # training went on after it (or it is no evaluation of these weights): its table is not about them
             print(f"note: {evaluation} evaluated other weights; the model card leaves it out", file=sys.stderr)
     return model.eval()
 

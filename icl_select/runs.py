@@ -18,12 +18,12 @@ import math
 import shutil
 import subprocess
 import sys
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from importlib.metadata import version
 from pathlib import Path
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from tqdm import tqdm
 
 from icl_select import sharding
@@ -41,7 +41,7 @@ from icl_select.files import (
 )
 from icl_select.locks import exclusive
 from icl_select.tracking import open_tracker
-from model import PointerSelector, SelectorConfig
+from model import PointerSelector, load_state_strict, selector_config
 
 
 def new_loop(state: dict | None = None) -> dict:
@@ -387,9 +387,7 @@ def load_selector(source: Path) -> PointerSelector:
     """A selector from a run folder (model.json + model.safetensors) or an epoch checkpoint file."""
     source = Path(source)
     if source.is_dir():
-        model = PointerSelector(read_config(source / "model.json"))
-        load_state_strict(model, read_tensors(source / "model.safetensors"), source / "model.safetensors")
-        return model
+        return PointerSelector.load(source)
     if not source.is_file():
         raise FileNotFoundError(f"{source}: no such run folder or checkpoint")
     model = PointerSelector(selector_config(checkpoint_meta(source).get("config"), f"{source} metadata 'checkpoint'"))
@@ -410,50 +408,6 @@ def check_width(model: PointerSelector, source: Path, data: Path, dim: int) -> N
             f"{settings_file(source)}: field 'dim' is {model.cfg.dim}, but the embeddings of {data} are {dim}-d; "
             "use a selector trained on embeddings of this dataset's encoder"
         )
-
-
-def read_config(path: Path) -> SelectorConfig:
-    """model.json: every field of SelectorConfig, each of its type (int, float or str), and nothing else."""
-    return selector_config(read_json(path), str(path))
-
-
-def selector_config(raw: object, where: str) -> SelectorConfig:
-    """Selector settings read from the file `where`: every field of SelectorConfig, each of its type, nothing else."""
-    if not isinstance(raw, dict):
-        raise DataError(f"{where}: expected a JSON object of selector settings, got {type(raw).__name__}")
-    kinds = {f.name: type(f.default) for f in fields(SelectorConfig)}
-    if set(raw) != set(kinds):
-        missing, unknown = sorted(set(kinds) - set(raw)), sorted(set(raw) - set(kinds))
-        raise DataError(f"{where}: fields missing {missing}, unknown {unknown}; expected {sorted(kinds)}")
-    for name, kind in kinds.items():
-        value = raw[name]
-        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
-            raise DataError(
-                f"{where}: field {name!r} must be {'a number' if kind is float else kind.__name__}, got {value!r}"
-            )
-    if raw["picks"] < 1:
-        raise DataError(f"{where}: field 'picks' must be >= 1, got {raw['picks']}")
-    try:
-        return SelectorConfig(**raw)
-    except ValueError as e:
-        raise DataError(f"{where}: {e}") from None
-
-
-def load_state_strict(model: nn.Module, tensors: dict[str, Tensor], source: Path) -> None:
-    """load_state_dict that names every missing, unexpected or mis-shaped tensor instead of skipping it."""
-    own = model.state_dict()
-    missing = sorted(set(own) - set(tensors))
-    unexpected = sorted(set(tensors) - set(own))
-    shapes = [
-        f"{k}: {tuple(tensors[k].shape)} in file, {tuple(v.shape)} in model"
-        for k, v in own.items()
-        if k in tensors and tensors[k].shape != v.shape
-    ]
-    problems = [f"missing tensors {missing}"] * bool(missing) + [f"unexpected tensors {unexpected}"] * bool(unexpected)
-    problems += [f"shape mismatch {s}" for s in shapes]
-    if problems:
-        raise ValueError(f"{source}: does not match the selector architecture: " + "; ".join(problems))
-    model.load_state_dict(tensors, strict=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
