@@ -14,16 +14,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from huggingface_hub import snapshot_download
+from huggingface_hub import ModelHubMixin, snapshot_download
 from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, HFValidationError
 
 from icl_select.files import DataError, atomic_write_bytes, read_json, sha256
 from icl_select.tables import accuracy_table
-
-if TYPE_CHECKING:
-    from model import PointerSelector
 
 # What of a run folder travels with its selector to the Hub, beside model.safetensors and model.json; and the
 # README.md that push_to_hub uploads (a Jinja template: the Hub mixin fills it in).
@@ -62,7 +58,7 @@ def one_line(source) -> Iterator[None]:
 
 
 def load(
-    cls: type[PointerSelector], model_id: str, revision, cache_dir, force_download: bool, local_files_only: bool, token
+    cls: type[ModelHubMixin], model_id: str, revision, cache_dir, force_download: bool, local_files_only: bool, token
 ):
     """A run folder, or a Hub repository's files (from the local cache when offline), in eval mode (as Hub models
     load); keeps the folder's RUN_FILES to travel with it, and its evaluation of these weights for the model card."""
@@ -85,14 +81,14 @@ def load(
     return model.eval()
 
 
-def save(model: PointerSelector, folder: Path) -> None:
+def save(model: ModelHubMixin, folder: Path) -> None:
     """The kit's two files, and the run's config.json (the Hub route reads it first) and metrics.jsonl."""
     model.save(folder)
     for name, data in model.run_files.items():
         atomic_write_bytes(folder / name, data)
 
 
-def check_run(model: PointerSelector) -> None:
+def check_run(model: ModelHubMixin) -> None:
     """One line where there is no run to share: a pushed selector carries its run's config.json and card."""
     if "config.json" not in (model.run_files or {}):
         raise ValueError(
@@ -101,7 +97,7 @@ def check_run(model: PointerSelector) -> None:
         )
 
 
-def card_facts(model: PointerSelector) -> dict:
+def card_facts(model: ModelHubMixin) -> dict:
     """What CARD says of a selector: its settings, the run that trained it and its accuracy."""
     facts = {"dim": model.cfg.dim, "picks": model.cfg.picks, "run": "", "evaluation": ""}
     facts["settings"] = ", ".join(f"{k}={v}" for k, v in asdict(model.cfg).items())
