@@ -18,10 +18,12 @@ class _NoFlags:
 
 
 def test_cli_error_gets_a_line_of_its_own_after_a_progress_bar(monkeypatch, capsys):
+    problem = "data/x/rl_data.jsonl: line 5: field 'seqs' is missing"
+
     def main(_):
         bar = tqdm(total=10, desc="scoring", mininterval=0)  # a bar held by a variable, as in clip_embed
         bar.update(5)
-        raise ValueError("data/x/rl_data.jsonl: line 5: field 'seqs' is missing")
+        raise ValueError(problem)
 
     monkeypatch.setattr(sys, "argv", ["prog"])
     with pytest.raises(SystemExit) as stop:
@@ -30,7 +32,7 @@ def test_cli_error_gets_a_line_of_its_own_after_a_progress_bar(monkeypatch, caps
     err = capsys.readouterr().err
     assert "scoring" in err  # the bar was drawn ...
     last = err.rstrip("\n").split("\n")[-1].split("\r")[-1]  # ... and the terminal shows the error alone on its line
-    assert last == "error: data/x/rl_data.jsonl: line 5: field 'seqs' is missing"
+    assert last == f"error: {problem}"  # the message as raised, nothing of the bar before it
 
 
 @dataclass

@@ -260,7 +260,7 @@ def test_runs_glob_picks_the_rce_run_as_baseline_ignores_files_and_accepts_any_p
     assert report(Args(runs=[*runs, tmp_path / "rce"], bootstrap=100)) == text  # a folder named twice is read once
     (tmp_path / "seed1").mkdir()
     write_run(tmp_path / "seed1" / "rce", sc)
-    with pytest.raises(ValueError, match="rce and .*seed1/rce share the folder name 'rce'"):
+    with pytest.raises(ValueError, match=r"/rce\b.*/seed1/rce\b.*'rce'"):
         report(Args(runs=[*runs, tmp_path / "seed1" / "rce"]))
     monkeypatch.chdir(tmp_path)
     for spelling in ("./baseline-image-sim/", str(tmp_path / "grpo" / ".." / "baseline-image-sim")):
@@ -358,7 +358,7 @@ def test_training_curves_leave_out_what_never_moves_and_name_the_selected_epoch(
     junk = tmp_path / "junk"
     junk.mkdir()
     text = report(Args(runs=[run, only_train, junk]))
-    assert "junk is not a run folder" in capsys.readouterr().err
+    assert f"{junk} " in capsys.readouterr().err  # warned about, by path
     curve = {(r[0], r[1]): r[2:] for r in cells(text, "| metric | run")}
     # beta never moves (the step record is not an epoch), the advantage std barely: both left out
     assert set(curve) == {("validation reward", "r"), ("training loss", "r"), ("KL to the reference (nats)", "r")}
@@ -400,11 +400,11 @@ def test_out_prints_the_glance_table_and_the_path_and_a_folder_is_refused_before
     assert printed.rstrip().endswith(f"Full report: {tmp_path / 'report.md'}") and "## Paired deltas" in written
     folder = tmp_path / "reports"
     folder.mkdir()
-    with pytest.raises(ValueError, match=rf"--out {folder}: is a folder"):
+    with pytest.raises(ValueError, match=rf"--out {re.escape(str(folder))}\b"):
         main(Args(runs=[tmp_path / "missing"], out=folder))  # refused before any run is read
-    with pytest.raises(ValueError, match="--plot .*report.md: is a file"):
+    with pytest.raises(ValueError, match=r"--plot .*report\.md\b"):
         main(Args(runs=runs, plot=tmp_path / "report.md"))
-    with pytest.raises(ValueError, match="--bootstrap must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"--bootstrap\b.*\b0$"):
         main(Args(runs=runs, bootstrap=0))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "report.md", "reports"]  # no reports.tmp
     assert not any(folder.iterdir())

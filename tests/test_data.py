@@ -3,6 +3,7 @@
 import errno
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -43,6 +44,11 @@ def edit_line(folder, n, fn):
     path.write_text("\n".join(lines) + "\n")
 
 
+# Patterns name the file (and line), the field and the offending value, never the wording around them.
+META = r"meta\.json\b.*"
+LINE3 = r"rl_data\.jsonl line 3\b.*"
+
+
 def expect(folder, pattern):
     with pytest.raises(DataError, match=pattern):
         load_dataset(folder)
@@ -54,32 +60,32 @@ def test_loads_clean_folder(small_data):
 
 
 def test_missing_files_and_versions(folder, tmp_path):
-    expect(tmp_path / "nope", "no such dataset folder")
+    expect(tmp_path / "nope", rf"^{re.escape(str(tmp_path / 'nope'))}:")  # the folder, not a file in it
     meta = json.loads((folder / "meta.json").read_text())
     (folder / "meta.json").write_text(json.dumps({**meta, "format_version": 99}))
-    expect(folder, r"meta.json: field 'format_version' is 99, this kit reads version 2")
+    expect(folder, META + r"'format_version'.*\b99\b.*\b2\b")
     (folder / "meta.json").write_text(json.dumps(meta))
     (folder / "eval_pools.json").unlink()
-    expect(folder, r"eval_pools.json: missing file")
+    expect(folder, r"eval_pools\.json\b")
 
 
 @pytest.mark.parametrize(
     "edit, pattern",
     [
-        (lambda m: m.__setitem__("seq_len", "4"), r"meta.json: field 'seq_len': expected an integer, got '4'"),
-        (lambda m: m.__setitem__("pool_size", 0), r"meta.json: field 'pool_size' is 0, expected an integer >= 1"),
-        (lambda m: m.__setitem__("complete", "yes"), r"meta.json: field 'complete': expected true or false"),
-        (lambda m: m.pop("source"), r"meta.json: field 'source' is missing"),
-        (lambda m: m["sim_config"].__setitem__("band", float("nan")), r"meta.json: field 'sim_config.band' is nan"),
-        (lambda m: m["calibration"].__setitem__("random_1", float("inf")), r"field 'calibration.random_1' is inf"),
-        (lambda m: m["calibration"].__setitem__("random_1", "high"), r"field 'calibration.random_1': expected a num"),
-        (lambda m: m["sim_config"].__setitem__("num_train", 600.0), r"field 'sim_config.num_train': expected an int"),
+        (lambda m: m.__setitem__("seq_len", "4"), META + r"'seq_len'.*'4'"),
+        (lambda m: m.__setitem__("pool_size", 0), META + r"'pool_size'.*\b0\b"),
+        (lambda m: m.__setitem__("complete", "yes"), META + r"'complete'.*'yes'"),
+        (lambda m: m.pop("source"), META + r"'source'"),
+        (lambda m: m["sim_config"].__setitem__("band", float("nan")), META + r"'sim_config\.band'.*\bnan\b"),
+        (lambda m: m["calibration"].__setitem__("random_1", float("inf")), META + r"'calibration\.random_1'.*\binf\b"),
+        (lambda m: m["calibration"].__setitem__("random_1", "high"), META + r"'calibration\.random_1'.*'high'"),
+        (lambda m: m["sim_config"].__setitem__("num_train", 600.0), META + r"'sim_config\.num_train'.*\b600\.0\b"),
         (
             lambda m: m["sim_config"].__setitem__("image_group_probs", 1),
-            r"'sim_config.image_group_probs': expected a l",
+            META + r"'sim_config\.image_group_probs'.*\b1$",
         ),
-        (lambda m: m["sim_config"].__setitem__("typo", 1), r"field 'sim_config.typo' is not a simulator setting"),
-        (lambda m: m.__setitem__("source", "okvqa"), r"field 'prompt_template.icd': expected a string, got None"),
+        (lambda m: m["sim_config"].__setitem__("typo", 1), META + r"'sim_config\.typo'"),
+        (lambda m: m.__setitem__("source", "okvqa"), META + r"'prompt_template\.icd'.*\bNone\b"),
     ],
 )
 def test_bad_meta_fields(folder, edit, pattern):
@@ -94,28 +100,28 @@ def test_truncated_last_line(folder):
     text = path.read_text()
     path.write_text(text + text.splitlines()[0][:50])
     n = len(text.splitlines()) + 1
-    expect(folder, rf"rl_data.jsonl line {n}: truncated last line")
+    expect(folder, rf"rl_data\.jsonl line {n}\b")
     assert len(load_dataset(folder, allow_truncated=True).groups) == n - 1
 
 
 @pytest.mark.parametrize(
     "edit, pattern",
     [
-        (lambda r: r["seqs"][2].__setitem__("icds", [1, 1, 2, 3]), r"line 3: field 'seqs\[2\].icds': id 1 is repeated"),
-        (lambda r: r["seqs"][1].__setitem__("icds", [0, 1, 2, 99]), r"line 3: field 'seqs\[1\].icds': id 99 is out of"),
-        (lambda r: r["pool"].__setitem__(0, 10**6), r"line 3: field 'pool': id 1000000 is out of range"),
-        (lambda r: r.__setitem__("query", r["pool"][0]), r"line 3: field 'pool' contains the query itself"),
-        (lambda r: r["seqs"][0].__setitem__("gt_prob", float("nan")), r"line 3: field 'seqs\[0\].gt_prob'.*finite"),
-        (lambda r: r["seqs"][0].__setitem__("acc", 1.5), r"line 3: field 'seqs\[0\].acc': 1.5 is outside"),
-        (lambda r: r["seqs"][0].__setitem__("acc", float("inf")), r"line 3: field 'seqs\[0\].acc'.*finite"),
-        (lambda r: r["seqs"][0].__setitem__("correct", 0.5), r"line 3: field 'seqs\[0\].correct': expected 0 or 1"),
-        (lambda r: r.pop(ZERO_SHOT), rf"line 3: field '{ZERO_SHOT}' is missing"),
-        (lambda r: r.__setitem__(ZERO_SHOT, float("nan")), rf"line 3: field '{ZERO_SHOT}'.*finite"),
-        (lambda r: r.__setitem__(ZERO_SHOT, "0.5"), rf"line 3: field '{ZERO_SHOT}'.*finite number"),
-        (lambda r: r["seqs"][0].pop("rel"), r"line 3: field 'seqs\[0\].rel' is missing"),
-        (lambda r: r.__setitem__("pool", r["pool"][:3]), r"line 3: field 'pool' has 3 candidates, fewer than the seq"),
-        (lambda r: r["seqs"][0].__setitem__("icds", [0, 1]), r"line 3: field 'seqs\[0\].icds' has 2 picks, expected"),
-        (lambda r: r["seqs"].__setitem__(1, dict(r["seqs"][0])), r"line 3: field 'seqs\[1\].icds' repeats an earlier"),
+        (lambda r: r["seqs"][2].__setitem__("icds", [1, 1, 2, 3]), LINE3 + r"'seqs\[2\]\.icds'.*\b1\b"),
+        (lambda r: r["seqs"][1].__setitem__("icds", [0, 1, 2, 99]), LINE3 + r"'seqs\[1\]\.icds'.*\b99\b"),
+        (lambda r: r["pool"].__setitem__(0, 10**6), LINE3 + r"'pool'.*\b1000000\b"),
+        (lambda r: r.__setitem__("query", r["pool"][0]), LINE3 + r"'pool'"),
+        (lambda r: r["seqs"][0].__setitem__("gt_prob", float("nan")), LINE3 + r"'seqs\[0\]\.gt_prob'.*\bnan\b"),
+        (lambda r: r["seqs"][0].__setitem__("acc", 1.5), LINE3 + r"'seqs\[0\]\.acc'.*\b1\.5\b"),
+        (lambda r: r["seqs"][0].__setitem__("acc", float("inf")), LINE3 + r"'seqs\[0\]\.acc'.*\binf\b"),
+        (lambda r: r["seqs"][0].__setitem__("correct", 0.5), LINE3 + r"'seqs\[0\]\.correct'.*\b0\.5\b"),
+        (lambda r: r.pop(ZERO_SHOT), LINE3 + rf"'{ZERO_SHOT}'"),
+        (lambda r: r.__setitem__(ZERO_SHOT, float("nan")), LINE3 + rf"'{ZERO_SHOT}'.*\bnan\b"),
+        (lambda r: r.__setitem__(ZERO_SHOT, "0.5"), LINE3 + rf"'{ZERO_SHOT}'.*'0\.5'"),
+        (lambda r: r["seqs"][0].pop("rel"), LINE3 + r"'seqs\[0\]\.rel'"),
+        (lambda r: r.__setitem__("pool", r["pool"][:3]), LINE3 + r"'pool'.*\b3\b.*\b4\b"),
+        (lambda r: r["seqs"][0].__setitem__("icds", [0, 1]), LINE3 + r"'seqs\[0\]\.icds'.*\b2\b.*\b4\b"),
+        (lambda r: r["seqs"].__setitem__(1, dict(r["seqs"][0])), LINE3 + r"'seqs\[1\]\.icds'"),
     ],
 )
 def test_bad_rl_data_lines(folder, edit, pattern):
@@ -127,16 +133,16 @@ def test_duplicate_query_line(folder):
     path = folder / "rl_data.jsonl"
     lines = path.read_text().splitlines()
     path.write_text("\n".join(lines + [lines[0]]) + "\n")
-    expect(folder, rf"line {len(lines) + 1}: field 'query': query \d+ already appears on line 1")
+    expect(folder, rf"rl_data\.jsonl line {len(lines) + 1}\b.*'query'.*\bline 1\b")
 
 
 def test_embeddings_must_match_items(folder):
     emb = load_file(folder / "embeddings.safetensors")
     save_file({**emb, "train": emb["train"][:-1]}, folder / "embeddings.safetensors")
-    expect(folder, r"tensor 'train' has shape \(599, 512\), but items.json has 600 'train' items")
+    expect(folder, r"embeddings\.safetensors\b.*'train'.*\(599, 512\).*items\.json.*\b600\b")
     emb["val"][7, 3] = float("inf")
     save_file(emb, folder / "embeddings.safetensors")
-    expect(folder, r"tensor 'val' row 7 contains NaN or inf")
+    expect(folder, r"embeddings\.safetensors\b.*'val'.*\brow 7\b")
 
 
 @pytest.mark.parametrize(
@@ -144,13 +150,13 @@ def test_embeddings_must_match_items(folder):
     [
         (
             lambda it: it["train"][5].__setitem__("image_id", float("nan")),
-            r"field 'train\[5\].image_id': expected an int",
+            r"items\.json\b.*'train\[5\]\.image_id'.*\bnan\b",
         ),
         (
             lambda it: it["val"][2].__setitem__("answers", ["a", 3]),
-            r"field 'val\[2\].answers' must be a non-empty list",
+            r"items\.json\b.*'val\[2\]\.answers'",
         ),
-        (lambda it: it["val"][0].__setitem__("question", None), r"field 'val\[0\].question': expected a string"),
+        (lambda it: it["val"][0].__setitem__("question", None), r"items\.json\b.*'val\[0\]\.question'.*\bNone\b"),
     ],
 )
 def test_bad_items(folder, edit, pattern):
@@ -164,7 +170,7 @@ def test_eval_pools_validated(folder):
     pools = json.loads((folder / "eval_pools.json").read_text())
     pools["pools"][5][0] = pools["pools"][5][1]
     (folder / "eval_pools.json").write_text(json.dumps(pools))
-    expect(folder, r"eval_pools.json: field 'pools\[5\]': id \d+ is repeated")
+    expect(folder, rf"eval_pools\.json\b.*'pools\[5\]'.*\b{pools['pools'][5][0]}\b")
 
 
 @given(seeds, st.sampled_from(REWARD_MODES))
@@ -247,7 +253,7 @@ def test_full_disk_is_one_line_naming_the_file_and_leaves_no_temporary_file(tmp_
         lambda: files.atomic_write_text(target, "new" * 100),
         lambda: files.save_tensors(target, {"x": torch.ones(3)}),
     ):
-        with pytest.raises(files.DiskFull, match=rf"^{target}: the disk is full \(No space left on device\)"):
+        with pytest.raises(files.DiskFull, match=rf"^{re.escape(str(target))}: [^\n]*$"):
             write()
         assert target.read_text() == "old" and list(tmp_path.iterdir()) == [target]
 

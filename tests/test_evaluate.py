@@ -1,6 +1,7 @@
 """evaluate.py on the simulator: file format, nested prefixes, baselines, orders, resume, errors."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -152,10 +153,10 @@ def test_random_seeds_average_and_resume(small_data, tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "kw, pattern",
     [
-        (dict(), "either run folders or --baseline"),
-        (dict(baseline="random", runs=["x"]), "either run folders or --baseline"),
-        (dict(runs=["nowhere"]), "no model.safetensors"),
-        (dict(baseline="random", num_samples=[100000]), "exceeds the 150 val questions"),
+        (dict(), r"--baseline\b"),
+        (dict(baseline="random", runs=["x"]), r"--baseline\b"),
+        (dict(runs=["nowhere"]), r"^nowhere\b.*\bmodel\.safetensors\b"),
+        (dict(baseline="random", num_samples=[100000]), r"--num-samples 100000\b.*\b150\b"),
     ],
 )
 def test_bad_input(small_data, kw, pattern):
@@ -170,13 +171,10 @@ def test_says_which_epoch_it_evaluates_and_never_overwrites_other_settings(small
     capsys.readouterr()
     run_eval(data=small_data, runs=[run])
     best = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["best_epoch"]
-    assert f"{run}: evaluating model.safetensors = epoch {best} (the best on validation); training finished" in (
-        capsys.readouterr().out
-    )
+    said = rf"^{re.escape(str(run))}: .*\bmodel\.safetensors\b.*\bepoch {best}\b"  # the run and the epoch it holds
+    assert re.search(said + r".*\bfinished$", capsys.readouterr().out, re.M)
     before = (run / "eval" / "val.json").read_bytes()
-    with pytest.raises(
-        ValueError, match=r"val\.json holds results made with other settings \(shots: \[1, 2, 3, 4\] there"
-    ):
+    with pytest.raises(ValueError, match=r"eval/val\.json\b.*\bshots\b.*\[1, 2, 3, 4\].*\[1, 2\]"):
         run_eval(data=small_data, runs=[run], shots=[1, 2])
     assert (run / "eval" / "val.json").read_bytes() == before
     run_eval(data=small_data, runs=[run])  # the same settings again: allowed, same file
@@ -186,7 +184,7 @@ def test_says_which_epoch_it_evaluates_and_never_overwrites_other_settings(small
     (run / "metrics.jsonl").write_text("".join(lines[:2]))
     (run / "eval" / "val.json").unlink()
     run_eval(data=small_data, runs=[run])
-    assert "training UNFINISHED: 1 of 2 epochs" in capsys.readouterr().out
+    assert re.search(rf"^{re.escape(str(run))}: .*\bUNFINISHED\b.*\b1 of 2 epochs$", capsys.readouterr().out, re.M)
 
 
 @pytest.fixture(scope="module")
@@ -203,28 +201,26 @@ def copy_run(run, to):
 
 def test_shots_beyond_the_selector_or_the_pools_are_refused_up_front(small_data, run, tmp_path):
     for shots in ([9], [1, 5]):
-        with pytest.raises(ValueError, match=rf"--shots {max(shots)}: this selector makes 4 picks"):
+        with pytest.raises(ValueError, match=rf"--shots {max(shots)}\b.*\b4\b.*model\.json\b.*'picks'"):
             run_eval(data=small_data, runs=[run], shots=shots)
     run_eval(data=small_data, runs=[copy_run(run, tmp_path / "r")], shots=[1, 2])  # a file with other settings
-    with pytest.raises(ValueError, match=r"--shots 5: this selector makes 4 picks"):
+    with pytest.raises(ValueError, match=r"--shots 5\b.*\b4\b.*model\.json\b.*'picks'"):
         run_eval(data=small_data, runs=[tmp_path / "r"], shots=[1, 5])
     # the count is the selector's own (model.json), not the dataset's
     two = copy_run(run, tmp_path / "two")
     config = json.loads((two / "model.json").read_text())
     (two / "model.json").write_text(json.dumps(config | {"picks": 2}))
-    with pytest.raises(
-        ValueError, match=rf"--shots 3: this selector makes 2 picks \({two / 'model.json'}: field 'picks'"
-    ):
+    with pytest.raises(ValueError, match=rf"--shots 3\b.*\b2\b.*{re.escape(str(two / 'model.json'))}\b.*'picks'"):
         run_eval(data=small_data, runs=[two], shots=[1, 3])
     (two / "model.json").write_text(json.dumps({k: v for k, v in config.items() if k != "picks"}))
-    with pytest.raises(ValueError, match=r"two/model\.json: fields missing \['picks'\]"):
+    with pytest.raises(ValueError, match=r"two/model\.json\b.*\['picks'\]"):
         run_eval(data=small_data, runs=[two], shots=[1, 2])
     small = tmp_path / "small-pools"
     shutil.copytree(small_data, small)
     doc = json.loads((small / "eval_pools.json").read_text())
     (small / "eval_pools.json").write_text(json.dumps({**doc, "pools": [p[:3] for p in doc["pools"]]}))
     for b in ("random", "image-sim", "oracle"):
-        with pytest.raises(ValueError, match=r"--shots 4: the val pools of .* hold 3 candidates, fewer than 4"):
+        with pytest.raises(ValueError, match=rf"--shots 4\b.*\bval\b.*{re.escape(str(small))}\b.*\b3\b"):
             run_eval(data=small, baseline=b, out=tmp_path / b)
         assert not (tmp_path / b).exists()
     run_eval(data=small, baseline="zero-shot", out=tmp_path / "zero-shot")  # needs no pool
@@ -244,7 +240,7 @@ def test_progress_left_by_other_weights_is_scored_again(small_data, run, tmp_pat
 
 def test_a_selector_of_other_embeddings_is_one_line_naming_its_model_json(small_data, tmp_path):
     PointerSelector(SelectorConfig(dim=16, hidden=32, num_heads=2)).save(tmp_path / "d16")
-    with pytest.raises(ValueError, match=r"d16/model\.json: field 'dim' is 16, but the embeddings of .* are 512-d"):
+    with pytest.raises(ValueError, match=rf"d16/model\.json\b.*'dim'.*\b16\b.*{re.escape(str(small_data))}.*\b512\b"):
         run_eval(data=small_data, runs=[tmp_path / "d16"])
     assert not (tmp_path / "d16" / "eval").exists()
 
@@ -253,15 +249,15 @@ def test_every_run_is_checked_before_any_evaluation_is_written(small_data, run, 
     a, b = copy_run(run, tmp_path / "a"), copy_run(run, tmp_path / "b")
     (b / "eval").mkdir()
     (b / "eval" / "val.json").write_text("{not json")
-    with pytest.raises(ValueError, match=r"b/eval/val.json: not valid JSON"):
+    with pytest.raises(ValueError, match=r"/b/eval/val\.json\b.*\bJSON\b"):
         run_eval(data=small_data, runs=[a, b])
     assert not (a / "eval" / "val.json").exists() and (b / "eval" / "val.json").read_text() == "{not json"
     (b / "eval" / "val.json").write_text("[1, 2]")  # JSON, but no evaluation: kept as well
-    with pytest.raises(ValueError, match=r"b/eval/val.json: not an evaluation file"):
+    with pytest.raises(ValueError, match=r"/b/eval/val\.json\b.*'results'"):
         run_eval(data=small_data, runs=[a, b])
     (b / "eval" / "val.json").unlink()
     (b / "model.safetensors").write_bytes(b"\0" * 10)  # a damaged selector
-    with pytest.raises(ValueError, match=r"b/model.safetensors"):
+    with pytest.raises(ValueError, match=r"/b/model\.safetensors\b"):
         run_eval(data=small_data, runs=[a, b])
     assert not (a / "eval" / "val.json").exists()
 
@@ -272,17 +268,17 @@ def test_damaged_progress_and_run_files_are_one_line(small_data, run, tmp_path, 
     record = json.loads(lines[3])
     record["shots"][1]["score"] = float("nan")
     partial.write_text("\n".join([*lines[:3], json.dumps(record), *lines[4:]]) + "\n")
-    with pytest.raises(ValueError, match=r"val.json.seed0.rank\*.partial.jsonl: question 2 has a malformed record"):
+    with pytest.raises(ValueError, match=r"val\.json\.seed0\.rank\*\.partial\.jsonl\b.*\bquestion 2\b"):
         run_eval(data=small_data, baseline="random", out=tmp_path / "r", batch_size=20)
     partial.write_text("\n".join([*lines[:3], "[]", *lines[4:]]) + "\n")
-    with pytest.raises(ValueError, match=rf"{partial.name} line 4: expected an object with an integer 'i'"):
+    with pytest.raises(ValueError, match=rf"{re.escape(partial.name)} line 4\b.*'i'"):
         run_eval(data=small_data, baseline="random", out=tmp_path / "r", batch_size=20)
     r = copy_run(run, tmp_path / "run")
     (r / "metrics.jsonl").write_text((r / "metrics.jsonl").read_text() + "[1]\n")
-    with pytest.raises(ValueError, match=r"metrics.jsonl line \d+: .*'epoch'"):
+    with pytest.raises(ValueError, match=r"metrics\.jsonl line \d+\b.*'epoch'"):
         run_eval(data=small_data, runs=[r])
     (r / "metrics.jsonl").write_text((run / "metrics.jsonl").read_text())
     config = json.loads((r / "config.json").read_text())
     (r / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "args"}))
-    with pytest.raises(ValueError, match=r"config.json: .*'args'"):
+    with pytest.raises(ValueError, match=r"config\.json\b.*'args'"):
         run_eval(data=small_data, runs=[r])

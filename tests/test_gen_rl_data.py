@@ -2,6 +2,7 @@
 
 import errno
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -74,7 +75,7 @@ def test_same_seed_byte_identical_and_resume_after_kill(small_data, tmp_path):
     twice = tmp_path / "twice"
     shutil.copytree(small_data, twice)
     (twice / "rl_data.jsonl").write_text("".join(lines + lines[3:7]))
-    with pytest.raises(ValueError, match=r"already appears on line 4 \(two writers\?\); re-run the gen_rl_data.py"):
+    with pytest.raises(ValueError, match=rf"rl_data\.jsonl line {len(lines) + 1}\b.*\bline 4\b.*\bgen_rl_data\.py"):
         load_dataset(twice)
     generate(Args(out=twice, **SMALL))
     assert (twice / "rl_data.jsonl").read_bytes() == (small_data / "rl_data.jsonl").read_bytes()
@@ -85,14 +86,14 @@ def test_different_seed_differs_and_mixing_settings_is_refused(small_data, tmp_p
     generate(Args(out=other, **{**SMALL, "seed": 1}))
     assert (other / "rl_data.jsonl").read_bytes() != (small_data / "rl_data.jsonl").read_bytes()
     before = {p.name: p.read_bytes() for p in other.iterdir()}
-    with pytest.raises(ValueError, match=r"different settings \(group_size: folder has 8, this run 9"):
+    with pytest.raises(ValueError, match=rf"{re.escape(str(other))}\b.*\bgroup_size\b.*\b8\b.*\b9\b"):
         generate(Args(out=other, **{**SMALL, "seed": 1, "group_size": 9}))
     assert {p.name: p.read_bytes() for p in other.iterdir()} == before  # nothing written
 
 
 def test_refuses_foreign_folder(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
-    with pytest.raises(ValueError, match="not a dataset folder"):
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path))}\b.*\bmeta\.json\b"):
         generate(Args(out=tmp_path, **SMALL))
 
 
@@ -120,7 +121,9 @@ def test_report_and_cli_errors(small_data):
         capture_output=True,
         text=True,
     )
-    assert cli.returncode == 2 and cli.stderr.strip() == "error: --seq-len 30 is larger than --pool-size 8"
+    err = cli.stderr.strip()
+    assert cli.returncode == 2 and err.startswith("error: ") and "\n" not in err
+    assert re.search(r"--seq-len 30\b.*--pool-size 8\b", err)
     assert not Path("/nonexistent/x").exists()
 
 
@@ -146,16 +149,16 @@ def test_keeps_a_scratch_folder_it_did_not_make(tmp_path):
     out, build = tmp_path / "d", tmp_path / "d.building"
     build.mkdir()
     (build / "notes.txt").write_text("mine")
-    with pytest.raises(ValueError, match=r"d\.building exists and was not made by gen_rl_data\.py"):
+    with pytest.raises(ValueError, match=r"/d\.building\b.*\bgen_rl_data\.py"):
         generate(Args(out=out, **SMALL))
     assert (build / "notes.txt").read_text() == "mine" and not out.exists()
 
 
 def test_refuses_before_writing_anything(tmp_path):
     out = tmp_path / "d"
-    with pytest.raises(ValueError, match=r"--group-size 30 cannot be drawn: a pool of 4 holds only 24 distinct"):
+    with pytest.raises(ValueError, match=r"--group-size 30\b.*\b4\b.*\b24\b"):
         generate(Args(out=out, **{**SMALL, "pool_size": 4, "seq_len": 3, "group_size": 30}))
-    with pytest.raises(ValueError, match=r"fewer than pool_size=599"):  # each anchor's image holds >= 1 more row
+    with pytest.raises(ValueError, match=r"\bpool_size=599\b"):  # each anchor's image holds >= 1 more row
         generate(Args(out=out, **{**SMALL, "pool_size": 599}))
     assert list(tmp_path.iterdir()) == [tmp_path / ".d.lock"]  # the lock's small file, nothing else
 
@@ -165,7 +168,7 @@ def test_full_disk_leaves_no_half_made_folder(tmp_path, monkeypatch):
         raise files.DiskFull(f"{path}: the disk is full")
 
     monkeypatch.setattr(gen_rl_data, "save_tensors", full)
-    with pytest.raises(files.DiskFull, match=r"d\.building/embeddings\.safetensors: the disk is full"):
+    with pytest.raises(files.DiskFull, match=r"/d\.building/embeddings\.safetensors\b"):
         generate(Args(out=tmp_path / "d", **SMALL))
     assert not (tmp_path / "d").exists() and not (tmp_path / "d.building").exists()
     monkeypatch.undo()
@@ -192,7 +195,7 @@ def test_full_disk_leaves_no_half_made_folder(tmp_path, monkeypatch):
             self.f.flush()
 
     monkeypatch.setattr(sharding, "own_file", lambda path: FillingFile(real_own_file(path)))
-    with pytest.raises(files.DiskFull, match=r"d/rl_data\.jsonl: the disk is full \(No space left on device\)"):
+    with pytest.raises(files.DiskFull, match=r"/d/rl_data\.jsonl\b"):
         generate(Args(out=tmp_path / "d", **SMALL))
     monkeypatch.undo()
     generate(Args(out=tmp_path / "d", **SMALL))
@@ -206,7 +209,7 @@ def test_rerun_of_a_complete_folder_says_so(small_data, tmp_path, capsys):
     capsys.readouterr()
     generate(Args(out=out, **SMALL))
     captured = capsys.readouterr()
-    assert f"{out} is complete (48 anchor queries x 8 sequences" in captured.out and "left as it is" in captured.out
+    assert re.search(rf"^{re.escape(str(out))}\b.*\bcomplete\b.*\b48\b.*\b8\b", captured.out, re.M)
     assert "wrote" not in captured.out and "scoring" not in captured.err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
@@ -225,7 +228,7 @@ def test_world_is_recorded_and_scores_every_later_stage(tmp_path):
     res = s.score("train", g.queries.repeat_interleave(G), icds)
     assert torch.equal(g.fields["gt_prob"], res["gt_prob"].double().view(Q, G))
     assert "| observable |" in report(out, Args())  # the calibration table's ceiling rows
-    with pytest.raises(ValueError, match=r"sim_config\.world: folder has 'copy', this run 'additive'"):
+    with pytest.raises(ValueError, match=r"\bsim_config\.world\b.*'copy'.*'additive'"):
         generate(Args(out=out, **SMALL))
 
 
@@ -235,7 +238,7 @@ def test_a_folder_without_a_world_field_is_refused_in_one_line(small_data, tmp_p
     meta = json.loads((out / "meta.json").read_text())
     del meta["sim_config"]["world"]
     (out / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(DataError, match=r"meta.json: field 'sim_config.world' is missing"):
+    with pytest.raises(DataError, match=r"meta\.json\b.*'sim_config\.world'"):
         generate(Args(out=out, **SMALL))
 
 
@@ -246,5 +249,6 @@ def test_bad_sim_set_is_one_line():
         capture_output=True,
         text=True,
     )
-    assert cli.returncode == 2
-    assert cli.stderr.strip() == "error: --sim-set: SimConfig.gain_decay must be in [0, 1], got 1.5"
+    err = cli.stderr.strip()
+    assert cli.returncode == 2 and err.startswith("error: ") and "\n" not in err
+    assert re.search(r"--sim-set\b.*\bgain_decay\b.*\b1\.5$", err)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import shutil
 import threading
 from collections import Counter
@@ -479,7 +480,7 @@ def test_score_postprocesses_generations(backend, items, monkeypatch):
 
 
 def test_score_rejects_bad_shapes(backend):
-    with pytest.raises(ValueError, match="expected queries"):
+    with pytest.raises(ValueError, match=r"\bqueries\b.*\bicds\b.*\(2,\), \(1, 1\)$"):
         backend.score("val", torch.tensor([0, 1]), torch.tensor([[0]]))
 
 
@@ -525,11 +526,11 @@ def test_clip_embed_matches_the_model(assets, items):
 
 
 def test_load_lvlm_unknown_model(tmp_path):
-    with pytest.raises(ValueError, match=r"^model folder .*/no/such/model does not exist$"):
-        load_lvlm(str(tmp_path / "no" / "such" / "model"))
-    with pytest.raises(
-        ValueError, match=r"nor in the local Hugging Face cache.*`hf download no-such-org/no-such-model`"
-    ):
+    missing = tmp_path / "no" / "such" / "model"
+    with pytest.raises(ValueError, match=re.escape(str(missing))) as e:
+        load_lvlm(str(missing))
+    assert "\n" not in str(e.value) and "hf download" not in str(e.value)  # a path: no download would help
+    with pytest.raises(ValueError, match=r"'no-such-org/no-such-model'.*`hf download no-such-org/no-such-model`"):
         load_lvlm("no-such-org/no-such-model", cache_dir=tmp_path)
 
 
@@ -559,15 +560,15 @@ def test_processor_folders_saved_by_transformers_5_load_and_encode_alike(assets,
 
 def test_processor_folder_that_nothing_loads_is_one_line(assets, tmp_path):
     folder = saved_processor_folder(assets, tmp_path, None)
-    reasons = r"\(AutoProcessor: .*; ImageOnlyQwen2_5_VLProcessor: Can't load image processor for '[^']*'\)$"
-    with pytest.raises(ValueError, match=r"no image\+text processor loads " + reasons):
+    loaders = r"\bAutoProcessor\b.*\bImageOnlyQwen2_5_VLProcessor\b.*$"  # each loader's reason, on the one line
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(folder))}\b.*" + loaders):
         load_lvlm(str(folder), device="cpu")
 
 
 def test_load_lvlm_rejects_other_models(assets):
-    with pytest.raises(ValueError, match="Qwen2ForCausalLM.*not an image-text-to-text model"):
+    with pytest.raises(ValueError, match=r"\bQwen2ForCausalLM\b.*\bAutoModelForImageTextToText\b"):
         load_lvlm(str(assets["text_lm"]))
-    with pytest.raises(ValueError, match="does not hold a loadable transformers model config"):
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(assets['okvqa']))}: .*\bconfig\b"):
         load_lvlm(str(assets["okvqa"]))
 
 
@@ -602,7 +603,7 @@ def test_self_check_stops_a_fast_path_that_disagrees(assets, items, monkeypatch)
     b = LVLMBackend(str(assets["qwen"]), items, batch_size=4, max_new_tokens=4, device="cpu")
     naive = lambda ids, kwargs: torch.arange(ids.shape[1]).expand(3, *ids.shape)  # noqa: E731
     monkeypatch.setattr(b.model, "_prepare_position_ids_for_generation", naive)
-    with pytest.raises(ValueError, match=r"disagrees with plain transformers on 8 prompts .* --skip-self-check"):
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(assets['qwen']))}: .*\b8\b.*--skip-self-check\b"):
         b.self_check()
 
 
@@ -614,5 +615,5 @@ def test_model_without_chat_template_is_one_line(assets, tmp_path):
     (folder / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "chat_template"}))
     for extra in folder.glob("chat_template.jinja"):
         extra.unlink()
-    with pytest.raises(ValueError, match=r"has no chat template .*instruct or chat version"):
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(folder))} .*\bchat_template\.jinja\b"):
         load_lvlm(str(folder), device="cpu")

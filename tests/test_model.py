@@ -235,11 +235,11 @@ def test_tensors_that_do_not_fit_together_fail_a_shape_assert():
     good = torch.tensor([[[0, 1], [1, 2]], [[0, 1], [2, 3]]])
     model.log_probs(q, pool, mask, good, smask)
     for args, pattern in (
-        ((q[:, :4], pool, mask, good, smask), r"query \(B, d\) and pool \(B, K, d\), got \(2, 4\) and \(2, 5, 12\)"),
-        ((q, pool, mask.float(), good, smask), r"bool pool_mask \(2, 5\), got torch\.float32 \(2, 5\)"),
-        ((q, pool, mask, good[:, :, 0], smask), r"long seqs \(B=2, G, S\), got torch\.int64 \(2, 2\)"),
-        ((q, pool, mask, good.int(), smask), r"long seqs \(B=2, G, S\), got torch\.int32 \(2, 2, 2\)"),
-        ((q, pool, mask, good, smask[:, :1]), r"bool seq_mask \(2, 2\), got torch\.bool \(2, 1\)"),
+        ((q[:, :4], pool, mask, good, smask), r"\bquery\b.*\bpool\b.*\(2, 4\).*\(2, 5, 12\)$"),
+        ((q, pool, mask.float(), good, smask), r"\bpool_mask\b.*torch\.float32 \(2, 5\)$"),
+        ((q, pool, mask, good[:, :, 0], smask), r"\bseqs\b.*torch\.int64 \(2, 2\)$"),
+        ((q, pool, mask, good.int(), smask), r"\bseqs\b.*torch\.int32 \(2, 2, 2\)$"),
+        ((q, pool, mask, good, smask[:, :1]), r"\bseq_mask\b.*torch\.bool \(2, 1\)$"),
     ):
         with pytest.raises(AssertionError, match=pattern):
             model.log_probs(*args)
@@ -248,9 +248,9 @@ def test_tensors_that_do_not_fit_together_fail_a_shape_assert():
         lambda *a: model.sample(*a, 2, 3),
         lambda *a: model.beam_search(*a, 2, 3),
     ):
-        with pytest.raises(AssertionError, match=r"pool \(B, K, d\), got \(2, 12\) and \(5, 12\)"):
+        with pytest.raises(AssertionError, match=r"\bpool\b.*\(2, 12\).*\(5, 12\)$"):
             decode(q, pool[0], mask)
-    with pytest.raises(ValueError, match="divisible"):
+    with pytest.raises(ValueError, match=r"\bhidden=10\b.*\bnum_heads=4\b"):
         SelectorConfig(hidden=10, num_heads=4)
 
 
@@ -279,14 +279,14 @@ def test_pick_order_maps_picks_to_prompts_and_back(seed, S):
 
 
 def test_pick_order_is_validated_and_model_json_must_name_every_setting(tmp_path):
-    with pytest.raises(ValueError, match="pick_order"):
+    with pytest.raises(ValueError, match=r"\bpick_order\b.*'backwards'"):
         SelectorConfig(pick_order="backwards")
     model = make_model(0)
     model.save(tmp_path)
     raw = json.loads((tmp_path / "model.json").read_text())
     del raw["pick_order"]  # read as a default, it would silently change how the picks become a prompt
     (tmp_path / "model.json").write_text(json.dumps(raw))
-    with pytest.raises(ValueError, match=r"model\.json.*missing \['pick_order'\]"):
+    with pytest.raises(ValueError, match=r"model\.json\b.*\['pick_order'\]"):
         load_selector(tmp_path)
 
 
@@ -298,9 +298,9 @@ def test_model_json_records_the_pick_count_and_the_weights_do_not_depend_on_it(t
     assert (tmp_path / "2" / "model.safetensors").read_bytes() == (tmp_path / "4" / "model.safetensors").read_bytes()
     raw = json.loads((tmp_path / "2" / "model.json").read_text())
     for edit, pattern in (
-        ({k: v for k, v in raw.items() if k != "picks"}, r"2/model\.json: fields missing \['picks'\]"),
-        (raw | {"picks": 0}, r"2/model\.json: field 'picks' must be >= 1, got 0"),
-        (raw | {"picks": 2.0}, r"2/model\.json: field 'picks' must be int, got 2\.0"),
+        ({k: v for k, v in raw.items() if k != "picks"}, r"2/model\.json\b.*\['picks'\]"),
+        (raw | {"picks": 0}, r"2/model\.json\b.*'picks'.*\b0$"),
+        (raw | {"picks": 2.0}, r"2/model\.json\b.*'picks'.*\b2\.0$"),
     ):
         (tmp_path / "2" / "model.json").write_text(json.dumps(edit))
         with pytest.raises(ValueError, match=pattern):

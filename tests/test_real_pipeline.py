@@ -1,6 +1,7 @@
 """The whole pipeline on the real backend: tiny random-weight Qwen2.5-VL + CLIP built offline, OK-VQA-format files."""
 
 import json
+import re
 
 import pytest
 
@@ -61,7 +62,7 @@ def test_dataset_folder_records_the_real_backend(data, assets, monkeypatch):
 
 def test_train_evaluate_compare(data, assets, tmp_path):
     small = dict(data=data, epochs=1, batch_size=4, val_frac=0.25)
-    with pytest.raises(ValueError, match="every group's sequences share one hard_plus_soft reward"):
+    with pytest.raises(ValueError, match=r"--quality varied\b.*\bhard_plus_soft\b.*--quality all\b"):
         rce.main(rce.Args(out=tmp_path / "flat", hidden=32, num_heads=2, **small))  # a random LVLM ties them all
     rce.main(rce.Args(out=tmp_path / "rce", hidden=32, num_heads=2, quality="all", **small))
     grpo.main(grpo.Args(init=tmp_path / "rce", out=tmp_path / "grpo", **small))
@@ -99,9 +100,9 @@ def test_moved_data_root_and_corrupt_image(assets, tmp_path, monkeypatch):
     evaluate.main(evaluate.Args(out=tmp_path / "a", **ev))
     orig.rename(moved)  # the dataset moved: its recorded image paths are gone
     lvlm.DECODED_IMAGES.clear()
-    with pytest.raises(
-        ValueError, match=r"images that evaluating 4 val questions of .* reads are unreadable: .*not found"
-    ):
+    # the question count, the split, the dataset and a missing image under the old root
+    gone = rf"\b4\b.*\bval\b.*{re.escape(str(data))}\b.*{re.escape(str(orig))}/\S+ \(not found\)"
+    with pytest.raises(ValueError, match=gone):
         evaluate.main(evaluate.Args(out=tmp_path / "b", **ev))
     assert not (tmp_path / "b").exists()
     evaluate.main(evaluate.Args(out=tmp_path / "b", data_root=moved, **ev))
@@ -114,11 +115,11 @@ def test_moved_data_root_and_corrupt_image(assets, tmp_path, monkeypatch):
     assert str(broken) in pool_images
     with (
         monkeypatch.context() as m,
-        pytest.raises(ValueError, match=rf"1 of the images .* unreadable: .*{broken.name}"),
+        pytest.raises(ValueError, match=rf"^1\b.*{re.escape(str(broken))}\b"),
     ):
         m.setattr(evaluate, "open_backend", lambda *a, **k: pytest.fail("the LVLM was loaded before the image check"))
         evaluate.main(evaluate.Args(out=tmp_path / "c", data_root=moved, **ev))
-    with pytest.raises(ValueError, match=f"{broken.name}: not a readable image"):
+    with pytest.raises(ValueError, match=rf"{re.escape(str(broken))}\b"):
         generate(gen_args(assets, tmp_path / "new", data_root=moved))
     assert not (tmp_path / "new").exists() and not (tmp_path / "new.building").exists()
 
@@ -162,7 +163,7 @@ def test_fast_path_that_disagrees_stops_before_anything_is_written(assets, tmp_p
 
     monkeypatch.setattr(lvlm.LVLMBackend, "run", drifting)
     out = tmp_path / "drift"
-    with pytest.raises(ValueError, match=r"disagrees with plain transformers .*log P\(reply\) off by up to 0.693"):
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(assets['qwen']))}: .*\b0\.693\b.*--skip-self-check\b"):
         generate(gen_args(assets, out))
     assert not out.exists() and not (tmp_path / "drift.building").exists()
     generate(gen_args(assets, out, skip_self_check=True, num_queries=2))

@@ -5,6 +5,7 @@ import errno
 import io
 import json
 import os
+import re
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -308,9 +309,9 @@ def test_default_out_names(small_data):
     [
         (dict(kl_beta=-0.1), r"--kl-beta.*-0\.1"),
         (dict(epsilon=0.0), r"--epsilon.*0\.0"),
-        (dict(val_frac=0.001), r"--val-frac 0\.001.*leaves 0"),
+        (dict(val_frac=0.001), r"--val-frac 0\.001\b.*\b0\b"),
         (dict(init="missing-run"), "missing-run"),
-        (dict(quality="high", require_positive=True, data="tiny"), "no training query passes|tiny"),
+        (dict(quality="high", require_positive=True, data="tiny"), r"--quality high --require-positive\b"),
     ],
 )
 def test_grpo_bad_input_fails_before_any_work(small_data, rce_run, tmp_path, change, pattern):
@@ -332,13 +333,13 @@ def test_init_architecture_mismatch_names_tensor(small_data, tmp_path):
     PointerSelector(SelectorConfig(dim=512, hidden=32, num_heads=2)).save(tmp_path / "small")
     cfg = json.loads((tmp_path / "small" / "model.json").read_text())
     (tmp_path / "small" / "model.json").write_text(json.dumps(cfg | {"hidden": 64}))
-    with pytest.raises(ValueError, match=r"in_proj.weight: \(32, 512\) in file, \(64, 512\) in model"):
+    with pytest.raises(ValueError, match=r"\bin_proj\.weight\b.*\(32, 512\).*\(64, 512\)"):
         grpo.main(grpo.Args(data=small_data, init=tmp_path / "small", out=tmp_path / "o", epochs=1, **FAST))
     # rce.py and grpo.py --init: the selector's settings file and field
     PointerSelector(SelectorConfig(dim=16, hidden=32, num_heads=2)).save(tmp_path / "d16")
     for stage in (rce, grpo):
         with pytest.raises(
-            ValueError, match=rf"d16/model\.json: field 'dim' is 16, but the embeddings of {small_data} are 512"
+            ValueError, match=rf"d16/model\.json\b.*'dim'.*\b16\b.*{re.escape(str(small_data))}.*\b512\b"
         ):
             stage.main(stage.Args(data=small_data, init=tmp_path / "d16", out=tmp_path / "r", epochs=1, **FAST))
         assert not (tmp_path / "r").exists()
@@ -436,10 +437,10 @@ def test_bad_run_files_and_unwritable_folders_are_one_line(small_data, rce_run, 
     shutil.copytree(rce_run, run)
     config = json.loads((run / "config.json").read_text())
     (run / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "args"}))
-    with pytest.raises(ValueError, match=r"config\.json: field 'args' is missing"):
+    with pytest.raises(ValueError, match=r"config\.json\b.*'args'"):
         rce.main(rce.Args(data=small_data, out=run, epochs=3, **FAST))
     (run / "config.json").write_text("{")
-    with pytest.raises(ValueError, match=r"config\.json: not valid JSON"):
+    with pytest.raises(ValueError, match=r"config\.json\b.*\bJSON\b"):
         rce.main(rce.Args(data=small_data, out=run, epochs=3, **FAST))
     # an output folder that cannot be written (here: its parent is a file) is one line on the command line
     blocker = tmp_path / "file"
@@ -517,7 +518,7 @@ def test_a_full_disk_while_a_run_is_set_up_is_one_line_naming_the_file_and_leave
     out = tmp_path / "rce"
     disk_full_for(monkeypatch, Path(name).name)
     code, last = rce_cli(monkeypatch, capsys, small_data, out, 1)
-    assert code == 2 and last.startswith(f"error: {out / name}: the disk is full (No space left on device)")
+    assert code == 2 and last.startswith(f"error: {out / name}: ")
     assert not out.exists()
 
 
@@ -526,7 +527,7 @@ def test_a_full_disk_after_the_first_checkpoint_leaves_a_run_that_resumes(small_
     with monkeypatch.context() as m:
         disk_full_for(m, "epoch_002.safetensors")
         code, last = rce_cli(m, capsys, small_data, out, 2)
-    assert code == 2 and last.startswith(f"error: {out / 'ckpt' / 'epoch_002.safetensors'}: the disk is full")
+    assert code == 2 and last.startswith(f"error: {out / 'ckpt' / 'epoch_002.safetensors'}: ")
     assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["epoch_001.safetensors"]
     assert rce_cli(monkeypatch, capsys, small_data, out, 2) == (0, "")  # space freed: the same command finishes it
     assert [r["epoch"] for r in records(out)] == [0, 1, 2] and (out / "ckpt" / "epoch_002.safetensors").is_file()
@@ -554,7 +555,7 @@ def test_resume_may_change_epochs_only_where_the_schedule_continues(small_data, 
     assert (part / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
     config = json.loads((part / "config.json").read_text())
     assert config["args"]["epochs"] == 3 and config["epochs_changed"] == [{"from": 2, "to": 3, "after_epoch": 2}]
-    with pytest.raises(ValueError, match=r"--epochs 3.*trained 3.*--epochs 2"):
+    with pytest.raises(ValueError, match=r"--epochs 3\b.*\b3\b.*--epochs 2\b"):
         grpo.main(grpo.Args(out=part, epochs=2, **common))
     cosine = tmp_path / "cos"
     grpo.main(grpo.Args(out=cosine, epochs=1, lr_schedule="cosine", **common))
@@ -639,11 +640,11 @@ def test_report_to_a_missing_package_stops_before_any_work(small_data, tmp_path,
 @pytest.mark.parametrize(
     "stage, flags, pattern",
     [
-        ("rce", {"temp_start": float("nan")}, r"--temp-start and --temp-end must be finite and > 0, got nan"),
-        ("rce", {"lr": float("nan")}, r"--lr must be a finite number, got nan"),
-        ("grpo", {"online": True, "temperature": float("inf")}, r"--temperature must be a finite number, got inf"),
-        ("grpo", {"kl_beta": float("inf")}, r"--kl-beta must be a finite number, got inf"),
-        ("grpo", {"online": True, "reward_mode": "info_score"}, r"info_score needs each query's zero-shot"),
+        ("rce", {"temp_start": float("nan")}, r"--temp-start\b.*--temp-end\b.*\bnan\b"),
+        ("rce", {"lr": float("nan")}, r"--lr\b.*\bnan$"),
+        ("grpo", {"online": True, "temperature": float("inf")}, r"--temperature\b.*\binf$"),
+        ("grpo", {"kl_beta": float("inf")}, r"--kl-beta\b.*\binf$"),
+        ("grpo", {"online": True, "reward_mode": "info_score"}, r"--reward-mode info_score\b.*\bhard_plus_gtprob\b"),
     ],
 )
 def test_non_finite_or_unusable_flags_are_refused_before_any_work(small_data, rce_run, tmp_path, stage, flags, pattern):
@@ -663,7 +664,7 @@ def test_a_stray_file_among_the_checkpoints_is_named_and_epochs_sort_by_number(t
         (tmp_path / "ckpt" / f"epoch_{epoch:03d}.safetensors").touch()
     assert list(checkpoints(tmp_path)) == [7, 999, 1000]
     (tmp_path / "ckpt" / "epoch_abc.safetensors").touch()
-    with pytest.raises(ValueError, match=r"ckpt/epoch_abc\.safetensors: not an epoch checkpoint"):
+    with pytest.raises(ValueError, match=r"ckpt/epoch_abc\.safetensors\b"):
         checkpoints(tmp_path)
 
 
@@ -676,12 +677,14 @@ def test_a_damaged_last_checkpoint_falls_back_to_the_one_before(small_data, rce_
     last = out / "ckpt/epoch_003.safetensors"
     last.write_bytes(last.read_bytes()[: len(last.read_bytes()) // 2] if damage == "half" else damage)
     rce.main(rce.Args(data=small_data, out=out, epochs=3, **FAST))
-    assert "epoch_003.safetensors is damaged" in capsys.readouterr().err
+    assert re.search(r"\bepoch_003\.safetensors\b.*\bdamaged\b", capsys.readouterr().err)
     for name in ("model.safetensors", "ckpt/epoch_003.safetensors", "metrics.jsonl"):
         assert (out / name).read_bytes() == (rce_run / name).read_bytes(), name
     for path in (out / "ckpt").glob("*.safetensors"):
         path.write_bytes(b"")
-    with pytest.raises(ValueError, match=r"every epoch checkpoint of .* is damaged"):
+    with pytest.raises(
+        ValueError, match=rf"{re.escape(str(out))}\b.*\bepoch_001\.safetensors\b.*\bepoch_003\.safetensors\b"
+    ):
         rce.main(rce.Args(data=small_data, out=out, epochs=3, **FAST))
 
 

@@ -4,6 +4,7 @@ clear error per kind of broken file. The OK-VQA-format fixture is built offline 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -41,9 +42,9 @@ def _docs(root: Path) -> tuple[dict, dict]:
 
 
 def test_vqa_data_missing_file(assets, tmp_path):
-    with pytest.raises(ValueError, match=r"questions file not found: .*nope\.json"):
+    with pytest.raises(ValueError, match=rf"\bquestions\b.*{re.escape(str(tmp_path / 'nope.json'))}$"):
         load_vqa_split("okvqa", assets["okvqa"], "train", questions_file=tmp_path / "nope.json")
-    with pytest.raises(ValueError, match=r"annotations file not found: .*v2_mscoco_val2014_annotations\.json"):
+    with pytest.raises(ValueError, match=r"\bannotations\b.*/v2_mscoco_val2014_annotations\.json$"):
         shutil.copy(assets["okvqa"] / "OpenEnded_mscoco_val2014_questions.json", tmp_path / "q.json")
         load_vqa_split("vqav2", tmp_path, "val", questions_file="q.json")
 
@@ -51,12 +52,12 @@ def test_vqa_data_missing_file(assets, tmp_path):
 def test_vqa_data_bad_json_and_missing_field(assets, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"questions": [')
-    with pytest.raises(ValueError, match=r"bad\.json is not valid JSON"):
+    with pytest.raises(ValueError, match=r"/bad\.json\b.*\bJSON\b"):
         load_vqa_split("okvqa", assets["okvqa"], "train", questions_file=bad)
     q, _ = _docs(assets["okvqa"])
     del q["questions"][2]["question"]
     path = _write_json(tmp_path / "q.json", q)
-    with pytest.raises(ValueError, match=r"q\.json: questions\[2\] lacks field\(s\) question"):
+    with pytest.raises(ValueError, match=r"/q\.json\b.*\bquestions\[2\].*\bquestion$"):
         load_vqa_split("okvqa", assets["okvqa"], "train", questions_file=path)
 
 
@@ -64,14 +65,12 @@ def test_vqa_data_unannotated_and_mismatched_ids(assets, tmp_path):
     q, a = _docs(assets["okvqa"])
     kept = _write_json(tmp_path / "a_missing.json", {"annotations": a["annotations"][6:]})
     first = ", ".join(str(x["question_id"]) for x in a["annotations"][:5])
-    with pytest.raises(ValueError, match=rf"no annotation for 6 question\(s\).*ids {first} \(and 1 more\)"):
+    with pytest.raises(ValueError, match=rf"/a_missing\.json\b.*\b6\b.*\b{first}\b.*\b1\b"):
         load_vqa_split("okvqa", assets["okvqa"], "train", annotations_file=kept)
     a["annotations"][4]["image_id"] = 1
     moved = _write_json(tmp_path / "a_moved.json", a)
     qid = a["annotations"][4]["question_id"]
-    with pytest.raises(
-        ValueError, match=rf"image ids differ .* 1 question\(s\): {qid} \(question image \d+, annotation image 1\)"
-    ):
+    with pytest.raises(ValueError, match=rf"/a_moved\.json\b.*\b1\b.*\b{qid}\b.*\b1\b"):
         load_vqa_split("okvqa", assets["okvqa"], "train", annotations_file=moved)
 
 
@@ -80,7 +79,7 @@ def test_vqa_data_missing_images(assets, tmp_path):
     gone = sorted(images.iterdir())[:2]
     for path in gone:
         path.unlink()
-    with pytest.raises(ValueError, match=r"2 image file\(s\) of okvqa train missing") as err:
+    with pytest.raises(ValueError, match=r"^2\b.*\bokvqa train\b") as err:
         load_vqa_split("okvqa", assets["okvqa"], "train", image_dir=images)
     assert all(str(path) in str(err.value) for path in gone)
 
@@ -137,5 +136,5 @@ def test_parquet_export_without_a_needed_column_is_one_line(tmp_path):
 
     (tmp_path / "data").mkdir()
     datasets.Dataset.from_dict({"question": ["a?"], "question_id": [1]}).to_parquet(tmp_path / "data" / "train.parquet")
-    with pytest.raises(ValueError, match=r"okvqa train .*lack column\(s\) answers, image"):
+    with pytest.raises(ValueError, match=r"\bokvqa train\b.*\banswers, image\b"):
         load_vqa_split("okvqa", tmp_path, "train")

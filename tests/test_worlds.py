@@ -335,15 +335,15 @@ def test_scoring_within_one_and_a_half_times_the_additive_time():
 @pytest.mark.parametrize(
     ("pairs", "match"),
     [
-        (["gain_decay=2"], r"SimConfig\.gain_decay must be in \[0, 1\], got 2\.0"),
-        (["copy_weight=-1"], r"SimConfig\.copy_weight must be in \[0, inf\), got -1\.0"),
-        (["help_base=nan"], r"SimConfig\.help_base must be in \(-inf, inf\), got nan"),
-        (["answer_type_probs=0.5,0.5"], r"SimConfig\.answer_type_probs needs 4 entries, got 2"),
-        (["typo=1"], r"'typo=1': 'typo' is not a parameter of sim\.SimConfig"),
-        (["band"], r"'band' is not FIELD=VALUE"),
-        (["dim=6.5"], r"'dim=6\.5': dim takes an integer, got '6\.5'"),
-        (["seed=1"], r"'seed=1': set seed with --seed"),
-        (["world=copy"], r"'world=copy': set world with --world"),
+        (["gain_decay=2"], r"\bSimConfig\.gain_decay\b.*\b2\.0$"),
+        (["copy_weight=-1"], r"\bSimConfig\.copy_weight\b.*-1\.0$"),
+        (["help_base=nan"], r"\bSimConfig\.help_base\b.*\bnan$"),
+        (["answer_type_probs=0.5,0.5"], r"\bSimConfig\.answer_type_probs\b.*\b4\b.*\b2$"),
+        (["typo=1"], r"^'typo=1': 'typo'.*\bsim\.SimConfig$"),
+        (["band"], r"^'band'.*\bFIELD=VALUE$"),
+        (["dim=6.5"], r"^'dim=6\.5': .*\bdim\b.*'6\.5'$"),
+        (["seed=1"], r"^'seed=1': .*--seed\b"),
+        (["world=copy"], r"^'world=copy': .*--world\b"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_field(pairs, match):
@@ -357,16 +357,16 @@ def test_settings_take_their_fields_types_and_override_the_world():
     cfg = sim.world_config("order", **got)
     assert (cfg.world, cfg.primacy, cfg.neighbour, cfg.dim, cfg.help_pair) == ("order", 0.9, 0.3, 64, 1.0)
     assert not cfg.additive and sim.world_config("order", primacy=0, neighbour=0).additive
-    with pytest.raises(ValueError, match="unknown world 'nope'"):
+    with pytest.raises(ValueError, match=r"'nope'.*\badditive\b"):
         sim.world_config("nope")
 
 
 @pytest.mark.parametrize(
     ("edit", "match"),
     [
-        (lambda c: c.__setitem__("world", 3), r"field 'sim_config\.world': expected a string, got 3"),
-        (lambda c: c.__setitem__("world", "nope"), r"field 'sim_config': SimConfig\.world must be one of"),
-        (lambda c: c.__setitem__("gain_decay", 1.5), r"field 'sim_config': SimConfig\.gain_decay must be in \[0, 1\]"),
+        (lambda c: c.__setitem__("world", 3), r"meta\.json\b.*'sim_config\.world'.*\b3$"),
+        (lambda c: c.__setitem__("world", "nope"), r"meta\.json\b.*'sim_config'.*\bSimConfig\.world\b.*'nope'$"),
+        (lambda c: c.__setitem__("gain_decay", 1.5), r"meta\.json\b.*'sim_config'.*\bSimConfig\.gain_decay\b.*\b1\.5$"),
     ],
 )
 def test_meta_json_world_is_validated(small_data, tmp_path, edit, match):
