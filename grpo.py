@@ -210,6 +210,10 @@ def budget_plan(budget: int, epochs: int | None, step_calls: int, val_calls: int
             f"calls and {e + 1} validations of up to {val_calls} calls, {e * group + (e + 1) * val_calls} in all"
         )
     per_epoch = -(-steps // e)
+    while epochs is not None and (used := -(-steps // per_epoch)) < e:  # the last epochs came out empty: their
+        e, train = used, budget - (used + 1) * val_calls  # validations are not needed, so they fund more steps
+        steps = train // step_calls + (train % step_calls >= group)
+        per_epoch = -(-steps // e)
     return Plan(-(-steps // per_epoch), steps, per_epoch, val_calls)
 
 

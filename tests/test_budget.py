@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import grpo
@@ -98,6 +98,7 @@ def test_budget_too_small_for_one_step_and_its_validations_is_refused(small_data
     val=st.integers(0, 2000),
     natural=st.integers(1, 40),
 )
+@example(budget=2765, epochs=14, batch=1, group=21, val=1, natural=1)  # 130 steps fill 13 epochs of 10, not 14
 def test_budget_plan_fits_its_worst_case_in_the_budget(budget, epochs, batch, group, val, natural):
     try:
         plan = grpo.budget_plan(budget, epochs, batch * group, val, group, natural)
