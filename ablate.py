@@ -36,17 +36,15 @@ from icl_select.tables import md_table
 
 
 def on_budget(**flags) -> tuple[str, dict, str]:
-    """Online GRPO on a budget of 35k LVLM calls with `flags`, against the budgeted run with the defaults."""
-    return "grpo", {"online": True, "lvlm_budget": 35000, **flags}, "online, budget 35k"
+    """Online GRPO on a budget of 35k LVLM calls as `grpo.py --online --lvlm-budget 35000` runs it (replay on, as a
+    budget that cuts the default run short sets it), with `flags`, against that run alone."""
+    replay = grpo.BUDGET_DEFAULTS["replay_steps"]
+    return "grpo", {"online": True, "lvlm_budget": 35000, "replay_steps": replay, **flags}, "online, budget 35k"
 
 
-def on_replay(**flags) -> tuple[str, dict, str]:
-    """Online GRPO on a budget of 35k LVLM calls with --replay-steps 4 and `flags`, against that run alone."""
-    return (
-        "grpo",
-        {"online": True, "lvlm_budget": 35000, "replay_steps": 4, **flags},
-        "online, budget 35k, replay 4 steps",
-    )
+def no_replay(**flags) -> tuple[str, dict, str]:
+    """Online GRPO on a budget of 35k LVLM calls without replay, with `flags`, against that run alone."""
+    return "grpo", {"online": True, "lvlm_budget": 35000, "replay_steps": 0, **flags}, "online, budget 35k, no replay"
 
 
 # name -> (stage, flags, reference). GRPO variants start from the default RCE run of their seed unless they name
@@ -69,28 +67,28 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
     "online, group size 32": ("grpo", {"online": True, "group_size": 32}, "online"),
     "online, picks in prompt order": ("grpo", {"online": True, "init": "rce, picks in prompt order"}, "online"),
     "offline": ("grpo", {}, "online"),
-    "online, budget 35k": ("grpo", {"online": True, "lvlm_budget": 35000}, "online"),
-    "online, budget 35k, lr 3e-3 linear decay": on_budget(lr=3e-3, lr_schedule="linear"),
-    "online, budget 35k, 4 iterations per batch": on_budget(num_iterations=4),
-    "online, budget 35k, groups of 8 x 64 queries": on_budget(group_size=8, batch_size=64),
-    "online, budget 35k, beta 0.1": on_budget(kl_beta=0.1),
-    "online, budget 35k, from offline GRPO": on_budget(init="offline"),
+    "online, budget 35k, no replay": ("grpo", {"online": True, "lvlm_budget": 35000, "replay_steps": 0}, "online"),
+    "online, budget 35k": (*on_budget()[:2], "online, budget 35k, no replay"),
+    "online, budget 35k, lr 3e-3 linear decay": no_replay(lr=3e-3, lr_schedule="linear"),
+    "online, budget 35k, 4 iterations per batch": no_replay(num_iterations=4),
+    "online, budget 35k, groups of 8 x 64 queries": no_replay(group_size=8, batch_size=64),
+    "online, budget 35k, beta 0.1": no_replay(kl_beta=0.1),
+    "online, budget 35k, from offline GRPO": no_replay(init="offline"),
     "online, replay 4 steps": ("grpo", {"online": True, "replay_steps": 4}, "online"),
-    "online, budget 35k, replay 2 steps": on_budget(replay_steps=2),
-    "online, budget 35k, replay 4 steps": on_budget(replay_steps=4),
-    "online, budget 35k, replay 8 steps": on_budget(replay_steps=8),
-    "online, budget 35k, replay 4 steps, lr 2e-3": on_replay(lr=2e-3),
-    "online, budget 35k, replay 4 steps, rewards scaled by the batch std": on_replay(scale_rewards="batch"),
-    "online, budget 35k, replay 4 steps, one epoch": on_replay(epochs=1),
-    "online, budget 35k, replay 4 steps, beta 0.1": on_replay(kl_beta=0.1),
-    "online, budget 35k, replay 4 steps, batch 16": on_replay(batch_size=16),
-    "online, budget 35k, replay 4 steps, groups of 32 x 16 queries": on_replay(group_size=32, batch_size=16),
-    "online, budget 35k, replay 4 steps, rank advantage": on_replay(rank_advantage=True),
-    "online, budget 35k, replay 4 steps, temperature 1.5": on_replay(temperature=1.5),
-    "online, budget 35k, replay 4 steps, frozen backbone": on_replay(freeze_backbone=True),
-    "online, budget 35k, beta 1": on_budget(kl_beta=1.0),
-    "online, budget 35k, replay 4 steps, beta 1": on_replay(kl_beta=1.0),
-    "online, budget 35k, replay 4 steps, groups of 8 x 64 queries": on_replay(group_size=8, batch_size=64),
+    "online, budget 35k, replay 2 steps": no_replay(replay_steps=2),
+    "online, budget 35k, replay 8 steps": no_replay(replay_steps=8),
+    "online, budget 35k, replay 4 steps, lr 2e-3": on_budget(lr=2e-3),
+    "online, budget 35k, replay 4 steps, rewards scaled by the batch std": on_budget(scale_rewards="batch"),
+    "online, budget 35k, replay 4 steps, one epoch": on_budget(epochs=1),
+    "online, budget 35k, replay 4 steps, beta 0.1": on_budget(kl_beta=0.1),
+    "online, budget 35k, replay 4 steps, batch 16": on_budget(batch_size=16),
+    "online, budget 35k, replay 4 steps, groups of 32 x 16 queries": on_budget(group_size=32, batch_size=16),
+    "online, budget 35k, replay 4 steps, rank advantage": on_budget(rank_advantage=True),
+    "online, budget 35k, replay 4 steps, temperature 1.5": on_budget(temperature=1.5),
+    "online, budget 35k, replay 4 steps, frozen backbone": on_budget(freeze_backbone=True),
+    "online, budget 35k, beta 1": no_replay(kl_beta=1.0),
+    "online, budget 35k, replay 4 steps, beta 1": on_budget(kl_beta=1.0),
+    "online, budget 35k, replay 4 steps, groups of 8 x 64 queries": on_budget(group_size=8, batch_size=64),
 }
 BASELINES = ("zero-shot", "random", "image-sim", "oracle", "observable")
 
@@ -138,7 +136,7 @@ def build(args: Args, world: str, seed: int, names: list[str]) -> None:
         if (run / "config.json").is_file():  # a cached run must have been made with exactly these flags
             then = read_args(run / "config.json")
             now = flag_values(run_args)
-            planned = [k for k in ("epochs", "replay_steps") if now.get("lvlm_budget") and now[k] is None]  # grpo's
+            planned = ("epochs",) if now.get("lvlm_budget") and now["epochs"] is None else ()  # grpo plans them
             if diff := sorted(k for k in now if k not in ("out", *SIDE_ARGS, *planned) and now[k] != then.get(k)):
                 raise ValueError(f"{run} was made with other flags ({', '.join(diff)}): delete it to rebuild it")
         if (run / "eval" / "val.json").is_file():
@@ -237,7 +235,7 @@ def calls(args: Args, world: str, seed: int, name: str) -> str:
 
 # The worlds table: what each run takes in every world, pooled over seeds.
 WORLD_RUNS = ("zero-shot", "random", "image-sim", "rce", "offline", "online", "online, budget 35k")
-SHARES = ("offline", "online", "online, budget 35k", "online, budget 35k, replay 4 steps")
+SHARES = ("offline", "online", "online, budget 35k", "online, budget 35k, no replay")
 
 
 def worlds_table(args: Args) -> str:
