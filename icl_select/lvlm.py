@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import importlib.util
 import json
 import math
 import os
@@ -407,6 +408,38 @@ def _load_processor(folder: Path, config: PretrainedConfig) -> ProcessorMixin:
     raise ValueError(f"{folder}: no image+text processor loads ({'; '.join(reasons)})")
 
 
+# The Qwen encoders attend within each window or picture of a packed sequence: transformers runs its sdpa path as one
+# call per window (hundreds per picture), its flash path as one call over the whole sequence given its boundaries. A
+# name with "flash" in it takes that path; PyTorch's varlen attention computes it, where its CUDA kernels exist.
+VARLEN_ATTENTION = "icl_select_flash_varlen"
+VARLEN_ENCODERS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
+
+def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention within each packed sequence of query/key/value (1, H, T, D), bounded by cu_seq_lens_q/k:
+    returns ((1, T, H, D), None), as transformers' attention functions do."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, H, D)
+    cu_q, cu_k = kwargs["cu_seq_lens_q"].int(), kwargs["cu_seq_lens_k"].int()
+    out = varlen_attn(q, k, v, cu_q, cu_k, int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), scale=scaling)
+    return out[None], None
+
+
+def varlen_runs(model: torch.nn.Module) -> bool:
+    """Whether `model` has a Qwen vision encoder and PyTorch runs varlen attention for it (CUDA, half precision)."""
+    if model.config.model_type not in VARLEN_ENCODERS or model.device.type != "cuda":
+        return False
+    kernel = importlib.util.find_spec("torch.nn.attention.varlen") is not None
+    return kernel and model.dtype in (torch.float16, torch.bfloat16)
+
+
+def vision_attention(model: torch.nn.Module, varlen: bool) -> None:
+    """The Qwen vision encoder's attention: varlen (one call per sequence) or transformers' sdpa (one per window)."""
+    transformers.AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)
+    model.set_attn_implementation({"vision_config": VARLEN_ATTENTION if varlen else "sdpa"})
+
+
 def load_lvlm(
     model: str, device: str = "auto", dtype: str = "auto", cache_dir: str | Path | None = None
 ) -> tuple[torch.nn.Module, ProcessorMixin, dict]:
@@ -430,6 +463,8 @@ def load_lvlm(
             f"chat_template.jinja to {folder}"
         )
     lvlm = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch_dtype).to(dev).eval()
+    if varlen_runs(lvlm):
+        vision_attention(lvlm, varlen=True)
     info = {
         "lvlm": model,
         "revision": revision,

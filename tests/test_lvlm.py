@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from PIL import Image
+from torch import Tensor
 from transformers import Qwen2_5_VLProcessor
 
 from icl_select import lvlm
@@ -617,3 +619,37 @@ def test_model_without_chat_template_is_one_line(assets, tmp_path):
         extra.unlink()
     with pytest.raises(ValueError, match=rf"^{re.escape(str(folder))} .*\bchat_template\.jinja\b"):
         load_lvlm(str(folder), device="cpu")
+
+
+@pytest.mark.parametrize("name", lvlm.VARLEN_ENCODERS)
+def test_varlen_vision_attention_gives_the_per_window_features(name, family_models, mixed_items, monkeypatch):
+    """The Qwen encoders' varlen attention (its kernel runs on CUDA only; here attention computed window by window in
+    its place) gives the picture features of transformers' sdpa path: the windows' bounds reach it, in its layout."""
+    from torch.nn.attention import varlen
+
+    def per_window(q, k, v, cu_q, cu_k, max_q, max_k, scale=None):  # (T, H, D) each
+        calls.append(len(cu_q) - 1)
+        bounds = cu_q.tolist()
+        parts = [[x[i:j].transpose(0, 1) for x in (q, k, v)] for i, j in zip(bounds, bounds[1:])]
+        return torch.cat([F.scaled_dot_product_attention(*p, scale=scale).transpose(0, 1) for p in parts])
+
+    calls = []
+    monkeypatch.setattr(varlen, "varlen_attn", per_window)
+    model, processor, _ = lvlm.load_lvlm(str(family_models[name]), device="cpu")
+    assert not lvlm.varlen_runs(model)  # on the CPU the kit keeps transformers' path
+    pictures = [Image.open(it["image"]).convert("RGB") for it in mixed_items["train"][:3]]
+    inputs = processor.image_processor(pictures, return_tensors="pt")
+
+    def features() -> Tensor:
+        out = model.get_image_features(**inputs).pooler_output
+        return torch.cat(list(out)) if isinstance(out, (list, tuple)) else out
+
+    with torch.no_grad():
+        reference = features()
+        lvlm.vision_attention(model, varlen=True)
+        fast = features()
+        lvlm.vision_attention(model, varlen=False)
+        back = features()
+    assert calls and max(calls) > 1  # one call a layer, over several pictures or windows at once
+    torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
+    assert torch.equal(back, reference) and model.config.text_config._attn_implementation == "sdpa"
