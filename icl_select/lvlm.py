@@ -967,9 +967,14 @@ class LVLMBackend:
         half = self.model.dtype in (torch.float16, torch.bfloat16)
         tolerance, rel = (0.1, 0.005) if half else (1e-3, 0.0)
         answers, probs = self.run(examples, replies)
+        varlen = varlen_runs(self.model)
+        if varlen:  # plain transformers: its own attention in the vision encoder too
+            vision_attention(self.model, varlen=False)
+        plain = [self.plain(example, rs) for example, rs in zip(examples, replies)]
+        if varlen:
+            vision_attention(self.model, varlen=True)
         differ, worst, over = 0, 0.0, False
-        for example, rs, answer, p in zip(examples, replies, answers, probs):
-            plain_answer, plain_logps = self.plain(example, rs)
+        for answer, p, (plain_answer, plain_logps) in zip(answers, probs, plain):
             differ += answer != plain_answer
             for q, lp in zip(p.tolist(), plain_logps):
                 diff = abs(math.log(q) - lp) if q > 0 else math.inf

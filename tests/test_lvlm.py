@@ -653,3 +653,17 @@ def test_varlen_vision_attention_gives_the_per_window_features(name, family_mode
     assert calls and max(calls) > 1  # one call a layer, over several pictures or windows at once
     torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
     assert torch.equal(back, reference) and model.config.text_config._attn_implementation == "sdpa"
+
+
+def test_self_check_compares_with_transformers_own_vision_attention(backend, monkeypatch):
+    """Where the kit runs the Qwen encoder's varlen attention (CUDA), the self-check's reference runs transformers'
+    attention instead, and the batched path gets the varlen attention back."""
+    events = []
+    monkeypatch.setattr(lvlm, "varlen_runs", lambda model: True)
+    monkeypatch.setattr(lvlm, "vision_attention", lambda model, varlen: events.append(varlen))
+    plain, run = backend.plain, backend.run
+    monkeypatch.setattr(backend, "plain", lambda *a: events.append("plain") or plain(*a))
+    monkeypatch.setattr(backend, "run", lambda *a: events.append("run") or run(*a))
+    backend.self_check()
+    assert events[0] == "run" and events[1] is False and events[-1] is True
+    assert set(events[2:-1]) == {"plain"}
