@@ -159,7 +159,10 @@ def score_all(
     with full_disk_names(path), sharding.own_file(path, header) as f:
         for c in range(0, len(todo), batch):
             idx = torch.tensor(todo[c : c + batch])
-            per_shot = [backend.score(split, rows[idx], icds[idx], gt_prob=False) for icds in icds_per_shot]
+            per_shot = []
+            for s, icds in enumerate(icds_per_shot):  # the same picks at two shot counts (zero-shot's none) score once
+                same = [per_shot[t] for t in range(s) if torch.equal(icds_per_shot[t][idx], icds[idx])]
+                per_shot.append(same[0] if same else backend.score(split, rows[idx], icds[idx], gt_prob=False))
             for j, i in enumerate(idx.tolist()):
                 shots = [
                     {

@@ -13,6 +13,7 @@ import rce
 from gen_rl_data import Args as GenArgs
 from gen_rl_data import generate
 from icl_select import data
+from icl_select.backends import open_backend
 from icl_select.data import load_dataset
 from icl_select.runs import load_selector
 from model import PointerSelector, SelectorConfig
@@ -48,6 +49,23 @@ def test_file_format_and_nested_summary(baselines, small_data):
     for r in res:  # ICDs come from the question's own pool, distinct, as many as the shot
         pool = set(ds.eval_pools[r["row"]].tolist())
         assert len(r["icds"]) == r["shot"] == len(set(r["icds"])) and set(r["icds"]) <= pool
+
+
+def test_zero_shot_scores_each_question_once_for_every_shot_count(small_data, tmp_path, monkeypatch):
+    """Zero-shot's prompt is the same at every shot count: each question is asked once, its score shared."""
+    asked = []
+
+    def counting(*args, **kwargs):
+        backend = open_backend(*args, **kwargs)
+        score = backend.score
+        backend.score = lambda split, rows, icds, **kw: asked.append(len(rows)) or score(split, rows, icds, **kw)
+        return backend
+
+    monkeypatch.setattr(evaluate, "open_backend", counting)
+    run_eval(data=small_data, baseline="zero-shot", out=tmp_path / "z")
+    doc = json.loads((tmp_path / "z" / "eval" / "val.json").read_text())
+    assert sum(asked) == max(N) and doc["shots"] == [1, 2, 3, 4]
+    assert len({str(v) for v in doc["summary"][str(max(N))].values()}) == 1
 
 
 def test_baselines_ordered_as_calibrated(baselines, tmp_path):
