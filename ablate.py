@@ -17,6 +17,7 @@ import contextlib
 import io
 import json
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -161,20 +162,25 @@ def scores(args: Args, world: str, seed: int, name: str) -> dict | None:
     return per_question(read_eval(path), 800) if path.is_file() else None
 
 
-def delta(pairs: list[tuple[dict, dict]], resamples: int, rng: np.random.Generator) -> str:
+def figure_rng(*key) -> np.random.Generator:
+    """A bootstrap's own generator, seeded by what the figure measures: it comes out the same whichever other
+    variants, seeds or worlds a command asks for."""
+    return np.random.default_rng(zlib.crc32(repr(key).encode()))
+
+
+def delta(pairs: list[tuple[dict, dict]], resamples: int, *key) -> str:
     """Mean of b - a over the common questions of every (a, b) pair, with a paired bootstrap 95% CI."""
     d = np.concatenate([100 * paired(a, b) for a, b in pairs])
-    lo, hi = bootstrap_ci(d, resamples, rng)
+    lo, hi = bootstrap_ci(d, resamples, figure_rng("delta", *key))
     return f"{d.mean():+.2f} [{lo:+.2f}, {hi:+.2f}]"
 
 
-def share(a: dict, b: dict, top: dict, resamples: int, rng: np.random.Generator) -> str:
-    s, lo, hi = gap_share(a, b, top, resamples, rng)
+def share(a: dict, b: dict, top: dict, resamples: int, *key) -> str:
+    s, lo, hi = gap_share(a, b, top, resamples, figure_rng("share", *key))
     return f"{100 * s:.0f}% [{100 * lo:.0f}, {100 * hi:.0f}]"
 
 
 def tables(args: Args, world: str) -> str:
-    rng = np.random.default_rng(0)
     seeds = args.seeds
     got = {(s, n): scores(args, world, s, n) for s in seeds for n in [*VARIANTS, *BASELINES]}
 
@@ -189,8 +195,8 @@ def tables(args: Args, world: str) -> str:
     for name, (_, _, ref) in VARIANTS.items():
         pairs = {s: (got[s, ref], got[s, name]) for s in seeds if ref and got[s, ref] and got[s, name]}
         if pairs:
-            cells = [delta([pairs[s]], args.bootstrap, rng) if s in pairs else "-" for s in seeds]
-            pooled = delta(list(pairs.values()), args.bootstrap, rng) if len(pairs) > 1 else "-"
+            cells = [delta([pairs[s]], args.bootstrap, world, name, ref, s) if s in pairs else "-" for s in seeds]
+            pooled = delta(list(pairs.values()), args.bootstrap, world, name, ref, *pairs) if len(pairs) > 1 else "-"
             rows.append([name, ref, *cells, pooled])
     if rows:
         head = ["variant", "against", *[f"seed {s}" for s in seeds], "pooled over seeds"]
@@ -202,9 +208,9 @@ def tables(args: Args, world: str) -> str:
             rows.append(
                 [
                     str(s),
-                    delta([(img, r)], args.bootstrap, rng),
-                    share(r, o, got[s, "oracle"], args.bootstrap, rng),
-                    share(r, o, got[s, "observable"], args.bootstrap, rng),
+                    delta([(img, r)], args.bootstrap, world, "rce", "image-sim", s),
+                    share(r, o, got[s, "oracle"], args.bootstrap, world, "online", "oracle", s),
+                    share(r, o, got[s, "observable"], args.bootstrap, world, "online", "observable", s),
                 ]
             )
     if rows:
@@ -215,14 +221,15 @@ def tables(args: Args, world: str) -> str:
         done = [s for s in seeds if all(got[s, n] for n in (name, "rce", "oracle"))]
         if (name == "online" or "lvlm_budget" in flags) and done:
             cells = [
-                f"{share(got[s, 'rce'], got[s, name], got[s, 'oracle'], args.bootstrap, rng)} "
+                f"{share(got[s, 'rce'], got[s, name], got[s, 'oracle'], args.bootstrap, world, name, 'oracle', s)} "
                 f"({calls(args, world, s, name)})"
                 if s in done
                 else "-"
                 for s in seeds
             ]
             pooled = [{(s, q): v for s in done for q, v in got[s, n].items()} for n in ("rce", name, "oracle")]
-            rows.append([name, *cells, share(*pooled, args.bootstrap, rng) if len(done) > 1 else "-"])
+            whole = share(*pooled, args.bootstrap, world, name, "oracle", *done) if len(done) > 1 else "-"
+            rows.append([name, *cells, whole])
     if rows:
         head = ["run", *[f"seed {s}" for s in seeds], "pooled over seeds"]
         out += ["Share of the rce->oracle gap (LVLM calls)", "", md_table(head, rows), ""]
@@ -241,7 +248,6 @@ SHARES = ("offline", "online", "online, budget 35k", "online, budget 35k, no rep
 def worlds_table(args: Args) -> str:
     """One row per world: mean accuracy of each run over the seeds, the rce->oracle gap and each GRPO run's share of
     it (pooled over the questions of all seeds, paired bootstrap 95% CI)."""
-    rng = np.random.default_rng(0)
     runs = [*WORLD_RUNS, "observable", "oracle"]
     shares = [
         n
@@ -259,7 +265,9 @@ def worlds_table(args: Args) -> str:
                 f"{100 * (np.mean(list(pooled['oracle'].values())) - np.mean(list(pooled['rce'].values()))):.2f}"
             )
             row += [
-                share(pooled["rce"], pooled[n], pooled["oracle"], args.bootstrap, rng) if all(got[n]) else "-"
+                share(pooled["rce"], pooled[n], pooled["oracle"], args.bootstrap, world, n, "oracle", *args.seeds)
+                if all(got[n])
+                else "-"
                 for n in shares
             ]
         rows.append(row + ["-"] * (len(runs) + 2 + len(shares) - len(row)))

@@ -222,6 +222,24 @@ def test_ablate_orders_references_first_and_tables_pool_seeds_by_hand(tmp_path):
     assert got["gap rce->oracle"] == "50.00" and got["share: online"].startswith("50% [")
 
 
+def test_ablate_figures_are_the_same_whichever_other_runs_are_in_the_table(tmp_path):
+    """Each CI draws from a generator seeded by what it measures: a figure reproduces by any command that prints it."""
+    g = np.random.default_rng(0)
+    rows = {n: g.integers(0, 2, 40).tolist() for n in ("rce", "online", "online, beta 0.1", "image-sim", "oracle")}
+    calls = [{"epoch": 1, "lvlm/calls": 1}]
+    for name, row in rows.items():
+        write_run(tmp_path / "additive" / "seed0" / ablate.slug(name), {1: row}, metrics=calls, ns=(40,))
+    args = ablate.Args(seeds=[0], worlds=["additive"], out=tmp_path, bootstrap=200)
+    before = ablate.tables(args, "additive")
+    # a variant listed before "online, beta 0.1" now has a run too: its own CI is drawn first
+    lever_plus = tmp_path / "additive" / "seed0" / ablate.slug("rce, all groups (Lever-Plus)")
+    write_run(lever_plus, {1: rows["online"]}, ns=(40,))
+    after = ablate.tables(args, "additive")
+    beta = [r for r in cells(after, "| variant |") if r[0] == "online, beta 0.1"]
+    assert beta == [r for r in cells(before, "| variant |") if r[0] == "online, beta 0.1"] and "[" in beta[0][2]
+    assert len(cells(after, "| variant |")) == 2
+
+
 def test_a_ci_that_excludes_zero_is_not_enough_when_the_sign_test_disagrees(tmp_path):
     """The failure Lever-Plus's reports hit: a few large gains and more small losses give a bootstrap CI above 0,
     while more questions got worse than better (sign test p ~ 0.1): the verdict must be n.s."""
