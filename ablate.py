@@ -90,6 +90,7 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
     "online, budget 35k, beta 1": no_replay(kl_beta=1.0),
     "online, budget 35k, replay 4 steps, beta 1": on_budget(kl_beta=1.0),
     "online, budget 35k, replay 4 steps, groups of 8 x 64 queries": on_budget(group_size=8, batch_size=64),
+    "online, budget 35k, replay 4 steps, from offline GRPO": on_budget(init="offline"),
 }
 BASELINES = ("zero-shot", "random", "image-sim", "oracle", "observable")
 
