@@ -16,6 +16,7 @@ mode (MODE_DEFAULTS; docs/ablations.md measures them).
 Usage:
     python grpo.py --kl-beta 0.1 --no-rank-advantage         # offline, init runs/rce -> runs/grpo-kl0.1
     python grpo.py --online                                   # online -> runs/grpo-kl0.3-online
+    python grpo.py --online --lvlm-budget 35000 --init runs/grpo-kl0.1   # a budget, from the offline run
     python grpo.py --quality medium --out runs/cur1 && python grpo.py --init runs/cur1 --out runs/cur2  # curriculum
 """
 
