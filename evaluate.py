@@ -155,14 +155,18 @@ def score_all(
 ) -> None:
     """Score the questions `todo` at every shot, appending one line per question to this rank's partial file
     (which starts with `header`, the settings)."""
+    # the first shot count with the same picks (zero-shot's none at every count): each distinct prompt is asked once
+    first = [next(t for t in range(s + 1) if torch.equal(icds_per_shot[t], x)) for s, x in enumerate(icds_per_shot)]
     bar = tqdm(total=len(todo), desc=desc, unit="question", dynamic_ncols=True)
     with full_disk_names(path), sharding.own_file(path, header) as f:
         for c in range(0, len(todo), batch):
             idx = torch.tensor(todo[c : c + batch])
             per_shot = []
-            for s, icds in enumerate(icds_per_shot):  # the same picks at two shot counts (zero-shot's none) score once
-                same = [per_shot[t] for t in range(s) if torch.equal(icds_per_shot[t][idx], icds[idx])]
-                per_shot.append(same[0] if same else backend.score(split, rows[idx], icds[idx], gt_prob=False))
+            for s, icds in enumerate(icds_per_shot):
+                reuse = first[s] < s
+                per_shot.append(
+                    per_shot[first[s]] if reuse else backend.score(split, rows[idx], icds[idx], gt_prob=False)
+                )
             for j, i in enumerate(idx.tolist()):
                 shots = [
                     {
