@@ -970,9 +970,11 @@ class LVLMBackend:
         varlen = varlen_runs(self.model)
         if varlen:  # plain transformers: its own attention in the vision encoder too
             vision_attention(self.model, varlen=False)
-        plain = [self.plain(example, rs) for example, rs in zip(examples, replies)]
-        if varlen:
-            vision_attention(self.model, varlen=True)
+        try:
+            plain = [self.plain(example, rs) for example, rs in zip(examples, replies)]
+        finally:
+            if varlen:
+                vision_attention(self.model, varlen=True)
         differ, worst, over = 0, 0.0, False
         for answer, p, (plain_answer, plain_logps) in zip(answers, probs, plain):
             differ += answer != plain_answer
