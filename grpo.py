@@ -1,22 +1,24 @@
 """Stage 3: GRPO post-training of the selector, offline on the scored groups or online with the LVLM in the loop.
 
 Per step, for a batch of queries and their groups of G sequences: advantages from the group's rewards
-(`model.group_advantages`), the PPO clipped surrogate on sequence log-probs against the old policy, plus
-beta * exact KL(pi || pi_ref) over the pool at every visited step, averaged over valid sequences. The reference is the
---init selector, frozen; the old policy is the current one, refreshed every --num-iterations updates, so the ratio
-starts at exactly 1; every log-prob is taken with dropout off.
+(`model.group_advantages`), the PPO clipped surrogate on sequence log-probs against the old policy, plus beta * exact
+KL(pi || pi_ref) over the pool at every visited step, averaged over valid sequences. The reference is the starting
+selector (--init, or the warm start below), frozen; the old policy is the current one, refreshed every --num-iterations
+updates, so the ratio starts at exactly 1; every log-prob is taken with dropout off.
 
 Offline (default), the groups are the scored sequences of rl_data.jsonl, drawn by gen_rl_data.py and not by the
 policy, with no importance weight: a reward-weighted policy gradient on fixed groups, cheap (no LVLM calls) but blind
 to sequences nobody scored; with --num-iterations 1 the clip never binds. Online (--online), each step samples G
 distinct sequences per query from the current policy at --temperature and scores them with the dataset's backend:
 on-policy GRPO, the mode that learns most wherever LVLM calls during training are affordable. Defaults differ by
-mode (MODE_DEFAULTS; docs/ablations.md measures them).
+mode (MODE_DEFAULTS; docs/ablations.md measures them). A --lvlm-budget that cuts the default online run short also
+replays recent groups (BUDGET_DEFAULTS) and first trains offline GRPO from --init, then the online run from it
+(--warm-start): no flag to add for a small budget.
 
 Usage:
     python grpo.py --kl-beta 0.1 --no-rank-advantage         # offline, init runs/rce -> runs/grpo-kl0.1
     python grpo.py --online                                   # online -> runs/grpo-kl0.3-online
-    python grpo.py --online --lvlm-budget 35000 --init runs/grpo-kl0.1   # a budget, from the offline run
+    python grpo.py --online --lvlm-budget 35000               # a budget: offline GRPO first, then online from it
     python grpo.py --quality medium --out runs/cur1 && python grpo.py --init runs/cur1 --out runs/cur2  # curriculum
 """
 
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -35,8 +37,9 @@ from icl_select import sharding
 from icl_select.backends import ScoreCache
 from icl_select.batches import Batch, Split, make_batch, split_queries, steps_per_epoch
 from icl_select.cli import alias, default_is, help_first, run_cli
-from icl_select.data import Dataset, RewardMode, compute_reward, load_dataset
+from icl_select.data import Dataset, RewardArgs, RewardMode, compute_reward, load_dataset
 from icl_select.epochs import EpochMeans, log_line, lr_factor, stop_if_diverged
+from icl_select.files import read_tensors
 from icl_select.pools import first_distinct, query_pools
 from icl_select.runs import RunFolder, check_width, load_selector, new_loop
 from icl_select.train_args import TrainArgs, check_train_args
@@ -110,6 +113,9 @@ class Args(TrainArgs):
     """Online: LVLM scores allowed in the whole run, validation included (docs/flags.md)."""
     replay_steps: Annotated[int | None, per_budget("replay_steps")] = None
     """Online: also learn, each step, from the groups of the last N steps (0 = off; docs/flags.md)."""
+    warm_start: bool = True
+    """Online, when --lvlm-budget cuts the default run short: first train offline GRPO from --init in <out>/offline,
+    then start (and stay near) it; its validation calls count in the budget (docs/flags.md)."""
 
     def fixed_length_reason(self) -> str | None:
         if self.lvlm_budget is not None:
@@ -145,6 +151,7 @@ def default_out(args: Args) -> Path:
         f"t{args.temperature:g}": args.online and args.temperature != 1.0,
         f"g{args.group_size}": args.online and args.group_size != 16,
         f"budget{args.lvlm_budget}": args.lvlm_budget is not None,
+        "no-warm": args.lvlm_budget is not None and not args.warm_start,
         f"replay{args.replay_steps}": args.online and args.replay_steps not in (None, 0),
         f"seed{args.seed}": args.seed != 0,
         f"from-{init_tag(args.init)}": Path(args.init) != Args.init,  # never the --init folder itself
@@ -445,11 +452,11 @@ def online_queries(ds: Dataset, split: Split, args: Args, draws: torch.Generator
     return draw
 
 
-def learner(args: Args, ds: Dataset, split: Split) -> Learner:
-    """The --init selector as the policy (learning to pick the data's sequence length) and as the frozen reference,
+def learner(args: Args, ds: Dataset, split: Split, init: Path) -> Learner:
+    """The `init` selector as the policy (learning to pick the data's sequence length) and as the frozen reference,
     its AdamW optimizer, and for offline GRPO the reference's distributions over the scored groups."""
-    policy = load_selector(args.init)
-    check_width(policy, args.init, ds.folder, ds.emb["train"].shape[1])
+    policy = load_selector(init)
+    check_width(policy, init, ds.folder, ds.emb["train"].shape[1])
     policy.cfg = replace(policy.cfg, picks=ds.seq_len)
     ref = copy.deepcopy(policy).eval().requires_grad_(False)
     if args.freeze_backbone:
@@ -472,23 +479,57 @@ def epoch_record(epoch: int, loop: dict, means: dict, policy, ds, split, backend
     return record
 
 
+def warm_start_args(args: Args, out: Path) -> Args:
+    """The offline GRPO run a short budget starts from: grpo.py's offline defaults from --init, sharing the budgeted
+    run's data, seed, validation split and other training flags, but not its schedule or rewards."""
+    own = {"epochs", "lr", "lr_schedule", *(f.name for f in fields(RewardArgs))}
+    return Args(
+        init=args.init, out=out, **{f.name: getattr(args, f.name) for f in fields(TrainArgs) if f.name not in own}
+    )
+
+
 def main(args: Args) -> None:
+    rank, world = sharding.init()  # every rank trains the same policy on the same batches; RunFolder: rank 0 writes
+    train(args, rank, world)
+    sharding.finish(world)
+
+
+def train(args: Args, rank: int, world: int) -> int:
+    """One GRPO run (a short budget's warm start first); returns the LVLM calls it counted, its warm start's
+    included."""
     args = resolve(args)
     check_args(args)
     out = args.out or default_out(args)
     ds = load_dataset(args.data, args.allow_truncated)
     split = split_queries(ds, args)
     S, steps = ds.seq_len, steps_per_epoch(split, args.batch_size)
-    rank, world = sharding.init()  # every rank trains the same policy on the same batches; RunFolder: rank 0 writes
     backend = validation_backend(ds, args)  # answers the validation anchors' greedy picks, where it can
     metric, cap = selection_metric(backend), None if ds.is_sim else args.val_max_queries
-    plan = None
+    plan, init, warm_calls = None, Path(args.init), 0
     if args.lvlm_budget is not None:
         val_calls = 0 if backend is None else len(split.val[:cap]) * S  # validate() asks 1..S shots of each
-        plan = budget_plan(
-            args.lvlm_budget, args.epochs, args.batch_size * args.group_size, val_calls, args.group_size, steps
-        )
+
+        def plan_for(budget: int) -> Plan:
+            return budget_plan(
+                budget, args.epochs, args.batch_size * args.group_size, val_calls, args.group_size, steps
+            )
+
+        plan = plan_for(args.lvlm_budget)
         short = plan.steps < (args.epochs or MODE_DEFAULTS["online"]["epochs"]) * steps  # fewer than the default run
+        if short and args.warm_start:  # its calls are known once it has run: the steps are planned on what is left
+            worst = (MODE_DEFAULTS["offline"]["epochs"] + 1) * val_calls
+            try:
+                plan_for(args.lvlm_budget - worst)
+            except ValueError:
+                raise ValueError(
+                    f"--lvlm-budget {args.lvlm_budget} is too small for a warm start whose validations may ask up to "
+                    f"{worst} calls and an online run after it: raise it, or pass --no-warm-start"
+                ) from None
+            init = out / "offline"
+            if rank == 0:
+                print(f"warm start: offline GRPO from {args.init} -> {init} (--no-warm-start skips it)", flush=True)
+            warm_calls = train(warm_start_args(args, init), rank, world)
+            plan = plan_for(args.lvlm_budget - warm_calls)
         unset = {k: v if short else 0 for k, v in BUDGET_DEFAULTS.items() if getattr(args, k) is None}
         args, steps = replace(args, epochs=plan.epochs, **unset), plan.steps_per_epoch
     total = plan.steps if plan else args.epochs * steps
@@ -497,8 +538,10 @@ def main(args: Args) -> None:
         resume_from = run.resume(args, ds)  # the last checkpoint of this run, if a re-run continues it
         scorer = (backend or dataset_backend(ds, args)) if args.online else None  # the same cache scores online
         lvlm = scorer or backend  # the one cache in front of the LVLM: its misses are the calls counted
+        if warm_calls and resume_from is None:  # the warm start's scores: counted, and never paid for twice
+            lvlm.restore(read_tensors(init / "scores.safetensors"), warm_calls)
         torch.manual_seed(args.seed)
-        lr = learner(args, ds, split)
+        lr = learner(args, ds, split, init)
         rngs = {
             "shuffle": torch.Generator().manual_seed(args.seed + 1),
             "sampler": torch.Generator().manual_seed(args.seed + 2),
@@ -511,6 +554,8 @@ def main(args: Args) -> None:
             loop, extra = run.restore(resume_from, lr.policy, lr.opt, rngs, lvlm)
             lr.buffer = replay_buffer(extra)
         planned = {"budget_plan": asdict(plan)} if plan else {}
+        if init != Path(args.init):
+            planned["warm_start"] = {"run": str(init), "lvlm_calls": warm_calls}
         run.start(args, ds, split, loop, resume_from is not None, {"out": str(out), **planned})
         if resume_from is None:  # epoch 0 = the initial policy, the start of every curve
             run.log(epoch_record(0, loop, {}, lr.policy, ds, split, backend, cap, lvlm, ref_greedy))
@@ -554,7 +599,7 @@ def main(args: Args) -> None:
             warned = "".join(f"\n  warning: {w}" for w in warnings)
             run.say(f"{out.name} epoch {epoch}: {log_line(record, (*SHOWN, 'val/reward', 'val/acc'))}{warned}")
         run.say(f"best epoch {loop['best_epoch']} ({metric} {loop['best']:.4f}) -> {out}/model.safetensors")
-    sharding.finish(world)
+    return 0 if lvlm is None else lvlm.calls
 
 
 if __name__ == "__main__":
