@@ -114,8 +114,7 @@ class Args(TrainArgs):
     replay_steps: Annotated[int | None, per_budget("replay_steps")] = None
     """Online: also learn, each step, from the groups of the last N steps (0 = off; docs/flags.md)."""
     warm_start: bool = True
-    """Online, when --lvlm-budget cuts the default run short: first train offline GRPO from --init in <out>/offline,
-    then start (and stay near) it; its validation calls count in the budget (docs/flags.md)."""
+    """Online, where --lvlm-budget cuts the default run short: offline GRPO from --init first (docs/flags.md)."""
 
     def fixed_length_reason(self) -> str | None:
         if self.lvlm_budget is not None:
