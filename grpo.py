@@ -39,7 +39,6 @@ from icl_select.batches import Batch, Split, make_batch, split_queries, steps_pe
 from icl_select.cli import alias, default_is, help_first, run_cli
 from icl_select.data import Dataset, RewardArgs, RewardMode, compute_reward, load_dataset
 from icl_select.epochs import EpochMeans, log_line, lr_factor, stop_if_diverged
-from icl_select.files import read_tensors
 from icl_select.pools import first_distinct, query_pools
 from icl_select.runs import RunFolder, check_width, load_selector, new_loop
 from icl_select.train_args import TrainArgs, check_train_args
@@ -482,29 +481,27 @@ def warm_start_args(args: Args, out: Path) -> Args:
     """The offline GRPO run a short budget starts from: grpo.py's offline defaults from --init, sharing the budgeted
     run's data, seed, validation split and other training flags, but not its schedule or rewards."""
     own = {"epochs", "lr", "lr_schedule", *(f.name for f in fields(RewardArgs))}
-    return Args(
-        init=args.init, out=out, **{f.name: getattr(args, f.name) for f in fields(TrainArgs) if f.name not in own}
-    )
+    shared = {f.name: getattr(args, f.name) for f in fields(TrainArgs) if f.name not in own}
+    return resolve(Args(init=args.init, out=out, **shared))
 
 
 def main(args: Args) -> None:
+    args = resolve(args)
+    check_args(args)
+    ds = load_dataset(args.data, args.allow_truncated)
     rank, world = sharding.init()  # every rank trains the same policy on the same batches; RunFolder: rank 0 writes
-    train(args, rank, world)
+    train(args, ds, validation_backend(ds, args), rank, world)
     sharding.finish(world)
 
 
-def train(args: Args, rank: int, world: int) -> int:
-    """One GRPO run (a short budget's warm start first); returns the LVLM calls it counted, its warm start's
-    included."""
-    args = resolve(args)
-    check_args(args)
+def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world: int) -> None:
+    """One GRPO run; `backend` answers the validation anchors' greedy picks, where something can (validation_backend).
+    A short budget's warm start runs first on the same cache, so its scores are counted, and paid for, once."""
     out = args.out or default_out(args)
-    ds = load_dataset(args.data, args.allow_truncated)
     split = split_queries(ds, args)
     S, steps = ds.seq_len, steps_per_epoch(split, args.batch_size)
-    backend = validation_backend(ds, args)  # answers the validation anchors' greedy picks, where it can
     metric, cap = selection_metric(backend), None if ds.is_sim else args.val_max_queries
-    plan, init, warm_calls = None, Path(args.init), 0
+    plan, init, warm = None, Path(args.init), None
     if args.lvlm_budget is not None:
         val_calls = 0 if backend is None else len(split.val[:cap]) * S  # validate() asks 1..S shots of each
 
@@ -527,8 +524,9 @@ def train(args: Args, rank: int, world: int) -> int:
             init = out / "offline"
             if rank == 0:
                 print(f"warm start: offline GRPO from {args.init} -> {init} (--no-warm-start skips it)", flush=True)
-            warm_calls = train(warm_start_args(args, init), rank, world)
-            plan = plan_for(args.lvlm_budget - warm_calls)
+            train(warm_start_args(args, init), ds, backend, rank, world)
+            warm = {"run": str(init), "lvlm_calls": 0 if backend is None else backend.calls}
+            plan = plan_for(args.lvlm_budget - warm["lvlm_calls"])
         unset = {k: v if short else 0 for k, v in BUDGET_DEFAULTS.items() if getattr(args, k) is None}
         args, steps = replace(args, epochs=plan.epochs, **unset), plan.steps_per_epoch
     total = plan.steps if plan else args.epochs * steps
@@ -537,8 +535,6 @@ def train(args: Args, rank: int, world: int) -> int:
         resume_from = run.resume(args, ds)  # the last checkpoint of this run, if a re-run continues it
         scorer = (backend or dataset_backend(ds, args)) if args.online else None  # the same cache scores online
         lvlm = scorer or backend  # the one cache in front of the LVLM: its misses are the calls counted
-        if warm_calls and resume_from is None:  # the warm start's scores: counted, and never paid for twice
-            lvlm.restore(read_tensors(init / "scores.safetensors"), warm_calls)
         torch.manual_seed(args.seed)
         lr = learner(args, ds, split, init)
         rngs = {
@@ -552,9 +548,7 @@ def train(args: Args, rank: int, world: int) -> int:
         if resume_from is not None:
             loop, extra = run.restore(resume_from, lr.policy, lr.opt, rngs, lvlm)
             lr.buffer = replay_buffer(extra)
-        planned = {"budget_plan": asdict(plan)} if plan else {}
-        if init != Path(args.init):
-            planned["warm_start"] = {"run": str(init), "lvlm_calls": warm_calls}
+        planned = ({"budget_plan": asdict(plan)} if plan else {}) | ({"warm_start": warm} if warm else {})
         run.start(args, ds, split, loop, resume_from is not None, {"out": str(out), **planned})
         if resume_from is None:  # epoch 0 = the initial policy, the start of every curve
             run.log(epoch_record(0, loop, {}, lr.policy, ds, split, backend, cap, lvlm, ref_greedy))
@@ -598,7 +592,6 @@ def train(args: Args, rank: int, world: int) -> int:
             warned = "".join(f"\n  warning: {w}" for w in warnings)
             run.say(f"{out.name} epoch {epoch}: {log_line(record, (*SHOWN, 'val/reward', 'val/acc'))}{warned}")
         run.say(f"best epoch {loop['best_epoch']} ({metric} {loop['best']:.4f}) -> {out}/model.safetensors")
-    return 0 if lvlm is None else lvlm.calls
 
 
 if __name__ == "__main__":
