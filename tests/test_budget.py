@@ -138,6 +138,11 @@ def test_budget_too_small_for_one_step_and_its_validations_is_refused(small_data
     with pytest.raises(ValueError, match=r"--lvlm-budget 50\b"):
         grpo.main(grpo.Args(data=small_data, init=init, out=tmp_path / "b", lvlm_budget=50, **FAST))
     assert counted[0] == 0 and not (tmp_path / "b").exists()
+    # enough for a run without the warm start, not for the warm start's validations (11 of up to 48 calls) as well
+    with pytest.raises(ValueError, match=r"--lvlm-budget 300 is too small for a warm start.*--no-warm-start"):
+        grpo.main(grpo.Args(data=small_data, init=init, out=tmp_path / "w", lvlm_budget=300, **FAST))
+    assert counted[0] == 0 and not (tmp_path / "w").exists()
+    grpo.main(grpo.Args(data=small_data, init=init, out=tmp_path / "w", lvlm_budget=300, warm_start=False, **FAST))
     with pytest.raises(ValueError, match=r"--lvlm-budget.*--online.*\b5000$"):
         grpo.main(grpo.Args(data=small_data, init=init, out=tmp_path / "c", lvlm_budget=5000))
 
