@@ -36,39 +36,46 @@ from icl_select.stats import bootstrap_ci, gap_share, paired, per_question
 from icl_select.tables import md_table
 
 
+def plain(**flags) -> tuple[str, dict, str]:
+    """Online GRPO without replay, with `flags`, against that run: the levers below were weighed on it, before replay
+    was the default."""
+    return "grpo", {"online": True, "replay_steps": 0, **flags}, "online, no replay"
+
+
+BUDGET = {"online": True, "lvlm_budget": 35000, "warm_start": False}  # 35k LVLM calls, without the warm start
+
+
 def cold(**flags) -> tuple[str, dict, str]:
-    """Online GRPO on a budget of 35k LVLM calls without the warm start (replay on, as a short budget sets it), with
-    `flags`, against that run alone: the levers below were weighed on it, before the warm start was the default."""
-    replay = grpo.BUDGET_DEFAULTS["replay_steps"]
-    budget = {"online": True, "lvlm_budget": 35000, "replay_steps": replay, "warm_start": False}
-    return "grpo", budget | flags, "online, budget 35k, no warm start"
+    """Online GRPO on a budget of 35k LVLM calls without the warm start, with `flags`, against that run alone: the
+    levers below were weighed on it, before the warm start was the default."""
+    return "grpo", BUDGET | flags, "online, budget 35k, no warm start"
 
 
 def no_replay(**flags) -> tuple[str, dict, str]:
     """Online GRPO on a budget of 35k LVLM calls without replay or warm start, with `flags`, against that run alone."""
-    budget = {"online": True, "lvlm_budget": 35000, "replay_steps": 0, "warm_start": False}
-    return "grpo", budget | flags, "online, budget 35k, no replay"
+    return "grpo", BUDGET | {"replay_steps": 0} | flags, "online, budget 35k, no replay"
 
 
 # name -> (stage, flags, reference). GRPO variants start from the default RCE run of their seed unless they name
-# another init; their reference is the default online run.
+# another init.
 VARIANTS: dict[str, tuple[str, dict, str | None]] = {
     "rce": ("rce", {}, None),
     "rce, all groups (Lever-Plus)": ("rce", {"quality": "all"}, "rce"),
     "rce, picks in prompt order": ("rce", {"pick_order": "prompt"}, "rce"),
     "online": ("grpo", {"online": True}, None),
-    "online, beta 0.1": ("grpo", {"online": True, "kl_beta": 0.1}, "online"),
-    "online, beta 0": ("grpo", {"online": True, "kl_beta": 0.0}, "online"),
-    "online, cosine lr decay": ("grpo", {"online": True, "lr_schedule": "cosine"}, "online"),
-    "online, lr 1e-4": ("grpo", {"online": True, "lr": 1e-4}, "online"),
-    "online, 10 epochs": ("grpo", {"online": True, "epochs": 10}, "online"),
-    "online, reward hard_plus_soft": ("grpo", {"online": True, "reward_mode": "hard_plus_soft"}, "online"),
-    "online, anchor queries only": ("grpo", {"online": True, "queries": "anchors"}, "online"),
-    "online, temperature 0.5": ("grpo", {"online": True, "temperature": 0.5}, "online"),
-    "online, 2 iterations per batch": ("grpo", {"online": True, "num_iterations": 2}, "online"),
-    "online, group size 8": ("grpo", {"online": True, "group_size": 8}, "online"),
-    "online, group size 32": ("grpo", {"online": True, "group_size": 32}, "online"),
-    "online, picks in prompt order": ("grpo", {"online": True, "init": "rce, picks in prompt order"}, "online"),
+    "online, no replay": (*plain()[:2], "online"),
+    "online, beta 0.1": plain(kl_beta=0.1),
+    "online, beta 0": plain(kl_beta=0.0),
+    "online, cosine lr decay": plain(lr_schedule="cosine"),
+    "online, lr 1e-4": plain(lr=1e-4),
+    "online, 10 epochs": plain(epochs=10),
+    "online, reward hard_plus_soft": plain(reward_mode="hard_plus_soft"),
+    "online, anchor queries only": plain(queries="anchors"),
+    "online, temperature 0.5": plain(temperature=0.5),
+    "online, 2 iterations per batch": plain(num_iterations=2),
+    "online, group size 8": plain(group_size=8),
+    "online, group size 32": plain(group_size=32),
+    "online, picks in prompt order": plain(init="rce, picks in prompt order"),
     "offline": ("grpo", {}, "online"),
     "online, budget 35k, no replay": (*no_replay()[:2], "online"),
     "online, budget 35k, no warm start": (*cold()[:2], "online, budget 35k, no replay"),
@@ -79,7 +86,6 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
     "online, budget 35k, groups of 8 x 64 queries": no_replay(group_size=8, batch_size=64),
     "online, budget 35k, beta 0.1": no_replay(kl_beta=0.1),
     "online, budget 35k, from offline GRPO": no_replay(init="offline"),
-    "online, replay 4 steps": ("grpo", {"online": True, "replay_steps": 4}, "online"),
     "online, budget 35k, replay 2 steps": no_replay(replay_steps=2),
     "online, budget 35k, replay 8 steps": no_replay(replay_steps=8),
     "online, budget 35k, replay 4 steps, lr 2e-3": cold(lr=2e-3),
@@ -249,6 +255,7 @@ WORLD_RUNS = ("zero-shot", "random", "image-sim", "rce", "offline", "online", "o
 SHARES = (
     "offline",
     "online",
+    "online, no replay",
     "online, budget 35k",
     "online, budget 35k, no warm start",
     "online, budget 35k, no replay",

@@ -11,9 +11,9 @@ policy, with no importance weight: a reward-weighted policy gradient on fixed gr
 to sequences nobody scored; with --num-iterations 1 the clip never binds. Online (--online), each step samples G
 distinct sequences per query from the current policy at --temperature and scores them with the dataset's backend:
 on-policy GRPO, the mode that learns most wherever LVLM calls during training are affordable. Defaults differ by
-mode (MODE_DEFAULTS; docs/ablations.md measures them). A --lvlm-budget that cuts the default online run short also
-replays recent groups (BUDGET_DEFAULTS) and first trains offline GRPO from --init, then the online run from it
-(--warm-start): no flag to add for a small budget.
+mode (MODE_DEFAULTS; docs/ablations.md measures them); online, each step also learns from the groups of the last
+few steps (--replay-steps). A --lvlm-budget that cuts the default online run short first trains offline GRPO from
+--init, then the online run from it (--warm-start): no flag to add for a small budget.
 
 Usage:
     python grpo.py --kl-beta 0.1 --no-rank-advantage         # offline, init runs/rce -> runs/grpo-kl0.1
@@ -51,19 +51,9 @@ SHOWN = ("grpo/reward_mean", "grpo/kl_ref", "grpo/entropy")
 
 # Per-mode defaults of the flags left at None (docs/ablations.md measures them on the simulator).
 MODE_DEFAULTS = {
-    "offline": {"epochs": 10, "lr": 1e-4, "reward_mode": "hard_plus_soft", "kl_beta": 0.1},
-    "online": {"epochs": 30, "lr": 1e-3, "reward_mode": "hard_plus_gtprob", "kl_beta": 0.3},
+    "offline": {"epochs": 10, "lr": 1e-4, "reward_mode": "hard_plus_soft", "kl_beta": 0.1, "replay_steps": 0},
+    "online": {"epochs": 30, "lr": 1e-3, "reward_mode": "hard_plus_gtprob", "kl_beta": 0.3, "replay_steps": 4},
 }
-
-
-# What an online run uses when --lvlm-budget cuts the default run short, unless told otherwise: measured best at small
-# budgets in every simulated world (docs/worlds.md), so a budgeted command needs no other flag.
-BUDGET_DEFAULTS = {"replay_steps": 4}
-
-
-def per_budget(name: str):
-    """--help's default of a flag that a short --lvlm-budget sets."""
-    return default_is(f"{BUDGET_DEFAULTS[name]} when --lvlm-budget cuts the default run short, else 0")
 
 
 def per_mode(name: str):
@@ -110,7 +100,7 @@ class Args(TrainArgs):
     """Online: where each step's queries come from: any train question, or the anchors (docs/flags.md)."""
     lvlm_budget: int | None = None
     """Online: LVLM scores allowed in the whole run, validation included (docs/flags.md)."""
-    replay_steps: Annotated[int | None, per_budget("replay_steps")] = None
+    replay_steps: Annotated[int | None, per_mode("replay_steps")] = None
     """Online: also learn, each step, from the groups of the last N steps (0 = off; docs/flags.md)."""
     warm_start: bool = True
     """Online, where --lvlm-budget cuts the default run short: offline GRPO from --init first (docs/flags.md)."""
@@ -122,10 +112,10 @@ class Args(TrainArgs):
 
 
 def resolve(args: Args) -> Args:
-    """Fill the per-mode and per-budget defaults in (config.json records the resolved values)."""
-    defaults = MODE_DEFAULTS["online" if args.online else "offline"] | {"replay_steps": 0}
-    if args.lvlm_budget is not None:  # main plans these from the budget
-        defaults = {k: v for k, v in defaults.items() if k not in ("epochs", *BUDGET_DEFAULTS)}
+    """Fill the per-mode defaults in (config.json records the resolved values)."""
+    defaults = MODE_DEFAULTS["online" if args.online else "offline"]
+    if args.lvlm_budget is not None:  # train plans them from the budget
+        defaults = {k: v for k, v in defaults.items() if k != "epochs"}
     return replace(args, **{k: v for k, v in defaults.items() if getattr(args, k) is None})
 
 
@@ -150,7 +140,7 @@ def default_out(args: Args) -> Path:
         f"g{args.group_size}": args.online and args.group_size != 16,
         f"budget{args.lvlm_budget}": args.lvlm_budget is not None,
         "no-warm": args.lvlm_budget is not None and not args.warm_start,
-        f"replay{args.replay_steps}": args.online and args.replay_steps not in (None, 0),
+        f"replay{args.replay_steps}": args.replay_steps != defaults["replay_steps"],
         f"seed{args.seed}": args.seed != 0,
         f"from-{init_tag(args.init)}": Path(args.init) != Args.init,  # never the --init folder itself
     }
@@ -166,7 +156,7 @@ def init_tag(init: Path) -> str:
 def check_args(args: Args) -> None:
     if args.lvlm_budget is not None and (not args.online or args.lvlm_budget < 1):
         raise ValueError(f"--lvlm-budget needs --online and must be >= 1, got {args.lvlm_budget}")
-    if (args.replay_steps or 0) < 0 or (args.replay_steps and not args.online):
+    if args.replay_steps < 0 or (args.replay_steps and not args.online):
         raise ValueError(f"--replay-steps needs --online and must be >= 0, got {args.replay_steps}")
     check_train_args(args)
     numbers = {"--kl-beta": args.kl_beta, "--kl-target": args.kl_target, "--epsilon": args.epsilon}
@@ -527,8 +517,7 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
             train(warm_start_args(args, init), ds, backend, rank, world)
             warm = {"run": str(init), "lvlm_calls": 0 if backend is None else backend.calls}
             plan = plan_for(args.lvlm_budget - warm["lvlm_calls"])
-        unset = {k: v if short else 0 for k, v in BUDGET_DEFAULTS.items() if getattr(args, k) is None}
-        args, steps = replace(args, epochs=plan.epochs, **unset), plan.steps_per_epoch
+        args, steps = replace(args, epochs=plan.epochs), plan.steps_per_epoch
     total = plan.steps if plan else args.epochs * steps
 
     with RunFolder(out, rank, world) as run:

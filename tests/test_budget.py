@@ -64,7 +64,7 @@ def test_budget_run_stops_within_budget_logs_calls_and_resumes_identically(
     recs = records(full)
     config = json.loads((full / "config.json").read_text())
     plan = config["budget_plan"]
-    assert config["args"]["replay_steps"] == grpo.BUDGET_DEFAULTS["replay_steps"]  # a budget that cuts the run short
+    assert config["args"]["replay_steps"] == grpo.MODE_DEFAULTS["online"]["replay_steps"] > 0
     assert spent <= budget and recs[-1]["lvlm/calls"] == spent  # grpo's count is what the backend was asked
     # the plan counts every validation and step at its most calls: what cache hits and repeated samples save is left
     assert budget - spent < (plan["epochs"] + 1) * plan["val_calls"] + plan["steps"] * FAST["group_size"]
@@ -179,14 +179,14 @@ def test_budget_plan_fits_its_worst_case_in_the_budget(budget, epochs, batch, gr
 
 def test_a_budget_that_affords_the_default_run_trains_its_very_bytes(small_data, init, tmp_path):
     """A budget that affords the run it plans only plans and counts: given enough for --epochs 2, it trains what
-    --epochs 2 trains (no replay: nothing is cut short)."""
+    --epochs 2 trains (no warm start: nothing is cut short)."""
     common = dict(data=small_data, init=init, **FAST)
     grpo.main(grpo.Args(out=tmp_path / "epochs", epochs=2, **common))
     steps, val_calls = 5, 12 * 4  # 36 training anchors in batches of 8; 12 validation anchors at 1..4 shots
     budget = 2 * steps * FAST["batch_size"] * FAST["group_size"] + 3 * val_calls
     grpo.main(grpo.Args(out=tmp_path / "budget", lvlm_budget=budget, epochs=2, **common))
     config = json.loads((tmp_path / "budget" / "config.json").read_text())
-    assert config["budget_plan"]["epochs"] == 2 and config["args"]["replay_steps"] == 0
+    assert config["budget_plan"]["epochs"] == 2 and "warm_start" not in config
     for name in ("model.safetensors", "metrics.jsonl", "ckpt/epoch_002.safetensors"):
         assert (tmp_path / "budget" / name).read_bytes() == (tmp_path / "epochs" / name).read_bytes(), name
 
