@@ -79,7 +79,7 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
     "offline": ("grpo", {}, "online"),
     "online, budget 35k, no replay": (*no_replay()[:2], "online"),
     "online, budget 35k, no warm start": (*cold()[:2], "online, budget 35k, no replay"),
-    # what `grpo.py --online --lvlm-budget 35000` runs: replay and the warm start, as a short budget sets them
+    # what `grpo.py --online --lvlm-budget 35000` runs: replay, and the warm start that a short budget turns on
     "online, budget 35k": (*cold(warm_start=True)[:2], "online, budget 35k, no warm start"),
     "online, budget 35k, lr 3e-3 linear decay": no_replay(lr=3e-3, lr_schedule="linear"),
     "online, budget 35k, 4 iterations per batch": no_replay(num_iterations=4),
