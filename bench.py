@@ -154,6 +154,9 @@ def bench_epochs(data: Path | None, repeats: int, thread_counts: list[int]) -> N
             "grpo --online": lambda r: grpo.main(
                 grpo.Args(data=data, init=r / "rce", out=r / "o", epochs=1, online=True)
             ),
+            "grpo --online --replay-steps 0": lambda r: grpo.main(  # what replay, online's default, costs
+                grpo.Args(data=data, init=r / "rce", out=r / "o0", epochs=1, online=True, replay_steps=0)
+            ),
             "evaluate 800": lambda r: evaluate.main(evaluate.Args(data=data, runs=[r / "rce"], num_samples=[800])),
         }
         times = {(name, t): [] for name in stages for t in thread_counts}
