@@ -114,7 +114,7 @@ class Args(TrainArgs):
 def resolve(args: Args) -> Args:
     """Fill the per-mode defaults in (config.json records the resolved values)."""
     defaults = MODE_DEFAULTS["online" if args.online else "offline"]
-    if args.lvlm_budget is not None:  # train plans them from the budget
+    if args.lvlm_budget is not None:  # train plans the epochs from the budget
         defaults = {k: v for k, v in defaults.items() if k != "epochs"}
     return replace(args, **{k: v for k, v in defaults.items() if getattr(args, k) is None})
 
