@@ -51,6 +51,8 @@ class LVLMRun:
     """Real LVLM: memory per process for decoded and preprocessed pictures (half each)."""
     encoder_cache_mib: int = 4096
     """Real LVLM: GPU memory per process for vision-encoder outputs (Qwen family; 0 = off)."""
+    lvlm_compile: bool = True
+    """Real LVLM on CUDA in half precision: torch.compile its norms, MLPs and vision blocks (fused kernels)."""
     skip_self_check: bool = False
     """Real LVLM: skip the self-check against plain transformers (docs/real-models.md)."""
 
@@ -160,6 +162,7 @@ def lvlm_backend(model: str, items: dict[str, list[dict]], opts: LVLMOptions):
         opts.encoder_cache_mib,
         opts.lvlm_batch_tokens,
         opts.lvlm_workers,
+        opts.lvlm_compile,
     )
     # The fast path against plain transformers on a few prompts of this data, before any long run (raises if off).
     backend.check = None if opts.skip_self_check else backend.self_check()

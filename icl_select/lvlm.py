@@ -440,6 +440,22 @@ def vision_attention(model: torch.nn.Module, varlen: bool) -> None:
     model.set_attn_implementation({"vision_config": VARLEN_ATTENTION if varlen else "sdpa"})
 
 
+# Regional compilation on CUDA: the modules whose class names end so (the outermost where they nest) run through
+# torch.compile, which fuses the elementwise work that eager runs kernel by kernel (RMSNorm in float32, the vision
+# rotary embedding, gated activations, residual adds). Every layer of a kind shares one graph, shapes left dynamic.
+COMPILED = ("VisionBlock", "RMSNorm", "MLP")
+
+
+def compile_regions(model: torch.nn.Module) -> list[str]:
+    """torch.compile the modules of `model` that COMPILED names, in place; returns their names."""
+    compiled: list[str] = []
+    for name, module in model.named_modules():
+        if type(module).__name__.endswith(COMPILED) and not any(name.startswith(c + ".") for c in compiled):
+            module.compile(dynamic=True)
+            compiled.append(name)
+    return compiled
+
+
 def load_lvlm(
     model: str, device: str = "auto", dtype: str = "auto", cache_dir: str | Path | None = None
 ) -> tuple[torch.nn.Module, ProcessorMixin, dict]:
@@ -597,12 +613,15 @@ class LVLMBackend:
         encoder_cache_mib: int = DEFAULT_ENCODER_CACHE_MIB,
         batch_tokens: int = 0,
         workers: int = 0,
+        compile: bool = True,
     ):
         self.model, self.processor, self.info = load_lvlm(model, device=device)
         # Threads that decode and preprocess pictures in parallel, for the batch the model runs next (0 = one per
         # core, at most 8).
         workers = workers or min(8, os.cpu_count() or 1)
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="icl-select-images") if workers > 1 else None
+        half = self.model.dtype in (torch.float16, torch.bfloat16)
+        self.compiled = compile_regions(self.model) if compile and self.model.device.type == "cuda" and half else []
         self.counts: Counter = Counter()  # tokens and patches run through the model so far (bench.py's FLOP counts)
         self.phases: dict[str, float] | None = None  # bench.py: seconds per phase of run(), when it profiles
         self.prefetch = 2  # batches prepared ahead of the model in a background thread (0 = in line)
@@ -968,10 +987,11 @@ class LVLMBackend:
         tolerance, rel = (0.1, 0.005) if half else (1e-3, 0.0)
         answers, probs = self.run(examples, replies)
         varlen = varlen_runs(self.model)
-        if varlen:  # plain transformers: its own attention in the vision encoder too
+        if varlen:  # plain transformers: its own attention in the vision encoder too, and no compiled regions
             vision_attention(self.model, varlen=False)
         try:
-            plain = [self.plain(example, rs) for example, rs in zip(examples, replies)]
+            with torch.compiler.set_stance("force_eager"):
+                plain = [self.plain(example, rs) for example, rs in zip(examples, replies)]
         finally:
             if varlen:
                 vision_attention(self.model, varlen=True)

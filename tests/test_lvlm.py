@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import random
 import re
 import shutil
 import threading
@@ -667,3 +668,47 @@ def test_self_check_compares_with_transformers_own_vision_attention(backend, mon
     backend.self_check()
     assert events[0] == "run" and events[1] is False and events[-1] is True
     assert set(events[2:-1]) == {"plain"}
+
+
+def test_compiled_regions_are_the_outermost_norms_mlps_and_vision_blocks(assets, items):
+    """Regional compilation takes each vision block whole and, elsewhere, every RMSNorm and MLP, never a module inside
+    one already compiled; on the CPU (float32) the backend compiles nothing."""
+    backend = LVLMBackend(str(assets["qwen"]), items, batch_size=4)
+    assert backend.compiled == []
+    model = backend.model
+    names = lvlm.compile_regions(model)
+    kinds = {n: type(m).__name__ for n, m in model.named_modules()}
+    blocks = [n for n, k in kinds.items() if k.endswith("VisionBlock")]
+    assert blocks and set(blocks) <= set(names)
+    assert not any(a != b and a.startswith(b + ".") for a in names for b in names)
+    outside = [n for n, k in kinds.items() if k.endswith(("RMSNorm", "MLP")) and not n.startswith(tuple(blocks))]
+    assert outside and set(names) == set(blocks) | set(outside)
+
+
+def test_self_check_reference_runs_eager(backend, monkeypatch):
+    """The self-check's plain-transformers reference runs with torch.compile's regions off (what a user's own
+    transformers code would run), so it checks the compiled path too."""
+    events, set_stance = [], torch.compiler.set_stance
+    monkeypatch.setattr(torch.compiler, "set_stance", lambda stance: events.append(stance) or set_stance(stance))
+    plain = backend.plain
+    monkeypatch.setattr(backend, "plain", lambda *a: events.append("plain") or plain(*a))
+    backend.self_check()
+    assert events[0] == "force_eager" and set(events[1:]) == {"plain"}
+
+
+@pytest.mark.slow
+def test_compiled_regions_score_as_eager(assets, items):
+    """torch.compile's regions (on the CPU here, float32) give eager's answers and P(reply) to rounding."""
+    backend = LVLMBackend(str(assets["qwen"]), items, batch_size=4, max_new_tokens=4)
+    rng = random.Random(0)
+    examples = [(items["val"][i % len(items["val"])], rng.sample(items["train"], i % 5)) for i in range(9)]
+    replies = [[q["answers"][0], "yes"] for q, _ in examples]
+    eager = backend.run(examples, replies)
+    assert lvlm.compile_regions(backend.model)
+    compiled = backend.run(examples, replies)
+    assert compiled[0] == eager[0]
+    for got, want in zip(compiled[1], eager[1]):
+        torch.testing.assert_close(got.log(), want.log(), atol=1e-4, rtol=0)
+    with torch.compiler.set_stance("force_eager"):
+        again = backend.run(examples, replies)
+    assert again[0] == eager[0] and all(torch.equal(a, b) for a, b in zip(again[1], eager[1]))
