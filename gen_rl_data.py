@@ -116,7 +116,7 @@ class Args(RewardArgs, LVLMOptions, CpuArgs):
     encoder: str = "openai/clip-vit-base-patch32"
     """Real data: CLIP model (id or path) for the image and question embeddings."""
     chunk: int = 0
-    """Anchor queries per backend call (0 = 64 for the simulator, 1 for a real LVLM)."""
+    """Anchor queries per backend call (0 = 64 for the simulator, 4 for a real LVLM)."""
     calibrate: bool = False
     """Print the simulator's calibration table (docs/worlds.md) and exit."""
     report: Path | None = None
@@ -359,7 +359,7 @@ def score_queries(
     world: int,
 ) -> None:
     """Score the anchors `todo` (indices into anchors) chunk by chunk, appending one line per query to `path`."""
-    chunk = args.chunk or (64 if is_sim(args) else 1)
+    chunk = args.chunk or (64 if is_sim(args) else 4)
     G, S = groups.shape[1:]
     desc = f"scoring (rank {rank})" if world > 1 else "scoring"
     bar = tqdm(total=len(todo), unit="query", desc=desc, position=rank, dynamic_ncols=True)
