@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
@@ -158,6 +159,7 @@ def score_all(
     # the first shot count with the same picks (zero-shot's none at every count): each distinct prompt is asked once
     first = [next(t for t in range(s + 1) if torch.equal(icds_per_shot[t], x)) for s, x in enumerate(icds_per_shot)]
     bar = tqdm(total=len(todo), desc=desc, unit="question", dynamic_ncols=True)
+    start, asked = time.perf_counter(), 0  # the bar's LVLM sequences a second
     with full_disk_names(path), sharding.own_file(path, header) as f:
         for c in range(0, len(todo), batch):
             idx = torch.tensor(todo[c : c + batch])
@@ -167,6 +169,7 @@ def score_all(
                 per_shot.append(
                     per_shot[first[s]] if reuse else backend.score(split, rows[idx], icds[idx], gt_prob=False)
                 )
+                asked += 0 if reuse else len(idx)
             for j, i in enumerate(idx.tolist()):
                 shots = [
                     {
@@ -178,6 +181,7 @@ def score_all(
                 ]
                 f.write(json.dumps({"i": i, "shots": shots}) + "\n")
             f.flush()
+            bar.set_postfix(seq_per_s=f"{asked / (time.perf_counter() - start):.1f}", refresh=False)
             bar.update(len(idx))
     bar.close()
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Annotated, Literal
@@ -550,6 +551,7 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
             ]
             means, n = EpochMeans(), min(steps, total - loop["step"])  # a budget's last epoch may be shorter
             bar = run.progress(epoch, args.epochs, n)
+            start, calls = time.perf_counter(), lvlm.calls if lvlm else 0  # the bar's LVLM sequences a second
             for i in bar:
                 idx = order[i * args.batch_size : (i + 1) * args.batch_size]
                 if plan is not None:  # the run's last step gets the calls left once its validations are kept
@@ -567,7 +569,8 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
                     run.log({"phase": "grpo", "kind": "step", "epoch": epoch, "step": loop["step"], **metrics})
                 stop_if_diverged(metrics, "grpo", epoch, loop["step"], out, "try a lower --lr or a larger --kl-beta")
                 means.add(metrics)
-                bar.set_postfix_str(log_line(metrics, SHOWN), refresh=False)  # drawn at the bar's next redraw
+                rate = f" seq_per_s={(lvlm.calls - calls) / (time.perf_counter() - start):.1f}" if args.online else ""
+                bar.set_postfix_str(log_line(metrics, SHOWN) + rate, refresh=False)  # drawn at the bar's next redraw
             bar.close()
 
             record = epoch_record(epoch, loop, means.result(), lr.policy, ds, split, backend, cap, lvlm, ref_greedy)
