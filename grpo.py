@@ -105,6 +105,8 @@ class Args(TrainArgs):
     """Online: also learn, each step, from the groups of the last N steps (0 = off; docs/flags.md)."""
     warm_start: bool = True
     """Online, where --lvlm-budget cuts the default run short: offline GRPO from --init first (docs/flags.md)."""
+    select_epoch: Literal["best", "last"] = "best"
+    """Which epoch the run returns: the best on the validation anchors, or the last (docs/flags.md)."""
 
     def fixed_length_reason(self) -> str | None:
         if self.lvlm_budget is not None:
@@ -141,6 +143,7 @@ def default_out(args: Args) -> Path:
         f"g{args.group_size}": args.online and args.group_size != 16,
         f"budget{args.lvlm_budget}": args.lvlm_budget is not None,
         "no-warm": args.lvlm_budget is not None and not args.warm_start,
+        "last": args.select_epoch == "last",
         f"replay{args.replay_steps}": args.replay_steps != defaults["replay_steps"],
         f"seed{args.seed}": args.seed != 0,
         f"from-{init_tag(args.init)}": Path(args.init) != Args.init,  # never the --init folder itself
@@ -576,14 +579,16 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
             record = epoch_record(epoch, loop, means.result(), lr.policy, ds, split, backend, cap, lvlm, ref_greedy)
             if warnings := warnings_for(record, S):
                 record["warnings"] = warnings
-            if record[metric] > loop["best"]:  # epoch 0 is no candidate: see validation.selection_metric
+            # epoch 0 is no candidate: see validation.selection_metric
+            if args.select_epoch == "last" or record[metric] > loop["best"]:
                 loop["best"], loop["best_epoch"] = record[metric], epoch
             record["best_epoch"] = loop["best_epoch"]
             loop["epoch"] = epoch
             run.end_epoch(record, lr.policy, lr.opt, rngs, loop, args.keep_every, lvlm, replay_tensors(lr.buffer))
             warned = "".join(f"\n  warning: {w}" for w in warnings)
             run.say(f"{out.name} epoch {epoch}: {log_line(record, (*SHOWN, 'val/reward', 'val/acc'))}{warned}")
-        run.say(f"best epoch {loop['best_epoch']} ({metric} {loop['best']:.4f}) -> {out}/model.safetensors")
+        chosen = f"{args.select_epoch} epoch {loop['best_epoch']} ({metric} {loop['best']:.4f})"
+        run.say(f"{chosen} -> {out}/model.safetensors")
 
 
 if __name__ == "__main__":

@@ -706,3 +706,20 @@ def test_greedy_icds_in_parts_equal_one_whole_call(seed, n, budget):
     with patch.object(validation, "CHUNK_ELEMENTS", budget):
         assert torch.equal(validation.greedy_icds(model, ds, "val", rows, pool, 3), pool.gather(1, whole))
     assert sizes == whole_sizes  # BLAS may round a slice of other rows otherwise: same slices, same bits
+
+
+def test_select_epoch_last_returns_the_last_epoch_and_trains_the_same(small_data, rce_run, tmp_path):
+    runs_ = {}
+    for select in ("best", "last"):
+        out = tmp_path / select
+        grpo.main(grpo.Args(data=small_data, init=rce_run, out=out, epochs=5, select_epoch=select, **FAST))
+        runs_[select] = out
+    best, last = records(runs_["best"]), records(runs_["last"])
+    assert best[-1]["best_epoch"] < 5 and last[-1]["best_epoch"] == 5  # this data's validation peaks before the end
+    assert [{k: v for k, v in r.items() if k != "best_epoch"} for r in best] == [
+        {k: v for k, v in r.items() if k != "best_epoch"} for r in last
+    ]
+    for select, epoch in (("best", best[-1]["best_epoch"]), ("last", 5)):
+        returned = PointerSelector.load(runs_[select]).state_dict()
+        saved = load_selector(runs_[select] / "ckpt" / f"epoch_{epoch:03d}.safetensors").state_dict()
+        assert all(torch.equal(returned[k], saved[k]) for k in saved)
