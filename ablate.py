@@ -81,8 +81,7 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
     "online, budget 35k, no warm start": (*cold()[:2], "online, budget 35k, no replay"),
     # what `grpo.py --online --lvlm-budget 35000` runs: replay, and the warm start that a short budget turns on
     "online, budget 35k": (*cold(warm_start=True)[:2], "online, budget 35k, no warm start"),
-    "online, budget 35k, last epoch": (*cold(warm_start=True, select_epoch="last")[:2], "online, budget 35k"),
-    "online, last epoch": ("grpo", {"online": True, "select_epoch": "last"}, "online"),
+    "online, budget 35k, best epoch": (*cold(warm_start=True, select_epoch="best")[:2], "online, budget 35k"),
     "online, budget 35k, lr 3e-3 linear decay": no_replay(lr=3e-3, lr_schedule="linear"),
     "online, budget 35k, 4 iterations per batch": no_replay(num_iterations=4),
     "online, budget 35k, groups of 8 x 64 queries": no_replay(group_size=8, batch_size=64),
@@ -261,8 +260,7 @@ SHARES = (
     "online, budget 35k",
     "online, budget 35k, no warm start",
     "online, budget 35k, no replay",
-    "online, last epoch",
-    "online, budget 35k, last epoch",
+    "online, budget 35k, best epoch",
 )
 
 

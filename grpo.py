@@ -105,7 +105,7 @@ class Args(TrainArgs):
     """Online: also learn, each step, from the groups of the last N steps (0 = off; docs/flags.md)."""
     warm_start: bool = True
     """Online, where --lvlm-budget cuts the default run short: offline GRPO from --init first (docs/flags.md)."""
-    select_epoch: Literal["best", "last"] = "best"
+    select_epoch: Annotated[Literal["best", "last"] | None, default_is("last with --lvlm-budget, else best")] = None
     """Which epoch the run returns: the best on the validation anchors, or the last (docs/flags.md)."""
 
     def fixed_length_reason(self) -> str | None:
@@ -119,6 +119,8 @@ def resolve(args: Args) -> Args:
     defaults = MODE_DEFAULTS["online" if args.online else "offline"]
     if args.lvlm_budget is not None:  # train plans the epochs from the budget
         defaults = {k: v for k, v in defaults.items() if k != "epochs"}
+    # A budget's few epochs are still climbing, and their validation scores differ by less than the anchors' noise
+    defaults |= {"select_epoch": "last" if args.lvlm_budget is not None else "best"}
     return replace(args, **{k: v for k, v in defaults.items() if getattr(args, k) is None})
 
 
@@ -143,7 +145,7 @@ def default_out(args: Args) -> Path:
         f"g{args.group_size}": args.online and args.group_size != 16,
         f"budget{args.lvlm_budget}": args.lvlm_budget is not None,
         "no-warm": args.lvlm_budget is not None and not args.warm_start,
-        "last": args.select_epoch == "last",
+        f"{args.select_epoch}-epoch": args.select_epoch != ("last" if args.lvlm_budget is not None else "best"),
         f"replay{args.replay_steps}": args.replay_steps != defaults["replay_steps"],
         f"seed{args.seed}": args.seed != 0,
         f"from-{init_tag(args.init)}": Path(args.init) != Args.init,  # never the --init folder itself

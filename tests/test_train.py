@@ -708,6 +708,14 @@ def test_greedy_icds_in_parts_equal_one_whole_call(seed, n, budget):
     assert sizes == whole_sizes  # BLAS may round a slice of other rows otherwise: same slices, same bits
 
 
+def test_a_budget_returns_its_last_epoch_and_other_runs_their_best():
+    assert grpo.resolve(grpo.Args(online=True, lvlm_budget=35000)).select_epoch == "last"
+    assert grpo.resolve(grpo.Args(online=True)).select_epoch == "best"
+    assert grpo.resolve(grpo.Args()).select_epoch == "best"
+    budget = grpo.resolve(grpo.Args(online=True, lvlm_budget=35000))
+    assert grpo.warm_start_args(budget, Path("w")).select_epoch == "best"  # the warm start keeps its best
+
+
 def test_select_epoch_last_returns_the_last_epoch_and_trains_the_same(small_data, rce_run, tmp_path):
     runs_ = {}
     for select in ("best", "last"):
