@@ -443,6 +443,8 @@ def vision_attention(model: torch.nn.Module, varlen: bool) -> None:
 # Regional compilation on CUDA: the modules whose class names end so (the outermost where they nest) run through
 # torch.compile, which fuses the elementwise work that eager runs kernel by kernel (RMSNorm in float32, the vision
 # rotary embedding, gated activations, residual adds). Every layer of a kind shares one graph, shapes left dynamic.
+# Norms inside an attention module (Gemma3's and Qwen3's per-head q_norm, k_norm) stay eager: their per-head shapes
+# would add specialisations past dynamo's limit for the one forward they share with the layer norms.
 COMPILED = ("VisionBlock", "RMSNorm", "MLP")
 
 
@@ -450,7 +452,8 @@ def compile_regions(model: torch.nn.Module) -> list[str]:
     """torch.compile the modules of `model` that COMPILED names, in place; returns their names."""
     compiled: list[str] = []
     for name, module in model.named_modules():
-        if type(module).__name__.endswith(COMPILED) and not any(name.startswith(c + ".") for c in compiled):
+        inside = any(name.startswith(c + ".") for c in compiled) or any("attn" in part for part in name.split(".")[:-1])
+        if type(module).__name__.endswith(COMPILED) and not inside:
             module.compile(dynamic=True)
             compiled.append(name)
     return compiled

@@ -685,6 +685,15 @@ def test_compiled_regions_are_the_outermost_norms_mlps_and_vision_blocks(assets,
     assert outside and set(names) == set(blocks) | set(outside)
 
 
+def test_norms_inside_attention_stay_eager(family_models):
+    """Gemma3's per-head q_norm and k_norm would push the one RMSNorm forward past dynamo's specialisation limit."""
+    model, _, _ = lvlm.load_lvlm(str(family_models["gemma3"]), device="cpu")
+    names = lvlm.compile_regions(model)
+    heads = [n for n, m in model.named_modules() if n.endswith(("q_norm", "k_norm"))]
+    assert heads and not set(heads) & set(names)
+    assert any(n.endswith("input_layernorm") for n in names)
+
+
 def test_self_check_reference_runs_eager(backend, monkeypatch):
     """The self-check's plain-transformers reference runs with torch.compile's regions off (what a user's own
     transformers code would run), so it checks the compiled path too."""
