@@ -426,12 +426,15 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     return out[None], None
 
 
+def cuda_half(model: torch.nn.Module) -> bool:
+    """Whether `model` runs on CUDA in half precision, where the kit's own kernels and compiled regions apply."""
+    return model.device.type == "cuda" and model.dtype in (torch.float16, torch.bfloat16)
+
+
 def varlen_runs(model: torch.nn.Module) -> bool:
     """Whether `model` has a Qwen vision encoder and PyTorch runs varlen attention for it (CUDA, half precision)."""
-    if model.config.model_type not in VARLEN_ENCODERS or model.device.type != "cuda":
-        return False
     kernel = importlib.util.find_spec("torch.nn.attention.varlen") is not None
-    return kernel and model.dtype in (torch.float16, torch.bfloat16)
+    return model.config.model_type in VARLEN_ENCODERS and cuda_half(model) and kernel
 
 
 def vision_attention(model: torch.nn.Module, varlen: bool) -> None:
@@ -623,8 +626,7 @@ class LVLMBackend:
         # core, at most 8).
         workers = workers or min(8, os.cpu_count() or 1)
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="icl-select-images") if workers > 1 else None
-        half = self.model.dtype in (torch.float16, torch.bfloat16)
-        self.compiled = compile_regions(self.model) if compile and self.model.device.type == "cuda" and half else []
+        self.compiled = compile_regions(self.model) if compile and cuda_half(self.model) else []
         self.counts: Counter = Counter()  # tokens and patches run through the model so far (bench.py's FLOP counts)
         self.phases: dict[str, float] | None = None  # bench.py: seconds per phase of run(), when it profiles
         self.prefetch = 2  # batches prepared ahead of the model in a background thread (0 = in line)
