@@ -114,13 +114,17 @@ class Args(TrainArgs):
         return super().fixed_length_reason()
 
 
+def default_select_epoch(args: Args) -> str:
+    """A budget's few epochs are still climbing, and their validation scores differ by less than the anchors' noise."""
+    return "last" if args.lvlm_budget is not None else "best"
+
+
 def resolve(args: Args) -> Args:
     """Fill the per-mode defaults in (config.json records the resolved values)."""
     defaults = MODE_DEFAULTS["online" if args.online else "offline"]
     if args.lvlm_budget is not None:  # train plans the epochs from the budget
         defaults = {k: v for k, v in defaults.items() if k != "epochs"}
-    # A budget's few epochs are still climbing, and their validation scores differ by less than the anchors' noise
-    defaults |= {"select_epoch": "last" if args.lvlm_budget is not None else "best"}
+    defaults |= {"select_epoch": default_select_epoch(args)}
     return replace(args, **{k: v for k, v in defaults.items() if getattr(args, k) is None})
 
 
@@ -145,7 +149,7 @@ def default_out(args: Args) -> Path:
         f"g{args.group_size}": args.online and args.group_size != 16,
         f"budget{args.lvlm_budget}": args.lvlm_budget is not None,
         "no-warm": args.lvlm_budget is not None and not args.warm_start,
-        f"{args.select_epoch}-epoch": args.select_epoch != ("last" if args.lvlm_budget is not None else "best"),
+        f"{args.select_epoch}-epoch": args.select_epoch != default_select_epoch(args),
         f"replay{args.replay_steps}": args.replay_steps != defaults["replay_steps"],
         f"seed{args.seed}": args.seed != 0,
         f"from-{init_tag(args.init)}": Path(args.init) != Args.init,  # never the --init folder itself
