@@ -51,6 +51,12 @@ def cold(**flags) -> tuple[str, dict, str]:
     return "grpo", BUDGET | flags, "online, budget 35k, no warm start"
 
 
+def budget(calls: int) -> tuple[str, dict, str]:
+    """What `grpo.py --online --lvlm-budget <calls>` alone runs, against the offline run its warm start trains: what
+    the calls buy over the warm start alone."""
+    return "grpo", {"online": True, "lvlm_budget": calls}, "offline"
+
+
 def no_replay(**flags) -> tuple[str, dict, str]:
     """Online GRPO on a budget of 35k LVLM calls without replay or warm start, with `flags`, against that run alone."""
     return "grpo", BUDGET | {"replay_steps": 0} | flags, "online, budget 35k, no replay"
@@ -82,6 +88,9 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
     # what `grpo.py --online --lvlm-budget 35000` runs: replay, and the warm start that a short budget turns on
     "online, budget 35k": (*cold(warm_start=True)[:2], "online, budget 35k, no warm start"),
     "online, budget 35k, best epoch": (*cold(warm_start=True, select_epoch="best")[:2], "online, budget 35k"),
+    "online, budget 5k": budget(5_000),
+    "online, budget 10k": budget(10_000),
+    "online, budget 100k": budget(100_000),
     "online, budget 35k, lr 3e-3 linear decay": no_replay(lr=3e-3, lr_schedule="linear"),
     "online, budget 35k, 4 iterations per batch": no_replay(num_iterations=4),
     "online, budget 35k, groups of 8 x 64 queries": no_replay(group_size=8, batch_size=64),
@@ -233,7 +242,7 @@ def tables(args: Args, world: str) -> str:
         if (name == "online" or "lvlm_budget" in flags) and done:
             cells = [
                 f"{share(got[s, 'rce'], got[s, name], got[s, 'oracle'], args.bootstrap, world, name, 'oracle', s)} "
-                f"({calls(args, world, s, name)})"
+                f"({calls(args, world, s, name):,})"
                 if s in done
                 else "-"
                 for s in seeds
@@ -247,8 +256,9 @@ def tables(args: Args, world: str) -> str:
     return "\n".join(out)
 
 
-def calls(args: Args, world: str, seed: int, name: str) -> str:
-    return f"{read_metrics(args.out / world / f'seed{seed}' / slug(name) / 'metrics.jsonl')[-1]['lvlm/calls']:,}"
+def calls(args: Args, world: str, seed: int, name: str) -> int:
+    """The LVLM calls a run spent, validation included."""
+    return read_metrics(args.out / world / f"seed{seed}" / slug(name) / "metrics.jsonl")[-1]["lvlm/calls"]
 
 
 # The worlds table: what each run takes in every world, pooled over seeds.
@@ -295,6 +305,45 @@ def worlds_table(args: Args) -> str:
     return "\n".join([f"## Every world, seeds {seeds} pooled", "", md_table(head, rows), ""])
 
 
+# What a budget of LVLM calls buys, from none (offline GRPO asks only for its validations) to the full default run.
+BUDGET_RUNS = (
+    "offline",
+    "online, budget 5k",
+    "online, budget 10k",
+    "online, budget 35k",
+    "online, budget 100k",
+    "online",
+)
+
+
+def budget_table(args: Args) -> str:
+    """One row per world: each budget's share of the rce->oracle gap pooled over the seeds (paired bootstrap 95% CI)
+    and the LVLM calls it spent, the mean over the seeds; empty until a budget other than 35k has run."""
+    found = [
+        n
+        for n in BUDGET_RUNS
+        if any((args.out / w / f"seed{s}" / slug(n)).is_dir() for w in args.worlds for s in args.seeds)
+    ]
+    if not {*found} - {"offline", "online, budget 35k", "online"}:
+        return ""
+    rows = []
+    for world in args.worlds:
+        got = {n: [scores(args, world, s, n) for s in args.seeds] for n in ("rce", "oracle", *found)}
+        pooled = {n: {(s, q): v for s, d in zip(args.seeds, got[n]) if d for q, v in d.items()} for n in got}
+        row = [world]
+        for n in found:
+            if not (all(got[n]) and all(got["rce"]) and all(got["oracle"])):
+                row.append("-")
+                continue
+            spent = np.mean([calls(args, world, s, n) for s in args.seeds])
+            gap = share(pooled["rce"], pooled[n], pooled["oracle"], args.bootstrap, world, n, "oracle", *args.seeds)
+            row.append(f"{gap} ({spent / 1000:.1f}k)")
+        rows.append(row)
+    seeds = " ".join(map(str, args.seeds))
+    head = ["world", *found]
+    return "\n".join([f"## What a budget buys, seeds {seeds} pooled", "", md_table(head, rows), ""])
+
+
 def main(args: Args) -> None:
     if unknown := [n for n in args.only if n not in VARIANTS]:
         raise ValueError(f"--only: unknown variants {unknown}; known: {list(VARIANTS)}")
@@ -303,7 +352,7 @@ def main(args: Args) -> None:
     for world in args.worlds:
         for seed in args.seeds:
             build(args, world, seed, names)
-    print("\n".join([*[tables(args, w) for w in args.worlds], worlds_table(args)]))
+    print("\n".join([*[tables(args, w) for w in args.worlds], worlds_table(args), budget_table(args)]))
 
 
 if __name__ == "__main__":

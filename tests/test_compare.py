@@ -222,6 +222,23 @@ def test_ablate_orders_references_first_and_tables_pool_seeds_by_hand(tmp_path):
     assert got["gap rce->oracle"] == "50.00" and got["share: online"].startswith("50% [")
 
 
+def test_ablate_budget_table_pools_shares_over_seeds_and_averages_the_calls(tmp_path):
+    # 4 questions, one shot: rce 1 right, oracle 3; offline 2 on both seeds; the 5k run 2 on seed 0 and 3 on seed 1
+    rows = {"rce": [1, 0, 0, 0], "oracle": [1, 1, 1, 0], "offline": [1, 1, 0, 0]}
+    spent = {"rce": 0, "oracle": 0, "offline": 1_000, "online, budget 5k": 5_000}
+    args = ablate.Args(seeds=[0, 1], worlds=["order"], out=tmp_path, bootstrap=200)
+    for seed, five in ((0, [1, 1, 0, 0]), (1, [1, 1, 1, 0])):
+        for name, row in {**rows, "online, budget 5k": five}.items():
+            if name == "online, budget 5k" and seed == 0:  # the worlds table has every budget so far: no table
+                assert ablate.budget_table(args) == ""
+            calls = [{"epoch": 1, "lvlm/calls": spent[name] - 200 * seed}]
+            write_run(tmp_path / "order" / f"seed{seed}" / ablate.slug(name), {1: row}, metrics=calls)
+    [row] = cells(ablate.budget_table(args), "| world |")
+    assert row[0] == "order" and len(row) == 3  # offline and 5k ran; no other budget
+    assert row[1].startswith("50% [") and row[1].endswith("(0.9k)")  # (1 - 0.5) / 2 extra right of 4; (1000 + 800) / 2
+    assert row[2].startswith("75% [") and row[2].endswith("(4.9k)")  # (2 + 1) / 4 pooled
+
+
 def test_ablate_figures_are_the_same_whichever_other_runs_are_in_the_table(tmp_path):
     """Each CI draws from a generator seeded by what it measures: a figure reproduces by any command that prints it."""
     g = np.random.default_rng(0)
