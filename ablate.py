@@ -3,10 +3,11 @@
 Per simulated world (docs/worlds.md) and seed: a dataset, the default RCE and online GRPO runs, the variants (each
 differs from its reference in the flags shown) and the baselines, evaluated on the same 800 validation questions.
 Numbers are VQA accuracy averaged over 1-4 shots, a delta's 95% CI a paired bootstrap over questions (pooled over
-seeds). Runs are cached in --out, so a re-run resumes; the last table has one row per world.
+seeds). Runs are cached in --out, so a re-run resumes; the last tables have one row per world: what each run
+takes, and what each budget of LVLM calls buys.
 
 Usage:
-    python ablate.py                                  # seeds 0 1 2 -> runs/ablate/additive (about 35 min a seed)
+    python ablate.py                                  # seeds 0 1 2 -> runs/ablate/additive (about 40 min a seed)
     python ablate.py --seeds 3 --only online          # one more seed, one variant
     python ablate.py --worlds copy strong --only online "online, budget 35k"   # other worlds
 """
