@@ -603,8 +603,8 @@ def bench_lvlm(args: Args) -> dict:
             t0 = time.perf_counter()
             with torch.compiler.set_stance(stance):
                 out = unshared_scores(backend, examples) if p.get("unshared") else backend.score_examples(examples)
-                synchronize = torch.cuda.synchronize if cuda else (lambda: None)
-                synchronize()
+                if cuda:
+                    torch.cuda.synchronize()
             seconds = time.perf_counter() - t0
             r = results[name]
             r["rate"].append(len(examples) / seconds)
