@@ -262,6 +262,21 @@ def calls(args: Args, world: str, seed: int, name: str) -> int:
     return read_metrics(args.out / world / f"seed{seed}" / slug(name) / "metrics.jsonl")[-1]["lvlm/calls"]
 
 
+def started(args: Args, names) -> list[str]:
+    """The runs of `names` that have a folder in some world and seed of `args`, in their order."""
+    return [
+        n for n in names if any((args.out / w / f"seed{s}" / slug(n)).is_dir() for w in args.worlds for s in args.seeds)
+    ]
+
+
+def over_seeds(args: Args, world: str, names) -> tuple[dict, dict]:
+    """Each run's per-question scores on every seed (None where it has not run) and pooled over the seeds, keyed by
+    (seed, question)."""
+    got = {n: [scores(args, world, s, n) for s in args.seeds] for n in names}
+    pooled = {n: {(s, q): v for s, d in zip(args.seeds, got[n]) if d for q, v in d.items()} for n in got}
+    return got, pooled
+
+
 # The worlds table: what each run takes in every world, pooled over seeds.
 WORLD_RUNS = ("zero-shot", "random", "image-sim", "rce", "offline", "online", "online, budget 35k")
 SHARES = (
@@ -279,15 +294,10 @@ def worlds_table(args: Args) -> str:
     """One row per world: mean accuracy of each run over the seeds, the rce->oracle gap and each GRPO run's share of
     it (pooled over the questions of all seeds, paired bootstrap 95% CI)."""
     runs = [*WORLD_RUNS, "observable", "oracle"]
-    shares = [
-        n
-        for n in SHARES
-        if any((args.out / w / f"seed{s}" / slug(n)).is_dir() for w in args.worlds for s in args.seeds)
-    ]
+    shares = started(args, SHARES)
     rows = []
     for world in args.worlds:
-        got = {n: [scores(args, world, s, n) for s in args.seeds] for n in {*runs, *shares}}
-        pooled = {n: {(s, q): v for s, d in zip(args.seeds, got[n]) if d for q, v in d.items()} for n in got}
+        got, pooled = over_seeds(args, world, {*runs, *shares})
         mean = {n: f"{100 * np.mean(list(pooled[n].values())):.2f}" if all(got[n]) else "-" for n in got}
         row = [world, *[mean[n] for n in runs]]
         if all(got["rce"]) and all(got["oracle"]):
@@ -320,17 +330,12 @@ BUDGET_RUNS = (
 def budget_table(args: Args) -> str:
     """One row per world: each budget's share of the rce->oracle gap pooled over the seeds (paired bootstrap 95% CI)
     and the LVLM calls it spent, the mean over the seeds; empty until a budget other than 35k has run."""
-    found = [
-        n
-        for n in BUDGET_RUNS
-        if any((args.out / w / f"seed{s}" / slug(n)).is_dir() for w in args.worlds for s in args.seeds)
-    ]
+    found = started(args, BUDGET_RUNS)
     if not {*found} - {"offline", "online, budget 35k", "online"}:
         return ""
     rows = []
     for world in args.worlds:
-        got = {n: [scores(args, world, s, n) for s in args.seeds] for n in ("rce", "oracle", *found)}
-        pooled = {n: {(s, q): v for s, d in zip(args.seeds, got[n]) if d for q, v in d.items()} for n in got}
+        got, pooled = over_seeds(args, world, {"rce", "oracle", *found})
         row = [world]
         for n in found:
             if not (all(got[n]) and all(got["rce"]) and all(got["oracle"])):
