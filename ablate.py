@@ -58,6 +58,12 @@ def budget(calls: int) -> tuple[str, dict, str]:
     return "grpo", {"online": True, "lvlm_budget": calls}, "offline"
 
 
+def on_budget(**flags) -> tuple[str, dict, str]:
+    """What `grpo.py --online --lvlm-budget 35000` alone runs (replay, the warm start), with `flags`, against it: the
+    levers judged in every world (docs/worlds.md)."""
+    return "grpo", {"online": True, "lvlm_budget": 35000} | flags, "online, budget 35k"
+
+
 def no_replay(**flags) -> tuple[str, dict, str]:
     """Online GRPO on a budget of 35k LVLM calls without replay or warm start, with `flags`, against that run alone."""
     return "grpo", BUDGET | {"replay_steps": 0} | flags, "online, budget 35k, no replay"
@@ -88,7 +94,12 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
     "online, budget 35k, no warm start": (*cold()[:2], "online, budget 35k, no replay"),
     # what `grpo.py --online --lvlm-budget 35000` runs: replay, and the warm start that a short budget turns on
     "online, budget 35k": (*cold(warm_start=True)[:2], "online, budget 35k, no warm start"),
-    "online, budget 35k, best epoch": (*cold(warm_start=True, select_epoch="best")[:2], "online, budget 35k"),
+    "online, budget 35k, best epoch": on_budget(select_epoch="best"),
+    "online, budget 35k + batch 16": on_budget(batch_size=16),
+    "online, budget 35k + 2 iterations per batch": on_budget(num_iterations=2),
+    "online, budget 35k + replay 8 steps": on_budget(replay_steps=8),
+    "online, budget 35k + lr 2e-3": on_budget(lr=2e-3),
+    "online, budget 35k + beta 0.1": on_budget(kl_beta=0.1),
     "online, budget 5k": budget(5_000),
     "online, budget 10k": budget(10_000),
     "online, budget 100k": budget(100_000),
