@@ -100,6 +100,7 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
     "online, budget 35k + replay 8 steps": on_budget(replay_steps=8),
     "online, budget 35k + lr 2e-3": on_budget(lr=2e-3),
     "online, budget 35k + beta 0.1": on_budget(kl_beta=0.1),
+    "online, budget 35k + temperature 1.5": on_budget(temperature=1.5),
     "online, budget 5k": budget(5_000),
     "online, budget 10k": budget(10_000),
     "online, budget 100k": budget(100_000),
