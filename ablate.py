@@ -58,10 +58,10 @@ def budget(calls: int) -> tuple[str, dict, str]:
     return "grpo", {"online": True, "lvlm_budget": calls}, "offline"
 
 
-def on_budget(**flags) -> tuple[str, dict, str]:
-    """What `grpo.py --online --lvlm-budget 35000` alone runs (replay, the warm start), with `flags`, against it: the
+def on_budget(calls: int = 35_000, **flags) -> tuple[str, dict, str]:
+    """What `grpo.py --online --lvlm-budget <calls>` alone runs (replay, the warm start), with `flags`, against it: the
     levers judged in every world (docs/worlds.md)."""
-    return "grpo", {"online": True, "lvlm_budget": 35000} | flags, "online, budget 35k"
+    return "grpo", {"online": True, "lvlm_budget": calls} | flags, f"online, budget {calls // 1000}k"
 
 
 def no_replay(**flags) -> tuple[str, dict, str]:
@@ -104,6 +104,9 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
     "online, budget 5k": budget(5_000),
     "online, budget 10k": budget(10_000),
     "online, budget 100k": budget(100_000),
+    "online, budget 5k + beta 0.1": on_budget(5_000, kl_beta=0.1),
+    "online, budget 10k + beta 0.1": on_budget(10_000, kl_beta=0.1),
+    "online, budget 100k + beta 0.1": on_budget(100_000, kl_beta=0.1),
     "online, budget 35k, lr 3e-3 linear decay": no_replay(lr=3e-3, lr_schedule="linear"),
     "online, budget 35k, 4 iterations per batch": no_replay(num_iterations=4),
     "online, budget 35k, groups of 8 x 64 queries": no_replay(group_size=8, batch_size=64),
