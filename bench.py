@@ -198,7 +198,7 @@ def reference_grpo_steps(model: PointerSelector, ds, queries: Tensor, epochs: in
         query = emb[g.queries[q]].expand(n, d).clone()  # (G', d): one copy per sequence
         pool = emb[g.pools[q]].expand(n, K, d).clone()  # (G', K, d)
         avail = g.pool_mask[q].expand(n, K).clone()  # (G', K)
-        s, keys = model.encode(query, pool, avail)
+        s, keys, _ = model.encode(query, pool, avail)
         total = torch.zeros(n)
         for t in range(seqs.shape[1]):
             scores = torch.einsum("nh,nkh->nk", s, keys) / model.cfg.temperature
@@ -369,7 +369,7 @@ def reference_greedy(model: PointerSelector, query: Tensor, pool: Tensor, pool_m
     masked with -100, argmax, gated state update."""
     picks = []
     for a in range(0, len(query), 32):
-        s, keys = model.encode(query[a : a + 32], pool[a : a + 32], pool_mask[a : a + 32])
+        s, keys, _ = model.encode(query[a : a + 32], pool[a : a + 32], pool_mask[a : a + 32])
         avail, out = pool_mask[a : a + 32].clone(), []
         for _ in range(steps):
             scores = torch.einsum("bh,bkh->bk", s, keys) / model.cfg.temperature

@@ -107,6 +107,9 @@ class Args(TrainArgs):
     """Online, where --lvlm-budget cuts the default run short: offline GRPO from --init first (docs/flags.md)."""
     select_epoch: Annotated[Literal["best", "last"] | None, default_is("last with --lvlm-budget, else best")] = None
     """Which epoch the run returns: the best on the validation anchors, or the last (docs/flags.md)."""
+    item_bias: bool = False
+    """Also learn a score for each train item, added wherever it is a candidate: remembers which demonstrations
+    helped beyond their embeddings (docs/flags.md)."""
 
     def fixed_length_reason(self) -> str | None:
         if self.lvlm_budget is not None:
@@ -150,6 +153,7 @@ def default_out(args: Args) -> Path:
         f"budget{args.lvlm_budget}": args.lvlm_budget is not None,
         "no-warm": args.lvlm_budget is not None and not args.warm_start,
         f"{args.select_epoch}-epoch": args.select_epoch != default_select_epoch(args),
+        "items": args.item_bias,
         f"replay{args.replay_steps}": args.replay_steps != defaults["replay_steps"],
         f"seed{args.seed}": args.seed != 0,
         f"from-{init_tag(args.init)}": Path(args.init) != Args.init,  # never the --init folder itself
@@ -456,6 +460,8 @@ def learner(args: Args, ds: Dataset, split: Split, init: Path) -> Learner:
     policy = load_selector(init)
     check_width(policy, init, ds.folder, ds.emb["train"].shape[1])
     policy.cfg = replace(policy.cfg, picks=ds.seq_len)
+    if args.item_bias and policy.items is None:  # every score 0: the reference is the init's policy all the same
+        policy.remember_items(ds.emb["train"])
     ref = copy.deepcopy(policy).eval().requires_grad_(False)
     if args.freeze_backbone:
         for p in policy.backbone_parameters():

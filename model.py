@@ -101,8 +101,11 @@ def selector_config(raw: object, where: str) -> SelectorConfig:
         raise DataError(f"{where}: {e}") from None
 
 
-def load_state_strict(model: nn.Module, tensors: dict[str, Tensor], source: Path) -> None:
-    """load_state_dict that names every missing, unexpected or mis-shaped tensor instead of skipping it."""
+def load_state_strict(model: PointerSelector, tensors: dict[str, Tensor], source: Path) -> None:
+    """load_state_dict that names every missing, unexpected or mis-shaped tensor instead of skipping it; a selector
+    whose tensors hold an item memory gets one first (its size is its training data's, not a setting)."""
+    if "items.keys" in tensors and model.items is None:
+        model.items = ItemMemory(len(tensors["items.keys"]), model.cfg.dim)
     own = model.state_dict()
     missing = sorted(set(own) - set(tensors))
     unexpected = sorted(set(tensors) - set(own))
@@ -156,6 +159,40 @@ def _near_identity(n: int) -> nn.Linear:
     return lin
 
 
+class ItemMemory(nn.Module):
+    """A learned score for each train item, added to the selector's score of that candidate wherever it sits in a
+    pool (grpo.py --item-bias): it remembers which demonstrations helped, beyond what their embeddings tell.
+
+    Items are recognised by a fixed random projection of their embedding, `keys` (sorted, distinct), so every caller
+    keeps passing embeddings alone; a candidate that matches no key (a demonstration the selector never trained on)
+    scores 0."""
+
+    def __init__(self, num: int, dim: int):
+        super().__init__()
+        self.register_buffer("keys", torch.zeros(num, dtype=torch.float64))
+        self.bias = nn.Parameter(torch.zeros(num))
+        proj = torch.randn(dim, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        self.register_buffer("proj", proj, persistent=False)  # the same on every machine: never saved
+
+    def key(self, emb: Tensor) -> Tensor:
+        """(..., d) -> (...,) float64: equal embeddings give `same` keys, distinct ones almost surely distinct keys."""
+        return emb.double() @ self.proj.to(emb.device)
+
+    def forward(self, pool: Tensor) -> Tensor:
+        """(B, K, d) -> (B, K) each candidate's learned score, 0 for one that is no remembered item."""
+        key = self.key(pool)
+        hi = torch.searchsorted(self.keys, key).clamp(max=len(self.keys) - 1)  # (B, K) the keys either side
+        lo = (hi - 1).clamp(min=0)
+        near = torch.where((key - self.keys[lo]).abs() < (self.keys[hi] - key).abs(), lo, hi)
+        return self.bias[near].where(self.same(self.keys[near], key), 0.0)
+
+    @staticmethod
+    def same(a: Tensor, b: Tensor) -> Tensor:
+        """Keys of one embedding: float64 sums of the same float32 numbers differ by rounding alone (the order of a
+        matrix product's sums varies with its shape), far below the spacing of distinct items' keys."""
+        return (a - b).abs() <= 1e-12 * b.abs().clamp_min(1)
+
+
 class PointerSelector(
     nn.Module, ModelHubMixin, tags=["icl-select", "in-context-learning"], model_card_template=hub.CARD
 ):
@@ -177,27 +214,44 @@ class PointerSelector(
         self.query_proj = _near_identity(cfg.hidden)
         self.cand_proj = _near_identity(cfg.hidden)
         self.gate = nn.Linear(2 * cfg.hidden, cfg.hidden)
+        self.items: ItemMemory | None = None  # remember_items, or a loaded selector that has one
+
+    def remember_items(self, train: Tensor) -> None:
+        """Give the selector an item memory over the train embeddings `train` (N, d), every score 0: the policy is
+        unchanged until training moves them."""
+        memory = ItemMemory(0, self.cfg.dim)
+        keys = memory.key(train).sort().values
+        memory.keys = keys[torch.cat([keys.new_ones(1, dtype=torch.bool), ~memory.same(keys[1:], keys[:-1])])]
+        memory.bias = nn.Parameter(torch.zeros(len(memory.keys)))
+        self.items = memory.to(next(self.parameters()).device)
 
     def backbone_parameters(self) -> list[nn.Parameter]:
         """Input projection and cross-attention: what `--freeze-backbone` freezes."""
         return [*self.in_proj.parameters(), *self.layers.parameters()]
 
     # -- building blocks -----------------------------------------------------------------------------------------------
-    def encode(self, query: Tensor, pool: Tensor, pool_mask: Tensor) -> tuple[Tensor, Tensor]:
-        """(B, d), (B, K, d), (B, K) -> initial state (B, H) and candidate keys (B, K, H), both unit-norm."""
+    def encode(self, query: Tensor, pool: Tensor, pool_mask: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(B, d), (B, K, d), (B, K) -> initial state (B, H) and candidate keys (B, K, H), both unit-norm, and the
+        candidates' remembered scores (B, K) (None without an item memory)."""
         x = self.in_proj(query)  # (B, H)
         c = self.in_proj(pool)  # (B, K, H)
         for layer in self.layers:
             x = layer(x, c, pool_mask)
         s = F.normalize(self.query_proj(self.drop(x)), dim=-1)  # (B, H)
         keys = F.normalize(self.cand_proj(self.drop(c)), dim=-1)  # (B, K, H)
-        return s, keys
+        return s, keys, None if self.items is None else self.items(pool)
 
-    def step_log_dist(self, s: Tensor, keys: Tensor, avail: Tensor, temperature: float = 1.0) -> Tensor:
-        """State (B, M, H), keys (B, K, H), available (B, M, K) -> log-distribution (B, M, K); -inf = unavailable.
+    def step_log_dist(
+        self, s: Tensor, keys: Tensor, prior: Tensor | None, avail: Tensor, temperature: float = 1.0
+    ) -> Tensor:
+        """State (B, M, H), keys (B, K, H), remembered scores (B, K) or None, available (B, M, K) -> log-distribution
+        (B, M, K); -inf = unavailable. A remembered score adds to the cosine, before the temperature.
 
         `temperature` scales the configured one (sampling at temperature T is the policy at temperature T)."""
-        scores = torch.einsum("bmh,bkh->bmk", s, keys) / (self.cfg.temperature * temperature)  # (B, M, K)
+        scores = torch.einsum("bmh,bkh->bmk", s, keys)  # (B, M, K)
+        if prior is not None:
+            scores = scores + prior[:, None, :]
+        scores = scores / (self.cfg.temperature * temperature)  # (B, M, K)
         return scores.masked_fill(~avail, float("-inf")).log_softmax(-1)
 
     def advance(self, s: Tensor, keys: Tensor, pick: Tensor) -> Tensor:
@@ -228,12 +282,12 @@ class PointerSelector(
         # Masked sequences get a harmless stand-in (the first S valid candidates) so no garbage index is touched.
         filler = pool_mask.float().argsort(dim=-1, descending=True, stable=True)[:, :S]  # (B, S)
         seqs = torch.where(seq_mask[..., None], seqs, filler[:, None, :])  # (B, G, S)
-        s, keys = self.encode(query, pool, pool_mask)
+        s, keys, prior = self.encode(query, pool, pool_mask)
         s = s[:, None, :].expand(B, G, -1)  # (B, G, H): one encoding shared by the whole group
         avail = pool_mask[:, None, :].expand(B, G, -1).clone()  # (B, G, K)
         logps, ents, dists = [], [], []
         for t in range(S):
-            log_dist = self.step_log_dist(s, keys, avail, temperature)  # (B, G, K)
+            log_dist = self.step_log_dist(s, keys, prior, avail, temperature)  # (B, G, K)
             pick = seqs[:, :, t]  # (B, G)
             logps.append(log_dist.gather(-1, pick[..., None])[..., 0])
             ents.append(_entropy(log_dist, avail))
@@ -288,12 +342,12 @@ class PointerSelector(
     def _decode(self, query, pool, pool_mask, steps: int, num: int, choose: Callable[[Tensor], Tensor]):
         """`num` sequences per query, each step's pick chosen by `choose(log_dist (B, N, K)) -> (B, N)`."""
         B = query.shape[0]
-        s, keys = self.encode(query, pool, pool_mask)
+        s, keys, prior = self.encode(query, pool, pool_mask)
         s = s[:, None, :].expand(B, num, -1)  # (B, N, H)
         avail = pool_mask[:, None, :].expand(B, num, -1).clone()  # (B, N, K)
         picks, total = [], torch.zeros(B, num, device=query.device)
         for t in range(steps):
-            log_dist = self.step_log_dist(s, keys, avail)  # (B, N, K)
+            log_dist = self.step_log_dist(s, keys, prior, avail)  # (B, N, K)
             pick = choose(log_dist)  # (B, N)
             total = total + log_dist.gather(-1, pick[..., None])[..., 0]
             picks.append(pick)
@@ -315,7 +369,7 @@ class PointerSelector(
 
     def _beam(self, query: Tensor, pool: Tensor, pool_mask: Tensor, steps: int, width: int) -> tuple[Tensor, Tensor]:
         B, K = pool_mask.shape
-        s, keys = self.encode(query, pool, pool_mask)
+        s, keys, prior = self.encode(query, pool, pool_mask)
         s = s[:, None, :].expand(B, width, -1)  # (B, W, H)
         avail = pool_mask[:, None, :].expand(B, width, -1).clone()  # (B, W, K)
         # All beams start identical: only beam 0 is live, so step 0 cannot produce duplicates.
@@ -324,7 +378,7 @@ class PointerSelector(
         seqs = torch.zeros(B, width, 0, dtype=torch.long, device=query.device)
         rows = torch.arange(B, device=query.device)[:, None]
         for t in range(steps):
-            cand = score[..., None] + self.step_log_dist(s, keys, avail)  # (B, W, K)
+            cand = score[..., None] + self.step_log_dist(s, keys, prior, avail)  # (B, W, K)
             score, flat = cand.flatten(1).topk(width, -1)  # (B, W) best first
             beam, pick = flat // K, flat % K  # (B, W) parent beam and its new pick
             seqs = torch.cat([seqs[rows, beam], pick[..., None]], -1)  # (B, W, t+1)

@@ -1,7 +1,9 @@
 """Tensor tests for the pointer selector: distributions, equivariance, padding, batching, decoding, persistence."""
 
+import copy
 import itertools
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -9,6 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from strategies import rng, seeds
+from torch import Tensor
 
 from icl_select.runs import load_selector
 from model import PointerSelector, SelectorConfig
@@ -204,6 +207,73 @@ def test_save_load_round_trip_bitwise(tmp_path):
     for (k, a), (k2, b) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert k == k2 and torch.equal(a, b)
     assert not list(tmp_path.glob("*.tmp"))
+
+
+@st.composite
+def remembered(draw, max_n=30):
+    """A selector that remembers n train embeddings (one of them twice), each item scored at random, and pools mixing
+    train rows, embeddings it never saw and padding; -> model, train (n, d), pool rows (B, K) (-1 = unseen)."""
+    g, n = rng(draw(seeds)), draw(st.integers(2, max_n))
+    train = torch.randn(n, CFG.dim, generator=g)
+    train[-1] = train[0]  # identical embeddings are one item
+    model = make_model(draw(seeds) % 2**16)
+    model.remember_items(train)
+    with torch.no_grad():
+        model.items.bias.copy_(torch.randn(len(model.items.bias), generator=g))
+    B, K = draw(st.integers(1, 4)), draw(st.integers(4, 9))
+    rows = torch.randint(n, (B, K), generator=g).masked_fill(torch.rand(B, K, generator=g) < 0.3, -1)
+    return model, train, rows, g
+
+
+def row_scores(model: PointerSelector, train: Tensor) -> Tensor:
+    """Each train row's score, found by ranking the rows' keys (not by the memory's own lookup); a key's rounding is
+    far below 1e-9."""
+    key = train.double() @ model.items.proj
+    rank = torch.tensor([int((model.items.keys < k - 1e-9).sum()) for k in key])
+    return model.items.bias.detach()[rank]
+
+
+@given(remembered())
+def test_item_memory_scores_the_items_it_remembers_and_nothing_else(case):
+    model, train, rows, g = case
+    assert len(model.items.keys) == len(train) - 1
+    pool = torch.where(rows[..., None] >= 0, train[rows.clamp_min(0)], torch.randn(*rows.shape, CFG.dim, generator=g))
+    want = row_scores(model, train)[rows.clamp_min(0)].where(rows >= 0, 0.0)
+    assert torch.equal(model.items(pool), want)
+    assert torch.equal(model.items(pool.double().float()), want)  # the same numbers in another tensor
+
+
+@given(remembered(), st.floats(0.5, 2.0))
+def test_a_remembered_score_shifts_each_pick_by_score_over_temperature(case, temperature):
+    model, train, rows, g = case
+    rows = rows.clamp_min(0)
+    B, K = rows.shape
+    query, pool, mask = torch.randn(B, CFG.dim, generator=g), train[rows], torch.ones(B, K, dtype=torch.bool)
+    seqs = torch.rand(B, 2, K, generator=g).argsort(-1)[..., :3]  # (B, 2, 3) distinct picks
+    plain = copy.deepcopy(model)
+    plain.items = None
+    with_items = model(query, pool, mask, seqs, mask[:, :2], True, temperature).log_dist  # (B, 2, 3, K)
+    without = plain(query, pool, mask, seqs, mask[:, :2], True, temperature).log_dist
+    shift = row_scores(model, train)[rows] / (CFG.temperature * temperature)  # (B, K)
+    avail = torch.isfinite(without)
+    assert torch.equal(avail, torch.isfinite(with_items))
+    diff = (with_items - without - shift[:, None, None, :]).where(avail, 0.0)  # a constant per step: normalisation
+    spread = diff.where(avail, -math.inf).amax(-1) - diff.where(avail, math.inf).amin(-1)
+    assert spread.abs().max() < 1e-4
+
+
+def test_an_item_memory_saves_and_loads_and_a_selector_without_one_saves_no_such_tensor(tmp_path):
+    model = make_model(1)
+    model.save(tmp_path / "plain")
+    assert not [k for k in load_selector(tmp_path / "plain").state_dict() if k.startswith("items.")]
+    model.remember_items(torch.randn(7, CFG.dim, generator=rng(0)))
+    with torch.no_grad():
+        model.items.bias.copy_(torch.arange(7.0))
+    model.save(tmp_path / "items")
+    loaded = load_selector(tmp_path / "items")
+    assert sorted(k for k in loaded.state_dict() if k.startswith("items.")) == ["items.bias", "items.keys"]
+    for (k, a), (k2, b) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert k == k2 and torch.equal(a, b)
 
 
 def test_load_names_missing_unexpected_and_misshaped_tensors(tmp_path):

@@ -18,6 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import evaluate
 import grpo
 import rce
 from icl_select import batches, epochs, runs, validation
@@ -256,6 +257,26 @@ def test_grpo_online_and_resume_bit_identical(small_data, rce_run, tmp_path, mon
     assert (part / "metrics.jsonl").read_text() == (full / "metrics.jsonl").read_text()
     rec = records(full)[-1]
     assert 1 < rec["grpo/group_size"] <= 6
+
+
+def test_item_bias_learns_a_score_per_train_item_resumes_bit_identical_and_evaluates(
+    small_data, rce_run, tmp_path, monkeypatch
+):
+    full, part = tmp_path / "full", tmp_path / "part"
+    common = dict(data=small_data, init=rce_run, online=True, group_size=6, epochs=2, item_bias=True, **FAST)
+    grpo.main(grpo.Args(out=full, **common))
+    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
+        killed_after_epoch(m, 1)
+        grpo.main(grpo.Args(out=part, **common))
+    grpo.main(grpo.Args(out=part, **common))
+    assert (part / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
+    ds = load_dataset(small_data)
+    model, init = load_selector(full), load_selector(rce_run)
+    assert init.items is None and len(model.items.keys) == len(ds.emb["train"].unique(dim=0))
+    assert (model.items.bias != 0).sum() > 10  # the items online groups were scored with moved
+    assert grpo.default_out(grpo.Args(online=True, item_bias=True)).name == "grpo-kl0.3-online-items"
+    evaluate.main(evaluate.Args(data=small_data, runs=[full], num_samples=[20], shots=[1, 2]))
+    assert (full / "eval" / "val.json").is_file()
 
 
 def test_curriculum_filters_shrink_the_training_set(small_data, rce_run, tmp_path):
