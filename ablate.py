@@ -19,7 +19,7 @@ import io
 import json
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
@@ -176,8 +176,10 @@ def build(args: Args, world: str, seed: int, names: list[str]) -> None:
         if (run / "config.json").is_file():  # a cached run must have been made with exactly these flags
             then = read_args(run / "config.json")
             now = flag_values(run_args)
+            born = {f.name: f.default for f in fields(run_args)}  # a flag newer than the run: it ran at its default
             planned = ("epochs",) if now.get("lvlm_budget") and now["epochs"] is None else ()  # grpo plans them
-            if diff := sorted(k for k in now if k not in ("out", *SIDE_ARGS, *planned) and now[k] != then.get(k)):
+            skip = ("out", *SIDE_ARGS, *planned)
+            if diff := sorted(k for k in now if k not in skip and now[k] != then.get(k, born[k])):
                 raise ValueError(f"{run} was made with other flags ({', '.join(diff)}): delete it to rebuild it")
         if (run / "eval" / "val.json").is_file():
             continue

@@ -5,6 +5,8 @@ files, icl_select/runs.py the rest of a run, icl_select/hub.py carries a selecto
 the query attends over its pool (L cross-attention layers, residual + LayerNorm), query state and candidates are
 projected (near-identity init) and L2-normalised, step t is a softmax over the unchosen, unpadded pool of
 cosine / temperature, and the state absorbs each pick through a gate: g = sigma(W[s; c]), s <- norm(g*s + (1-g)*c).
+With an item memory (grpo.py --item-bias), a learned score of each train item adds to its cosine wherever it is a
+candidate.
 
 Each query and its pool are encoded once and shared by all G sequences of its group: teacher forcing is vectorised
 over queries x sequences, with a Python loop only over the S steps, whose state is sequential. Log-distributions keep
