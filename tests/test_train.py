@@ -236,25 +236,23 @@ def test_offline_grpo_resumes_bit_identical_with_a_last_batch_of_one(small_data,
         assert (part / name).read_bytes() == (full / name).read_bytes(), name
 
 
-def test_grpo_online_and_resume_bit_identical(small_data, rce_run, tmp_path, monkeypatch):
+def whole_and_resumed(monkeypatch, tmp_path, **flags) -> Path:
+    """A GRPO run with `flags` made whole, and again killed after epoch 1 and resumed: the two are bit-identical.
+    Returns the whole run."""
     full, part = tmp_path / "full", tmp_path / "part"
-    common = dict(
-        data=small_data,
-        init=rce_run,
-        online=True,
-        group_size=6,
-        temperature=1.5,
-        epochs=2,
-        lr_schedule="cosine",
-        **FAST,
-    )
-    grpo.main(grpo.Args(out=full, **common))
+    grpo.main(grpo.Args(out=full, **flags))
     with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
         killed_after_epoch(m, 1)
-        grpo.main(grpo.Args(out=part, **common))
-    grpo.main(grpo.Args(out=part, **common))
+        grpo.main(grpo.Args(out=part, **flags))
+    grpo.main(grpo.Args(out=part, **flags))
     assert (part / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
     assert (part / "metrics.jsonl").read_text() == (full / "metrics.jsonl").read_text()
+    return full
+
+
+def test_grpo_online_and_resume_bit_identical(small_data, rce_run, tmp_path, monkeypatch):
+    flags = dict(online=True, group_size=6, temperature=1.5, epochs=2, lr_schedule="cosine", **FAST)
+    full = whole_and_resumed(monkeypatch, tmp_path, data=small_data, init=rce_run, **flags)
     rec = records(full)[-1]
     assert 1 < rec["grpo/group_size"] <= 6
 
@@ -262,14 +260,8 @@ def test_grpo_online_and_resume_bit_identical(small_data, rce_run, tmp_path, mon
 def test_item_bias_learns_a_score_per_train_item_resumes_bit_identical_and_evaluates(
     small_data, rce_run, tmp_path, monkeypatch
 ):
-    full, part = tmp_path / "full", tmp_path / "part"
-    common = dict(data=small_data, init=rce_run, online=True, group_size=6, epochs=2, item_bias=True, **FAST)
-    grpo.main(grpo.Args(out=full, **common))
-    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
-        killed_after_epoch(m, 1)
-        grpo.main(grpo.Args(out=part, **common))
-    grpo.main(grpo.Args(out=part, **common))
-    assert (part / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
+    flags = dict(online=True, group_size=6, epochs=2, item_bias=True, **FAST)
+    full = whole_and_resumed(monkeypatch, tmp_path, data=small_data, init=rce_run, **flags)
     ds = load_dataset(small_data)
     model, init = load_selector(full), load_selector(rce_run)
     assert init.items is None and len(model.items.keys) == len(ds.emb["train"].unique(dim=0))
