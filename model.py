@@ -178,7 +178,7 @@ class ItemMemory(nn.Module):
 
     def key(self, emb: Tensor) -> Tensor:
         """(..., d) -> (...,) float64: equal embeddings give `same` keys, distinct ones almost surely distinct keys."""
-        return emb.double() @ self.proj.to(emb.device)
+        return emb.double() @ self.proj
 
     def forward(self, pool: Tensor) -> Tensor:
         """(B, K, d) -> (B, K) each candidate's learned score, 0 for one that is no remembered item."""
