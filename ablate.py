@@ -19,7 +19,7 @@ import io
 import json
 import time
 import zlib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -43,13 +43,14 @@ def plain(**flags) -> tuple[str, dict, str]:
     return "grpo", {"online": True, "replay_steps": 0, **flags}, "online, no replay"
 
 
-BUDGET = {"online": True, "lvlm_budget": 35000, "warm_start": False}  # 35k LVLM calls, without the warm start
+# 35k LVLM calls as they ran before the warm start and the item scores were a budget's defaults
+BUDGET = {"online": True, "lvlm_budget": 35000, "warm_start": False, "item_bias": False}
 
 
 def cold(**flags) -> tuple[str, dict, str]:
     """Online GRPO on a budget of 35k LVLM calls without the warm start, with `flags`, against that run alone: the
     levers below were weighed on it, before the warm start was the default."""
-    return "grpo", BUDGET | flags, "online, budget 35k, no warm start"
+    return "grpo", BUDGET | flags, "online, budget 35k, replay 4 steps"
 
 
 def budget(calls: int) -> tuple[str, dict, str]:
@@ -59,9 +60,16 @@ def budget(calls: int) -> tuple[str, dict, str]:
 
 
 def on_budget(calls: int = 35_000, **flags) -> tuple[str, dict, str]:
-    """What `grpo.py --online --lvlm-budget <calls>` alone runs (replay, the warm start), with `flags`, against it: the
-    levers judged in every world (docs/worlds.md)."""
+    """What `grpo.py --online --lvlm-budget <calls>` alone runs (replay, the warm start, the item scores), with
+    `flags`, against it."""
     return "grpo", {"online": True, "lvlm_budget": calls} | flags, f"online, budget {calls // 1000}k"
+
+
+def before_items(calls: int = 35_000, **flags) -> tuple[str, dict, str]:
+    """What `grpo.py --online --lvlm-budget <calls>` ran before the item scores were its default (replay, the warm
+    start), with `flags`, against it: the levers judged in every world (docs/worlds.md) before then."""
+    flags = {"online": True, "lvlm_budget": calls, "item_bias": False} | flags
+    return "grpo", flags, f"online, budget {calls // 1000}k, no item bias"
 
 
 def no_replay(**flags) -> tuple[str, dict, str]:
@@ -77,6 +85,7 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
     "rce, picks in prompt order": ("rce", {"pick_order": "prompt"}, "rce"),
     "online": ("grpo", {"online": True}, None),
     "online, no replay": (*plain()[:2], "online"),
+    "online + item bias": ("grpo", {"online": True, "item_bias": True}, "online"),
     "online, beta 0.1": plain(kl_beta=0.1),
     "online, beta 0": plain(kl_beta=0.0),
     "online, cosine lr decay": plain(lr_schedule="cosine"),
@@ -91,25 +100,28 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
     "online, picks in prompt order": plain(init="rce, picks in prompt order"),
     "offline": ("grpo", {}, "online"),
     "online, budget 35k, no replay": (*no_replay()[:2], "online"),
-    "online, budget 35k, no warm start": (*cold()[:2], "online, budget 35k, no replay"),
-    # what `grpo.py --online --lvlm-budget 35000` runs: replay, and the warm start that a short budget turns on
-    "online, budget 35k": (*cold(warm_start=True)[:2], "online, budget 35k, no warm start"),
+    "online, budget 35k, replay 4 steps": (*cold()[:2], "online, budget 35k, no replay"),
+    # what `grpo.py --online --lvlm-budget 35000` ran before the item scores: replay, and the warm start
+    "online, budget 35k, no item bias": (*before_items()[:2], "online, budget 35k, replay 4 steps"),
+    # what it runs: the item scores on top
+    "online, budget 35k": (*on_budget()[:2], "online, budget 35k, no item bias"),
+    "online, budget 35k, no warm start": on_budget(warm_start=False),
     "online, budget 35k, best epoch": on_budget(select_epoch="best"),
-    "online, budget 35k + batch 16": on_budget(batch_size=16),
-    "online, budget 35k + 2 iterations per batch": on_budget(num_iterations=2),
-    "online, budget 35k + replay 8 steps": on_budget(replay_steps=8),
-    "online, budget 35k + lr 2e-3": on_budget(lr=2e-3),
-    "online, budget 35k + beta 0.1": on_budget(kl_beta=0.1),
-    "online, budget 35k + temperature 1.5": on_budget(temperature=1.5),
+    "online, budget 35k + batch 16": before_items(batch_size=16),
+    "online, budget 35k + 2 iterations per batch": before_items(num_iterations=2),
+    "online, budget 35k + replay 8 steps": before_items(replay_steps=8),
+    "online, budget 35k + lr 2e-3": before_items(lr=2e-3),
+    "online, budget 35k + beta 0.1": before_items(kl_beta=0.1),
+    "online, budget 35k + temperature 1.5": before_items(temperature=1.5),
     "online, budget 5k": budget(5_000),
     "online, budget 10k": budget(10_000),
     "online, budget 100k": budget(100_000),
-    "online, budget 5k + beta 0.1": on_budget(5_000, kl_beta=0.1),
-    "online, budget 10k + beta 0.1": on_budget(10_000, kl_beta=0.1),
-    "online, budget 100k + beta 0.1": on_budget(100_000, kl_beta=0.1),
-    "online, budget 35k + item bias": on_budget(item_bias=True),
-    "online, budget 10k + item bias": on_budget(10_000, item_bias=True),
-    "online, budget 100k + item bias": on_budget(100_000, item_bias=True),
+    "online, budget 5k, no item bias": (*before_items(5_000)[:2], "online, budget 5k"),
+    "online, budget 10k, no item bias": (*before_items(10_000)[:2], "online, budget 10k"),
+    "online, budget 100k, no item bias": (*before_items(100_000)[:2], "online, budget 100k"),
+    "online, budget 5k + beta 0.1": before_items(5_000, kl_beta=0.1),
+    "online, budget 10k + beta 0.1": before_items(10_000, kl_beta=0.1),
+    "online, budget 100k + beta 0.1": before_items(100_000, kl_beta=0.1),
     "online, budget 35k, lr 3e-3 linear decay": no_replay(lr=3e-3, lr_schedule="linear"),
     "online, budget 35k, 4 iterations per batch": no_replay(num_iterations=4),
     "online, budget 35k, groups of 8 x 64 queries": no_replay(group_size=8, batch_size=64),
@@ -176,10 +188,9 @@ def build(args: Args, world: str, seed: int, names: list[str]) -> None:
         if (run / "config.json").is_file():  # a cached run must have been made with exactly these flags
             then = read_args(run / "config.json")
             now = flag_values(run_args)
-            born = {f.name: f.default for f in fields(run_args)}  # a flag newer than the run: it ran at its default
             planned = ("epochs",) if now.get("lvlm_budget") and now["epochs"] is None else ()  # grpo plans them
             skip = ("out", *SIDE_ARGS, *planned)
-            if diff := sorted(k for k in now if k not in skip and now[k] != then.get(k, born[k])):
+            if diff := sorted(k for k in now if k not in skip and now[k] != then.get(k)):
                 raise ValueError(f"{run} was made with other flags ({', '.join(diff)}): delete it to rebuild it")
         if (run / "eval" / "val.json").is_file():
             continue
@@ -304,8 +315,8 @@ SHARES = (
     "online",
     "online, no replay",
     "online, budget 35k",
+    "online, budget 35k, no item bias",
     "online, budget 35k, no warm start",
-    "online, budget 35k, no replay",
     "online, budget 35k, best epoch",
 )
 

@@ -13,7 +13,8 @@ distinct sequences per query from the current policy at --temperature and scores
 on-policy GRPO, the mode that learns most wherever LVLM calls during training are affordable. Defaults differ by
 mode (MODE_DEFAULTS; docs/ablations.md measures them); online, each step also learns from the groups of the last
 few steps (--replay-steps). A --lvlm-budget that cuts the default online run short first trains offline GRPO from
---init, then the online run from it (--warm-start): no flag to add for a small budget.
+--init, then the online run from it (--warm-start); any budget also learns a score per train item (--item-bias): no
+flag to add for a small budget.
 
 Usage:
     python grpo.py --kl-beta 0.1 --no-rank-advantage         # offline, init runs/rce -> runs/grpo-kl0.1
@@ -33,6 +34,7 @@ from typing import Annotated, Literal
 
 import torch
 from torch import Tensor
+from tyro.conf import DisallowNone
 
 from icl_select import sharding
 from icl_select.backends import ScoreCache
@@ -107,7 +109,7 @@ class Args(TrainArgs):
     """Online, where --lvlm-budget cuts the default run short: offline GRPO from --init first (docs/flags.md)."""
     select_epoch: Annotated[Literal["best", "last"] | None, default_is("last with --lvlm-budget, else best")] = None
     """Which epoch the run returns: the best on the validation anchors, or the last (docs/flags.md)."""
-    item_bias: bool = False
+    item_bias: Annotated[bool | None, DisallowNone, default_is("on with --lvlm-budget, else off")] = None
     """Also learn a score for each train item, added wherever it is a candidate: remembers which demonstrations
     helped beyond their embeddings (docs/flags.md)."""
 
@@ -122,12 +124,17 @@ def default_select_epoch(args: Args) -> str:
     return "last" if args.lvlm_budget is not None else "best"
 
 
+def default_item_bias(args: Args) -> bool:
+    """Measured on a budget in every world (docs/worlds.md); the default run without a budget predates it."""
+    return args.lvlm_budget is not None
+
+
 def resolve(args: Args) -> Args:
     """Fill the per-mode defaults in (config.json records the resolved values)."""
     defaults = MODE_DEFAULTS["online" if args.online else "offline"]
     if args.lvlm_budget is not None:  # train plans the epochs from the budget
         defaults = {k: v for k, v in defaults.items() if k != "epochs"}
-    defaults |= {"select_epoch": default_select_epoch(args)}
+    defaults |= {"select_epoch": default_select_epoch(args), "item_bias": default_item_bias(args)}
     return replace(args, **{k: v for k, v in defaults.items() if getattr(args, k) is None})
 
 
@@ -153,7 +160,7 @@ def default_out(args: Args) -> Path:
         f"budget{args.lvlm_budget}": args.lvlm_budget is not None,
         "no-warm": args.lvlm_budget is not None and not args.warm_start,
         f"{args.select_epoch}-epoch": args.select_epoch != default_select_epoch(args),
-        "items": args.item_bias,
+        f"{'' if args.item_bias else 'no-'}items": args.item_bias != default_item_bias(args),
         f"replay{args.replay_steps}": args.replay_steps != defaults["replay_steps"],
         f"seed{args.seed}": args.seed != 0,
         f"from-{init_tag(args.init)}": Path(args.init) != Args.init,  # never the --init folder itself

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 import grpo
 from icl_select import runs
 from icl_select.backends import SimBackend
-from icl_select.runs import save_checkpoint
+from icl_select.runs import load_selector, save_checkpoint
 
 FAST = dict(batch_size=8, val_frac=0.25, group_size=6, online=True)
 
@@ -113,6 +113,7 @@ def test_a_short_budget_trains_offline_grpo_first_counts_its_calls_and_resumes_i
     assert recs[0]["lvlm/calls"] == alone  # the start's validation asks what the warm start's best epoch paid for
     best = {r["epoch"]: r for r in warm}[warm[-1]["best_epoch"]]
     assert recs[0]["val/acc"] == best["val/acc"] and recs[0]["grpo/selection_change"] == 0  # it starts from the best
+    assert load_selector(full).items is not None and load_selector(full / "offline").items is None  # item scores
 
     counted[0] = 0
     with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
@@ -179,12 +180,13 @@ def test_budget_plan_fits_its_worst_case_in_the_budget(budget, epochs, batch, gr
 
 def test_a_budget_that_affords_the_default_run_trains_its_very_bytes(small_data, init, tmp_path):
     """A budget that affords the run it plans only plans and counts: given enough for --epochs 2, it trains what
-    --epochs 2 trains (no warm start: nothing is cut short)."""
+    --epochs 2 trains (no warm start: nothing is cut short; and with the item scores off, which only a budget turns
+    on)."""
     common = dict(data=small_data, init=init, **FAST)
     grpo.main(grpo.Args(out=tmp_path / "epochs", epochs=2, **common))
     steps, val_calls = 5, 12 * 4  # 36 training anchors in batches of 8; 12 validation anchors at 1..4 shots
     budget = 2 * steps * FAST["batch_size"] * FAST["group_size"] + 3 * val_calls
-    grpo.main(grpo.Args(out=tmp_path / "budget", lvlm_budget=budget, epochs=2, **common))
+    grpo.main(grpo.Args(out=tmp_path / "budget", lvlm_budget=budget, epochs=2, item_bias=False, **common))
     config = json.loads((tmp_path / "budget" / "config.json").read_text())
     assert config["budget_plan"]["epochs"] == 2 and "warm_start" not in config
     for name in ("model.safetensors", "metrics.jsonl", "ckpt/epoch_002.safetensors"):

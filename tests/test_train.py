@@ -721,12 +721,17 @@ def test_greedy_icds_in_parts_equal_one_whole_call(seed, n, budget):
     assert sizes == whole_sizes  # BLAS may round a slice of other rows otherwise: same slices, same bits
 
 
-def test_a_budget_returns_its_last_epoch_and_other_runs_their_best():
-    assert grpo.resolve(grpo.Args(online=True, lvlm_budget=35000)).select_epoch == "last"
-    assert grpo.resolve(grpo.Args(online=True)).select_epoch == "best"
-    assert grpo.resolve(grpo.Args()).select_epoch == "best"
+def test_a_budget_returns_its_last_epoch_and_learns_item_scores_where_other_runs_do_not():
     budget = grpo.resolve(grpo.Args(online=True, lvlm_budget=35000))
-    assert grpo.warm_start_args(budget, Path("w")).select_epoch == "best"  # the warm start keeps its best
+    assert (budget.select_epoch, budget.item_bias) == ("last", True)
+    assert [(a.select_epoch, a.item_bias) for a in map(grpo.resolve, [grpo.Args(online=True), grpo.Args()])] == [
+        ("best", False),
+        ("best", False),
+    ]
+    warm = grpo.warm_start_args(budget, Path("w"))
+    assert (warm.select_epoch, warm.item_bias) == ("best", False)  # the warm start keeps its best, learns no items
+    off = grpo.Args(online=True, lvlm_budget=35000, item_bias=False)
+    assert not grpo.resolve(off).item_bias and grpo.default_out(off).name == "grpo-kl0.3-online-budget35000-no-items"
 
 
 def test_select_epoch_last_returns_the_last_epoch_and_trains_the_same(small_data, rce_run, tmp_path):
