@@ -85,7 +85,6 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
     "rce, picks in prompt order": ("rce", {"pick_order": "prompt"}, "rce"),
     "online": ("grpo", {"online": True}, None),
     "online, no replay": (*plain()[:2], "online"),
-    "online + item bias": ("grpo", {"online": True, "item_bias": True}, "online"),
     "online, beta 0.1": plain(kl_beta=0.1),
     "online, beta 0": plain(kl_beta=0.0),
     "online, cosine lr decay": plain(lr_schedule="cosine"),

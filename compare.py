@@ -542,7 +542,8 @@ def trained_section(runs: list[Run]) -> list[str]:
         *(["LVLM calls"] if any(calls.values()) else []),
         *differ,
     ]
-    notes = "Selected epoch: the one model.safetensors holds, the best on validation (see Training)."
+    notes = "Selected epoch: the one model.safetensors holds, the best on validation or, with --select-epoch last (the"
+    notes += " default with --lvlm-budget), the last (see Training)."
     if any(calls.values()):
         notes += " LVLM calls: sequences the LVLM scored during training and validation (after the score cache)."
     return ["## Trained runs", "", md_table(header, rows), "", notes, ""]
