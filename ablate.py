@@ -43,16 +43,6 @@ def plain(**flags) -> tuple[str, dict, str]:
     return "grpo", {"online": True, "replay_steps": 0, **flags}, "online, no replay"
 
 
-# 35k LVLM calls as they ran before the warm start and the item scores were a budget's defaults
-BUDGET = {"online": True, "lvlm_budget": 35000, "warm_start": False, "item_bias": False}
-
-
-def cold(**flags) -> tuple[str, dict, str]:
-    """Online GRPO on a budget of 35k LVLM calls without the warm start, with `flags`, against that run alone: the
-    levers below were weighed on it, before the warm start was the default."""
-    return "grpo", BUDGET | flags, "online, budget 35k, replay 4 steps"
-
-
 def budget(calls: int) -> tuple[str, dict, str]:
     """What `grpo.py --online --lvlm-budget <calls>` alone runs, against the offline run its warm start trains: what
     the calls buy over the warm start alone."""
@@ -70,6 +60,15 @@ def before_items(calls: int = 35_000, **flags) -> tuple[str, dict, str]:
     start), with `flags`, against it: the levers judged in every world (docs/worlds.md) before then."""
     flags = {"online": True, "lvlm_budget": calls, "item_bias": False} | flags
     return "grpo", flags, f"online, budget {calls // 1000}k, no item bias"
+
+
+BUDGET = before_items(warm_start=False)[1]  # 35k LVLM calls as they ran before the warm start was a budget's default
+
+
+def cold(**flags) -> tuple[str, dict, str]:
+    """Online GRPO on a budget of 35k LVLM calls without the warm start, with `flags`, against that run alone: the
+    levers below were weighed on it, before the warm start was the default."""
+    return "grpo", BUDGET | flags, "online, budget 35k, replay 4 steps"
 
 
 def no_replay(**flags) -> tuple[str, dict, str]:
@@ -188,8 +187,7 @@ def build(args: Args, world: str, seed: int, names: list[str]) -> None:
             then = read_args(run / "config.json")
             now = flag_values(run_args)
             planned = ("epochs",) if now.get("lvlm_budget") and now["epochs"] is None else ()  # grpo plans them
-            skip = ("out", *SIDE_ARGS, *planned)
-            if diff := sorted(k for k in now if k not in skip and now[k] != then.get(k)):
+            if diff := sorted(k for k in now if k not in ("out", *SIDE_ARGS, *planned) and now[k] != then.get(k)):
                 raise ValueError(f"{run} was made with other flags ({', '.join(diff)}): delete it to rebuild it")
         if (run / "eval" / "val.json").is_file():
             continue
