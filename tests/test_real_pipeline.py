@@ -13,6 +13,7 @@ from gen_rl_data import Args, generate
 from icl_select import lvlm
 from icl_select.backends import LVLMRun, open_backend
 from icl_select.data import load_dataset
+from model import PointerSelector
 
 
 def gen_args(assets, out, **kw):
@@ -180,3 +181,21 @@ def test_gen_rl_data_reads_a_hugging_face_export(assets, tmp_path, monkeypatch):
     generate(gen_args(assets, out, data_root=tmp_path / "export", num_queries=2, skip_self_check=True))
     ds = load_dataset(out)
     assert len(ds.groups) == 2 and all(it["image"].startswith(str(tmp_path / "cache")) for it in ds.items["train"])
+
+
+def test_a_budget_on_the_real_backend_stays_within_it_and_scores_the_train_items_it_met(data, tmp_path):
+    """`grpo.py --online --lvlm-budget N` alone on the real backend: the warm start, then the online run, within N
+    LVLM calls; the item scores are keyed by the dataset's CLIP embeddings, so a train item scores, a val item not."""
+    small = dict(data=data, batch_size=4, val_frac=0.25)
+    rce.main(rce.Args(out=tmp_path / "rce", hidden=32, num_heads=2, quality="all", epochs=1, **small))
+    online = dict(online=True, lvlm_budget=60, group_size=2, val_lvlm=True, val_max_queries=2, skip_self_check=True)
+    grpo.main(grpo.Args(init=tmp_path / "rce", out=tmp_path / "online", **online, **small))
+    last = json.loads((tmp_path / "online" / "metrics.jsonl").read_text().splitlines()[-1])
+    config = json.loads((tmp_path / "online" / "config.json").read_text())
+    assert 0 < config["warm_start"]["lvlm_calls"] < last["lvlm/calls"] <= 60
+    assert PointerSelector.load(config["warm_start"]["run"]).items is None  # the offline warm start learns none
+    ds, policy = load_dataset(data), PointerSelector.load(tmp_path / "online")
+    train, val = (policy.items(ds.emb[split][None])[0] for split in ("train", "val"))  # (N,) each item's score
+    assert (train != 0).any() and (val == 0).all()
+    evaluate.main(evaluate.Args(runs=[tmp_path / "online"], data=data, shots=[1, 2], num_samples=[4]))
+    assert len(json.loads((tmp_path / "online" / "eval" / "val.json").read_text())["results"]) == 8
