@@ -84,7 +84,7 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
     "rce, picks in prompt order": ("rce", {"pick_order": "prompt"}, "rce"),
     "online": ("grpo", {"online": True}, None),
     "online, no replay": (*plain()[:2], "online"),
-    "online + item bias": ("grpo", {"online": True, "item_bias": True}, "online"),  # a budget's item scores, no budget
+    "online + item bias": ("grpo", {"online": True, "item_bias": True}, "online"),  # no budget, the item scores on
     "online, beta 0.1": plain(kl_beta=0.1),
     "online, beta 0": plain(kl_beta=0.0),
     "online, cosine lr decay": plain(lr_schedule="cosine"),
