@@ -38,9 +38,9 @@ from icl_select.tables import md_table
 
 
 def plain(**flags) -> tuple[str, dict, str]:
-    """Online GRPO without replay, with `flags`, against that run: the levers below were weighed on it, before replay
-    was the default."""
-    return "grpo", {"online": True, "replay_steps": 0, **flags}, "online, no replay"
+    """Online GRPO without replay or the item scores, with `flags`, against that run: the levers below were weighed on
+    it, before either was the default."""
+    return "grpo", {"online": True, "replay_steps": 0, "item_bias": False, **flags}, "online, no replay"
 
 
 def budget(calls: int) -> tuple[str, dict, str]:
@@ -83,8 +83,8 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
     "rce, all groups (Lever-Plus)": ("rce", {"quality": "all"}, "rce"),
     "rce, picks in prompt order": ("rce", {"pick_order": "prompt"}, "rce"),
     "online": ("grpo", {"online": True}, None),
-    "online, no replay": (*plain()[:2], "online"),
-    "online + item bias": ("grpo", {"online": True, "item_bias": True}, "online"),  # no budget, the item scores on
+    "online, no item bias": ("grpo", {"online": True, "item_bias": False}, "online"),  # the default before the scores
+    "online, no replay": (*plain()[:2], "online, no item bias"),
     "online, beta 0.1": plain(kl_beta=0.1),
     "online, beta 0": plain(kl_beta=0.0),
     "online, cosine lr decay": plain(lr_schedule="cosine"),
@@ -311,8 +311,8 @@ WORLD_RUNS = ("zero-shot", "random", "image-sim", "rce", "offline", "online", "o
 SHARES = (
     "offline",
     "online",
+    "online, no item bias",
     "online, no replay",
-    "online + item bias",
     "online, budget 35k",
     "online, budget 35k, no item bias",
     "online, budget 35k, no warm start",

@@ -12,8 +12,8 @@ to sequences nobody scored; with --num-iterations 1 the clip never binds. Online
 distinct sequences per query from the current policy at --temperature and scores them with the dataset's backend:
 on-policy GRPO, the mode that learns most wherever LVLM calls during training are affordable. Defaults differ by
 mode (MODE_DEFAULTS; docs/ablations.md measures them); online, each step also learns from the groups of the last
-few steps (--replay-steps). A --lvlm-budget that cuts the default online run short first trains offline GRPO from
---init, then the online run from it (--warm-start); any budget also learns a score per train item (--item-bias): no
+few steps (--replay-steps), and the selector learns a score per train item (--item-bias). A --lvlm-budget that cuts
+the default online run short first trains offline GRPO from --init, then the online run from it (--warm-start): no
 flag to add for a small budget.
 
 Usage:
@@ -109,7 +109,7 @@ class Args(TrainArgs):
     """Online, where --lvlm-budget cuts the default run short: offline GRPO from --init first (docs/flags.md)."""
     select_epoch: Annotated[Literal["best", "last"] | None, default_is("last with --lvlm-budget, else best")] = None
     """Which epoch the run returns: the best on the validation anchors, or the last (docs/flags.md)."""
-    item_bias: Annotated[bool | None, DisallowNone, default_is("on with --lvlm-budget, else off")] = None
+    item_bias: Annotated[bool | None, DisallowNone, default_is("on with --online, else off")] = None
     """Also learn a score for each train item, added wherever it is a candidate: remembers which demonstrations
     helped beyond their embeddings (docs/flags.md)."""
 
@@ -125,8 +125,9 @@ def default_select_epoch(args: Args) -> str:
 
 
 def default_item_bias(args: Args) -> bool:
-    """Measured on a budget in every world (docs/worlds.md); the default run without a budget predates it."""
-    return args.lvlm_budget is not None
+    """Measured online in every world, with a budget and without (docs/worlds.md); offline GRPO, a budget's warm start
+    included, was not weighed with them."""
+    return args.online
 
 
 def resolve(args: Args) -> Args:

@@ -180,13 +180,12 @@ def test_budget_plan_fits_its_worst_case_in_the_budget(budget, epochs, batch, gr
 
 def test_a_budget_that_affords_the_default_run_trains_its_very_bytes(small_data, init, tmp_path):
     """A budget that affords the run it plans only plans and counts: given enough for --epochs 2, it trains what
-    --epochs 2 trains (no warm start: nothing is cut short; and with the item scores off, which only a budget turns
-    on)."""
-    common = dict(data=small_data, init=init, **FAST)
+    --epochs 2 trains (no warm start: nothing is cut short), both returning their last epoch."""
+    common = dict(data=small_data, init=init, select_epoch="last", **FAST)
     grpo.main(grpo.Args(out=tmp_path / "epochs", epochs=2, **common))
     steps, val_calls = 5, 12 * 4  # 36 training anchors in batches of 8; 12 validation anchors at 1..4 shots
     budget = 2 * steps * FAST["batch_size"] * FAST["group_size"] + 3 * val_calls
-    grpo.main(grpo.Args(out=tmp_path / "budget", lvlm_budget=budget, epochs=2, item_bias=False, **common))
+    grpo.main(grpo.Args(out=tmp_path / "budget", lvlm_budget=budget, epochs=2, **common))
     config = json.loads((tmp_path / "budget" / "config.json").read_text())
     assert config["budget_plan"]["epochs"] == 2 and "warm_start" not in config
     for name in ("model.safetensors", "metrics.jsonl", "ckpt/epoch_002.safetensors"):

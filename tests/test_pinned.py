@@ -38,7 +38,7 @@ def train_tiny(root: Path) -> dict[str, str]:
     )
     rce.main(rce.Args(data=data, out=root / "rce", epochs=2, **fast))
     grpo.main(grpo.Args(data=data, init=root / "rce", out=root / "offline", epochs=2, **fast))
-    online = dict(epochs=1, online=True, replay_steps=0)  # pinned before replay was online's default
+    online = dict(epochs=1, online=True, replay_steps=0, item_bias=False)  # pinned before replay and the item scores
     grpo.main(grpo.Args(data=data, init=root / "rce", out=root / "online", **online, **fast))
     return {
         name: hashlib.sha256((root / name / "model.safetensors").read_bytes()).hexdigest()[:16]

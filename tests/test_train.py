@@ -260,13 +260,13 @@ def test_grpo_online_and_resume_bit_identical(small_data, rce_run, tmp_path, mon
 def test_item_bias_learns_a_score_per_train_item_resumes_bit_identical_and_evaluates(
     small_data, rce_run, tmp_path, monkeypatch
 ):
-    flags = dict(online=True, group_size=6, epochs=2, item_bias=True, **FAST)
+    flags = dict(online=True, group_size=6, epochs=2, **FAST)  # the item scores are on in every online run
     full = whole_and_resumed(monkeypatch, tmp_path, data=small_data, init=rce_run, **flags)
     ds = load_dataset(small_data)
     model, init = load_selector(full), load_selector(rce_run)
     assert init.items is None and len(model.items.keys) == len(ds.emb["train"].unique(dim=0))
     assert (model.items.bias != 0).sum() > 10  # the items online groups were scored with moved
-    assert grpo.default_out(grpo.Args(online=True, item_bias=True)).name == "grpo-kl0.3-online-items"
+    assert grpo.default_out(grpo.Args(online=True, item_bias=False)).name == "grpo-kl0.3-online-no-items"
     evaluate.main(evaluate.Args(data=small_data, runs=[full], num_samples=[20], shots=[1, 2]))
     assert (full / "eval" / "val.json").is_file()
 
@@ -721,11 +721,11 @@ def test_greedy_icds_in_parts_equal_one_whole_call(seed, n, budget):
     assert sizes == whole_sizes  # BLAS may round a slice of other rows otherwise: same slices, same bits
 
 
-def test_a_budget_returns_its_last_epoch_and_learns_item_scores_where_other_runs_do_not():
+def test_a_budget_returns_its_last_epoch_and_online_runs_learn_item_scores_where_offline_ones_do_not():
     budget = grpo.resolve(grpo.Args(online=True, lvlm_budget=35000))
     assert (budget.select_epoch, budget.item_bias) == ("last", True)
     assert [(a.select_epoch, a.item_bias) for a in map(grpo.resolve, [grpo.Args(online=True), grpo.Args()])] == [
-        ("best", False),
+        ("best", True),
         ("best", False),
     ]
     warm = grpo.warm_start_args(budget, Path("w"))
