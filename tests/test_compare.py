@@ -199,19 +199,19 @@ def test_ablate_orders_references_first_and_tables_pool_seeds_by_hand(tmp_path):
         "online, no replay",
         "online, picks in prompt order",
     ]
-    # per seed (4 questions, shots 1-2): rce 25%, online 50%, no-replay variant 25% or 50%, oracle 75%, ...
+    # per seed (4 questions, shots 1-2): rce 25%, online 50%, the variant without items 25% or 50%, oracle 75%, ...
     rows = {"rce": [1, 0, 0, 0], "online": [1, 1, 0, 0], "image-sim": [0, 0, 0, 0], "oracle": [1, 1, 1, 0]}
     rows |= {"observable": [1, 1, 0, 0]}
     for seed, variant in ((0, [1, 0, 0, 0]), (1, [1, 1, 0, 0])):
-        for name, row in {**rows, "online, no replay": variant}.items():
+        for name, row in {**rows, "online, no item bias": variant}.items():
             calls = [{"epoch": 1, "lvlm/calls": 35_000}]
             write_run(tmp_path / "copy" / f"seed{seed}" / ablate.slug(name), {1: row, 2: row}, metrics=calls)
     args = ablate.Args(seeds=[0, 1], worlds=["copy"], out=tmp_path, bootstrap=200)
     text = ablate.tables(args, "copy")
     acc = {r[0]: r[1:] for r in cells(text, "| run |")}
-    assert acc["online"] == ["50.00", "50.00"] and acc["online, no replay"] == ["25.00", "50.00"]
+    assert acc["online"] == ["50.00", "50.00"] and acc["online, no item bias"] == ["25.00", "50.00"]
     [row] = cells(text, "| variant |")
-    assert row[:2] == ["online, no replay", "online"]
+    assert row[:2] == ["online, no item bias", "online"]
     assert row[2].startswith("-25.00 [") and row[3] == "+0.00 [+0.00, +0.00]" and row[4].startswith("-12.50 [")
     targets = cells(text, "| seed |")
     assert [r[0] for r in targets] == ["0", "1"]
@@ -242,19 +242,19 @@ def test_ablate_budget_table_pools_shares_over_seeds_and_averages_the_calls(tmp_
 def test_ablate_figures_are_the_same_whichever_other_runs_are_in_the_table(tmp_path):
     """Each CI draws from a generator seeded by what it measures: a figure reproduces by any command that prints it."""
     g = np.random.default_rng(0)
-    p = {"image-sim": 0.2, "rce": 0.3, "online": 0.6, "online, no replay": 0.5, "oracle": 1.0}
+    p = {"image-sim": 0.2, "rce": 0.3, "online": 0.6, "online, no item bias": 0.5, "oracle": 1.0}
     rows = {n: (g.random(40) < q).astype(float).tolist() for n, q in p.items()}
     calls = [{"epoch": 1, "lvlm/calls": 1}]
     for name, row in rows.items():
         write_run(tmp_path / "additive" / "seed0" / ablate.slug(name), {1: row}, metrics=calls, ns=(40,))
     args = ablate.Args(seeds=[0], worlds=["additive"], out=tmp_path, bootstrap=200)
     before = ablate.tables(args, "additive")
-    # a variant listed before "online, no replay" now has a run too: its own CI is drawn first
+    # a variant listed before "online, no item bias" now has a run too: its own CI is drawn first
     lever_plus = tmp_path / "additive" / "seed0" / ablate.slug("rce, all groups (Lever-Plus)")
     write_run(lever_plus, {1: rows["online"]}, ns=(40,))
     after = ablate.tables(args, "additive")
-    beta = [r for r in cells(after, "| variant |") if r[0] == "online, no replay"]
-    assert beta == [r for r in cells(before, "| variant |") if r[0] == "online, no replay"] and "[" in beta[0][2]
+    items = [r for r in cells(after, "| variant |") if r[0] == "online, no item bias"]
+    assert items == [r for r in cells(before, "| variant |") if r[0] == "online, no item bias"] and "[" in items[0][2]
     assert len(cells(after, "| variant |")) == 2
 
 
