@@ -598,7 +598,8 @@ def gap_section(c: Comparison, args: Args) -> list[str]:
         f"Share of the room between {start.name} ({c.acc[start.name]['avg']:.2f}) and each simulator ceiling that a "
         "run takes, accuracy averaged over shots; [95% CI] by a paired bootstrap over questions. oracle searches the "
         "planted answer model; observable searches the same way with the latents that probes read off the embeddings "
-        "(an estimate of what embeddings reveal, not a bound)."
+        "(an estimate of what embeddings reveal, not a bound: a selector that also learns a score per train item, as "
+        "online GRPO does, can pass it)."
     )
     return ["## Room taken (simulator ceilings)", "", md_table(header, rows), "", note, ""]
 
