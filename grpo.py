@@ -54,8 +54,22 @@ SHOWN = ("grpo/reward_mean", "grpo/kl_ref", "grpo/entropy")
 
 # Per-mode defaults of the flags left at None (docs/ablations.md measures them on the simulator).
 MODE_DEFAULTS = {
-    "offline": {"epochs": 10, "lr": 1e-4, "reward_mode": "hard_plus_soft", "kl_beta": 0.1, "replay_steps": 0},
-    "online": {"epochs": 30, "lr": 1e-3, "reward_mode": "hard_plus_gtprob", "kl_beta": 0.3, "replay_steps": 4},
+    "offline": {
+        "epochs": 10,
+        "lr": 1e-4,
+        "reward_mode": "hard_plus_soft",
+        "kl_beta": 0.1,
+        "replay_steps": 0,
+        "item_bias": False,
+    },
+    "online": {
+        "epochs": 30,
+        "lr": 1e-3,
+        "reward_mode": "hard_plus_gtprob",
+        "kl_beta": 0.3,
+        "replay_steps": 4,
+        "item_bias": True,
+    },
 }
 
 
@@ -109,7 +123,7 @@ class Args(TrainArgs):
     """Online, where --lvlm-budget cuts the default run short: offline GRPO from --init first (docs/flags.md)."""
     select_epoch: Annotated[Literal["best", "last"] | None, default_is("last with --lvlm-budget, else best")] = None
     """Which epoch the run returns: the best on the validation anchors, or the last (docs/flags.md)."""
-    item_bias: Annotated[bool | None, DisallowNone, default_is("on with --online, else off")] = None
+    item_bias: Annotated[bool | None, DisallowNone, per_mode("item_bias")] = None
     """Also learn a score for each train item, added wherever it is a candidate: remembers which demonstrations
     helped beyond their embeddings (docs/flags.md)."""
 
@@ -124,18 +138,12 @@ def default_select_epoch(args: Args) -> str:
     return "last" if args.lvlm_budget is not None else "best"
 
 
-def default_item_bias(args: Args) -> bool:
-    """Measured online in every world, with a budget and without (docs/worlds.md); offline GRPO, a budget's warm start
-    included, was not weighed with them."""
-    return args.online
-
-
 def resolve(args: Args) -> Args:
     """Fill the per-mode defaults in (config.json records the resolved values)."""
     defaults = MODE_DEFAULTS["online" if args.online else "offline"]
     if args.lvlm_budget is not None:  # train plans the epochs from the budget
         defaults = {k: v for k, v in defaults.items() if k != "epochs"}
-    defaults |= {"select_epoch": default_select_epoch(args), "item_bias": default_item_bias(args)}
+    defaults |= {"select_epoch": default_select_epoch(args)}
     return replace(args, **{k: v for k, v in defaults.items() if getattr(args, k) is None})
 
 
@@ -161,7 +169,7 @@ def default_out(args: Args) -> Path:
         f"budget{args.lvlm_budget}": args.lvlm_budget is not None,
         "no-warm": args.lvlm_budget is not None and not args.warm_start,
         f"{args.select_epoch}-epoch": args.select_epoch != default_select_epoch(args),
-        f"{'' if args.item_bias else 'no-'}items": args.item_bias != default_item_bias(args),
+        f"{'' if args.item_bias else 'no-'}items": args.item_bias != defaults["item_bias"],
         f"replay{args.replay_steps}": args.replay_steps != defaults["replay_steps"],
         f"seed{args.seed}": args.seed != 0,
         f"from-{init_tag(args.init)}": Path(args.init) != Args.init,  # never the --init folder itself
