@@ -4,9 +4,12 @@ import hashlib
 import json
 import math
 import re
+import shlex
+from pathlib import Path
 
 import numpy as np
 import pytest
+import tyro
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -220,6 +223,29 @@ def test_ablate_orders_references_first_and_tables_pool_seeds_by_hand(tmp_path):
     got = dict(zip(["world", *ablate.WORLD_RUNS, "observable", "oracle", "gap rce->oracle", "share: online"], world))
     assert got["world"] == "copy" and got["zero-shot"] == "-" and got["rce"] == "25.00" and got["oracle"] == "75.00"
     assert got["gap rce->oracle"] == "50.00" and got["share: online"].startswith("50% [")
+
+
+def documented_ablate_commands() -> list[tuple[str, str]]:
+    """(file, command) for every `python ablate.py ...` in the README and docs: bash blocks (continuations joined) and
+    inline code (which may wrap), less the templates (a placeholder NAME or "...")."""
+    root = Path(__file__).parent.parent
+    found = []
+    for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        text = path.read_text()
+        bash = re.findall(r"```bash\n(.*?)```", text, re.S)
+        blocks = [ln for b in bash for ln in b.replace("\\\n", " ").splitlines()]
+        spans = re.findall(r"`(python ablate\.py[^`]*)`", text)
+        found += [(path.name, " ".join(c.split())) for c in blocks + spans if c.startswith("python ablate.py")]
+    return [(f, c) for f, c in found if "NAME" not in c and "..." not in c]
+
+
+def test_every_documented_ablate_command_names_known_variants():
+    # A renamed or dropped variant would leave a documented figure without the command that reproduces it.
+    commands = documented_ablate_commands()
+    assert len(commands) >= 10
+    for name, cmd in commands:
+        args = tyro.cli(ablate.Args, args=shlex.split(cmd)[2:])  # the flags and worlds parse
+        assert set(args.only) <= set(ablate.VARIANTS), (name, cmd, set(args.only) - set(ablate.VARIANTS))
 
 
 def test_ablate_budget_table_pools_shares_over_seeds_and_averages_the_calls(tmp_path):
