@@ -106,6 +106,7 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
     "online, budget 35k": (*on_budget()[:2], "online, budget 35k, no item bias"),
     "online, budget 35k, no warm start": on_budget(warm_start=False),
     "online, budget 35k, best epoch": on_budget(select_epoch="best"),
+    "online, budget 5k, lr 2e-3": on_budget(5_000, lr=2e-3),
     "online, budget 10k, lr 2e-3": on_budget(10_000, lr=2e-3),
     "online, budget 35k, lr 2e-3": on_budget(lr=2e-3),
     "online, budget 35k + batch 16": before_items(batch_size=16),
