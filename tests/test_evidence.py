@@ -10,7 +10,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 import evaluate
 import grpo
@@ -27,22 +26,15 @@ N = 800  # validation questions, as in run.sh
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("evidence")
     data = root / "data"
-    # Two torch threads, CI's two cores (a third less time): rounding then differs from one thread's, as on another
-    # CPU, and the bounds below leave room for that.
-    torch.set_num_threads(2)
-    try:
-        generate(GenArgs(out=data))  # the defaults: 800 anchors x 16 sequences, K=64, S=4, 1200 val questions
-        rce.main(rce.Args(data=data, out=root / "rce"))
-        # its warm start, online/offline, is grpo.py's default offline run at beta 0.1 (test_budget.py)
-        grpo.main(grpo.Args(data=data, init=root / "rce", out=root / "online", online=True, lvlm_budget=35_000))
-        for beta in (0.0, 1.0):
-            grpo.main(grpo.Args(data=data, init=root / "rce", out=root / f"offline-beta{beta}", kl_beta=beta))
-        for b in ("image-sim", "oracle"):
-            evaluate.main(evaluate.Args(data=data, baseline=b, out=root / b, num_samples=[N]))
-        runs = [root / "rce", root / "online", root / "online" / "offline"]
-        evaluate.main(evaluate.Args(data=data, runs=runs, num_samples=[N]))
-    finally:
-        torch.set_num_threads(1)
+    generate(GenArgs(out=data))  # the defaults: 800 anchors x 16 sequences, K=64, S=4, 1200 val questions
+    rce.main(rce.Args(data=data, out=root / "rce"))
+    # its warm start, online/offline, is grpo.py's default offline run at beta 0.1 (test_budget.py)
+    grpo.main(grpo.Args(data=data, init=root / "rce", out=root / "online", online=True, lvlm_budget=35_000))
+    for beta in (0.0, 1.0):
+        grpo.main(grpo.Args(data=data, init=root / "rce", out=root / f"offline-beta{beta}", kl_beta=beta))
+    for b in ("image-sim", "oracle"):
+        evaluate.main(evaluate.Args(data=data, baseline=b, out=root / b, num_samples=[N]))
+    evaluate.main(evaluate.Args(data=data, runs=[root / "rce", root / "online", offline(root, 0.1)], num_samples=[N]))
     return root
 
 
