@@ -109,6 +109,7 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
     "online, budget 5k, lr 2e-3": on_budget(5_000, lr=2e-3),
     "online, budget 10k, lr 2e-3": on_budget(10_000, lr=2e-3),
     "online, budget 35k, lr 2e-3": on_budget(lr=2e-3),
+    "online, budget 100k, lr 2e-3": on_budget(100_000, lr=2e-3),
     "online, budget 35k + batch 16": before_items(batch_size=16),
     "online, budget 35k + 2 iterations per batch": before_items(num_iterations=2),
     "online, budget 35k + replay 8 steps": before_items(replay_steps=8),
