@@ -52,6 +52,11 @@ def mean(run) -> float:
     return float(np.mean(list(accuracy(run).values())))
 
 
+def last_record(run) -> dict:
+    """metrics.jsonl's last line: the run's final epoch."""
+    return json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+
+
 def test_rce_beats_similarity_and_online_grpo_on_35k_calls_takes_a_third_of_the_room_to_the_oracle(runs):
     acc = {name: mean(runs / name) for name in ("image-sim", "rce", "online", "oracle")}
     acc["offline"] = mean(offline(runs, 0.1))
@@ -59,16 +64,12 @@ def test_rce_beats_similarity_and_online_grpo_on_35k_calls_takes_a_third_of_the_
     # The budget's share of the RCE -> oracle room (docs/ablations.md gives it per seed); the bound guards against
     # regressions with room for CPUs whose float rounding sends training elsewhere.
     assert acc["online"] - acc["rce"] >= (acc["oracle"] - acc["rce"]) / 3, acc
-    calls = json.loads((runs / "online" / "metrics.jsonl").read_text().splitlines()[-1])["lvlm/calls"]
+    calls = last_record(runs / "online")["lvlm/calls"]
     assert calls <= 35_000, calls
     assert acc["offline"] >= acc["rce"] + 1, acc
     assert acc["online"] > acc["offline"], acc  # sampling its own groups learns more than the fixed ones
 
 
 def test_selection_change_decreases_with_kl_beta(runs):
-    def change(run):
-        records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-        return records[-1]["grpo/selection_change"]
-
-    rates = [change(offline(runs, beta)) for beta in (0.0, 0.1, 1.0)]
+    rates = [last_record(offline(runs, beta))["grpo/selection_change"] for beta in (0.0, 0.1, 1.0)]
     assert rates[0] >= rates[1] >= rates[2] and rates[0] > rates[2], rates
