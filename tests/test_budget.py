@@ -1,6 +1,7 @@
 """grpo.py --online --lvlm-budget: what the LVLM scores is counted independently here, around the backend itself."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import example, given
@@ -30,9 +31,8 @@ def die_in(name: str):
     return lambda out, e, *a: (save_then_die if out.name == name else save_checkpoint)(out, e, *a)
 
 
-@pytest.fixture
-def counted(monkeypatch):
-    """Sequences the simulator is asked to score, whoever asks (not grpo's own counter)."""
+def count_calls(monkeypatch) -> list[int]:
+    """Sequences the simulator is asked to score from now on, whoever asks (not grpo's own counter)."""
     asked = [0]
     real = SimBackend.score
 
@@ -44,6 +44,11 @@ def counted(monkeypatch):
     return asked
 
 
+@pytest.fixture
+def counted(monkeypatch):
+    return count_calls(monkeypatch)
+
+
 @pytest.fixture(scope="module")
 def init(small_data, tmp_path_factory):
     import rce
@@ -51,6 +56,21 @@ def init(small_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "rce"
     rce.main(rce.Args(data=small_data, out=out, epochs=2, batch_size=8, val_frac=0.25))
     return out
+
+
+@pytest.fixture(scope="module")
+def short(small_data, init, tmp_path_factory):
+    """A 1500-call budget's arguments, the run they train, and the offline GRPO run grpo.py trains by default, each
+    with the calls the simulator was asked for: the tests of the warm start share them."""
+    root = tmp_path_factory.mktemp("short")
+    args = dict(data=small_data, init=init, lvlm_budget=1500, **FAST)
+    with pytest.MonkeyPatch.context() as m:
+        asked = count_calls(m)
+        train = {k: v for k, v in FAST.items() if k not in ("group_size", "online")}
+        grpo.main(grpo.Args(data=small_data, init=init, out=root / "offline", **train))
+        alone, asked[0] = asked[0], 0
+        grpo.main(grpo.Args(out=root / "full", **args))
+    return SimpleNamespace(args=args, offline=root / "offline", alone=alone, full=root / "full", spent=asked[0])
 
 
 def test_budget_run_stops_within_budget_logs_calls_and_resumes_identically(
@@ -89,50 +109,38 @@ def test_budget_run_stops_within_budget_logs_calls_and_resumes_identically(
 
 @pytest.mark.parametrize("killed", ["offline", "part"])
 def test_a_short_budget_trains_offline_grpo_first_counts_its_calls_and_resumes_identically(
-    small_data, init, tmp_path, counted, monkeypatch, killed
+    short, tmp_path, counted, monkeypatch, killed
 ):
     """The warm start is the offline GRPO run grpo.py trains by default; the online run starts from it and keeps it
     as its KL reference; its validation calls count in the budget, each paid for once, and a kill in either phase
     resumes to the same bytes."""
-    budget, train = 1500, {k: v for k, v in FAST.items() if k not in ("group_size", "online")}
-    grpo.main(grpo.Args(data=small_data, init=init, out=tmp_path / "offline", **train))
-    alone = counted[0]
-    counted[0] = 0
-    common = dict(data=small_data, init=init, lvlm_budget=budget, **FAST)
-    full, part = tmp_path / "full", tmp_path / "part"
-    grpo.main(grpo.Args(out=full, **common))
-    spent = counted[0]
+    full, part = short.full, tmp_path / "part"
     warm = records(full / "offline")
     config = json.loads((full / "config.json").read_text())
-    assert (full / "offline" / "model.safetensors").read_bytes() == (
-        tmp_path / "offline" / "model.safetensors"
-    ).read_bytes()
-    assert config["warm_start"]["lvlm_calls"] == warm[-1]["lvlm/calls"] == alone > 0
+    assert (full / "offline" / "model.safetensors").read_bytes() == (short.offline / "model.safetensors").read_bytes()
+    assert config["warm_start"]["lvlm_calls"] == warm[-1]["lvlm/calls"] == short.alone > 0
     recs = records(full)
-    assert recs[-1]["lvlm/calls"] == spent <= budget  # one count over both phases
-    assert recs[0]["lvlm/calls"] == alone  # the start's validation asks what the warm start's best epoch paid for
+    assert recs[-1]["lvlm/calls"] == short.spent <= short.args["lvlm_budget"]  # one count over both phases
+    assert recs[0]["lvlm/calls"] == short.alone  # the start's validation asks what the warm start's best epoch paid for
     best = {r["epoch"]: r for r in warm}[warm[-1]["best_epoch"]]
     assert recs[0]["val/acc"] == best["val/acc"] and recs[0]["grpo/selection_change"] == 0  # it starts from the best
     assert load_selector(full).items is not None and load_selector(full / "offline").items is None  # item scores
 
-    counted[0] = 0
     with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
         m.setattr(runs, "save_checkpoint", die_in(killed))
-        grpo.main(grpo.Args(out=part, **common))
-    grpo.main(grpo.Args(out=part, **common))
-    assert counted[0] == spent
+        grpo.main(grpo.Args(out=part, **short.args))
+    grpo.main(grpo.Args(out=part, **short.args))
+    assert counted[0] == short.spent
     for name in ("model.safetensors", "metrics.jsonl", "scores.safetensors", "offline/model.safetensors"):
         assert (part / name).read_bytes() == (full / name).read_bytes(), name
 
 
-def test_no_warm_start_plans_the_whole_budget_for_the_online_run(small_data, init, tmp_path):
-    common = dict(data=small_data, init=init, lvlm_budget=1500, **FAST)
-    grpo.main(grpo.Args(out=tmp_path / "warm", **common))
-    grpo.main(grpo.Args(out=tmp_path / "cold", warm_start=False, **common))
-    warm, cold = (json.loads((tmp_path / n / "config.json").read_text()) for n in ("warm", "cold"))
+def test_no_warm_start_plans_the_whole_budget_for_the_online_run(short, tmp_path):
+    grpo.main(grpo.Args(out=tmp_path / "cold", warm_start=False, **short.args))
+    warm, cold = (json.loads((d / "config.json").read_text()) for d in (short.full, tmp_path / "cold"))
     assert "warm_start" not in cold and not (tmp_path / "cold" / "offline").exists()
     assert cold["budget_plan"]["steps"] > warm["budget_plan"]["steps"]  # the warm start's calls were someone's steps
-    assert "-budget1500-no-warm-" in grpo.default_out(grpo.Args(**common, warm_start=False)).name
+    assert "-budget1500-no-warm-" in grpo.default_out(grpo.Args(**short.args, warm_start=False)).name
 
 
 def test_budget_too_small_for_one_step_and_its_validations_is_refused(small_data, init, tmp_path, counted):
