@@ -49,7 +49,9 @@ from icl_select.validation import greedy_icds
 from icl_select.vqa_data import check_images
 from model import PointerSelector
 
-Baseline = Literal["zero-shot", "random", "image-sim", "text-sim", "oracle", "observable"]
+Baseline = Literal["zero-shot", "random", "image-sim", "text-sim", "mmices", "mmr", "coreset", "oracle", "observable"]
+# Baselines that rank demonstrations by relevance to the query: the most relevant goes next to it (RICES' order).
+RANKED = ("image-sim", "text-sim", "mmices", "mmr", "coreset")
 
 
 @help_first("baseline", "data", "out", "lvlm")
@@ -58,7 +60,7 @@ class Args(LVLMRun, CpuArgs):
     runs: tyro.conf.Positional[list[Path]] = field(default_factory=list)
     """Run folders whose selector (model.safetensors) to evaluate."""
     baseline: Baseline | None = None
-    """Evaluate a baseline instead; oracle and observable need the simulator (docs/worlds.md)."""
+    """Evaluate a baseline instead (docs/rivals.md); oracle and observable need the simulator (docs/worlds.md)."""
     out: Annotated[Path | None, default_is("runs/baseline-<name>")] = None
     """Run folder for a baseline."""
     data: Path = DEFAULT_DATA
@@ -73,6 +75,10 @@ class Args(LVLMRun, CpuArgs):
     """ICD order in the prompt: selected (first pick first), reversed, or auto (docs/flags.md)."""
     epochs: list[int] = field(default_factory=list)
     """Also evaluate these epoch checkpoints of each run (eval/<split>-epochNNN.json)."""
+    prefilter: int = 16
+    """MMICES: the most image-similar candidates kept before the question reranks them."""
+    mmr_lambda: float = 0.5
+    """MMR: weight of relevance against redundancy (1 = RICES)."""
     seeds: int = 1
     """Random baseline: average over this many seeds."""
     seed: int = 0
@@ -94,6 +100,10 @@ def check_args(args: Args) -> None:
         raise ValueError("--shots and --num-samples must be positive")
     if args.seeds < 1 or args.batch_size < 1:
         raise ValueError("--seeds and --batch-size must be >= 1")
+    if not 0 <= args.mmr_lambda <= 1:
+        raise ValueError(f"--mmr-lambda must be in [0, 1], got {args.mmr_lambda}")
+    if args.baseline == "mmices" and args.prefilter < max(args.shots):
+        raise ValueError(f"--prefilter {args.prefilter} is smaller than the {max(args.shots)} demonstrations asked for")
     check_lvlm_run(args)
     for run in args.runs:
         if not (run / "model.safetensors").is_file():
@@ -134,12 +144,21 @@ def baseline_icds(
     if args.baseline == "random":
         g = torch.Generator().manual_seed(seed)
         order = pools.random_sequences(pool >= 0, 1, k, g)[:, 0]  # (n, k)
-    else:
-        view = "image" if args.baseline == "image-sim" else "text"
+        return [pool.gather(1, order[:, :s]) for s in shots]
+    views = {"image-sim": ("image",), "text-sim": ("text",), "mmices": ("image", "text"), "mmr": ("image",)}
+    for view in views.get(args.baseline, ()):
         if f"{split}_{view}" not in ds.emb:
             raise ValueError(f"{ds.folder}: no '{split}_{view}' embeddings for --baseline {args.baseline}")
-        order = pools.pool_ranking(ds.emb[f"{split}_{view}"][rows], ds.emb[f"train_{view}"], pool)[:, :k]
-    icds = pool.gather(1, order)
+    emb = {v: (ds.emb[f"{split}_{v}"][rows], ds.emb[f"train_{v}"]) for v in views.get(args.baseline, ())}
+    if args.baseline == "coreset":  # clustered per shot count: the best 2 need not be a prefix of the best 4
+        return [pool.gather(1, pools.coreset_order(ds.emb[split][rows], ds.emb["train"], pool, s)) for s in shots]
+    if args.baseline == "mmices":
+        order = pools.mmices_order(*emb["image"], *emb["text"], pool, k, args.prefilter)
+    elif args.baseline == "mmr":
+        order = pools.mmr_order(*emb["image"], pool, k, args.mmr_lambda)
+    else:
+        order = pools.pool_ranking(*next(iter(emb.values())), pool)[:, :k]
+    icds = pool.gather(1, order)  # (n, k) train rows, pick order
     return [icds[:, :s] for s in shots]
 
 
@@ -226,7 +245,7 @@ def keep_other_settings(target: Path, header: dict, num_samples: list[int], dige
             f"{target}: not an evaluation file (expected an object with 'results'); it is kept: move it away"
         )
     now = {**header, "num_samples": sorted(num_samples), "backend": header["lvlm"], "data_digest": digest}
-    keys = ("split", "order", "shots", "seeds", "num_samples", "backend", "data_digest")
+    keys = ("split", "order", "shots", "seeds", "num_samples", "backend", "data_digest", "baseline_settings")
     if diff := [f"{k}: {old.get(k)!r} there, {now[k]!r} now" for k in keys if old.get(k, now[k]) != now[k]]:
         raise ValueError(
             f"{target} holds results made with other settings ({'; '.join(diff)}); it is kept: evaluate with its "
@@ -285,9 +304,7 @@ def job_header(args: Args, ds: Dataset, job: Job, lvlm: str) -> dict:
     """The settings an evaluation file and its progress files are made with (a resumed one must match them)."""
     order = args.order
     if order == "auto":  # how the selector was trained to be read; RICES puts the most similar next to the query
-        nearest = args.baseline in ("image-sim", "text-sim") or (
-            job.model is not None and job.model.cfg.pick_order == "nearest_first"
-        )
+        nearest = args.baseline in RANKED or (job.model is not None and job.model.cfg.pick_order == "nearest_first")
         order = "reversed" if nearest else "selected"
     seeds = list(range(args.seed, args.seed + args.seeds)) if args.baseline == "random" else [args.seed]
     return {
@@ -297,6 +314,9 @@ def job_header(args: Args, ds: Dataset, job: Job, lvlm: str) -> dict:
         "selector_epoch": job.epoch,
         "selector_sha256": job.sha256,
         "baseline": args.baseline,
+        "baseline_settings": {"mmices": {"prefilter": args.prefilter}, "mmr": {"lambda": args.mmr_lambda}}.get(
+            args.baseline
+        ),
         "split": args.split,
         "order": order,
         "n": max(args.num_samples),

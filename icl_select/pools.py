@@ -25,6 +25,9 @@ __all__ = [
     "pool_ranking",
     "pool_chunks",
     "candidate_groups",
+    "mmr_order",
+    "mmices_order",
+    "coreset_order",
 ]
 
 SAMPLERS: tuple[str, ...] = ("random", "image", "text", "mix")
@@ -262,3 +265,87 @@ def candidate_groups(
     return cand.gather(1, order[..., None].expand(-1, -1, seq_len)), [
         [sources[c] for c in row] for row in order.tolist()
     ]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Training-free rivals (evaluate.py --baseline): each returns pool positions in pick order, the most relevant first, a
+# chunk of queries at a time (`pool_chunks`); evaluate.py puts the first pick next to the query, as RICES does.
+
+
+def _chunked(fn, query_emb: Tensor, train_emb: Tensor, pool: Tensor, *rest) -> Tensor:
+    """fn(query (C, d), candidates (C, K, d), valid (C, K), *rest) over `pool_chunks` of the queries, concatenated."""
+    parts = pool_chunks(*pool.shape, train_emb.shape[1])
+    return torch.cat([fn(query_emb[c], train_emb[pool[c].clamp_min(0)], pool[c] >= 0, *rest) for c in parts])
+
+
+def mmr_order(query_emb: Tensor, train_emb: Tensor, pool: Tensor, k: int, lam: float) -> Tensor:
+    """Maximal marginal relevance: each pick maximises lam * cos(query, c) - (1 - lam) * max over picked p of cos(c, p).
+    (Q, d), (N, d), pool (Q, K) train rows -> (Q, k) pool positions; ties go to the more query-similar candidate, so
+    lam = 1 is the similarity ranking itself."""
+    if not 0 <= lam <= 1:
+        raise ValueError(f"MMR lambda must be in [0, 1], got {lam}")
+
+    def pick(query: Tensor, cands: Tensor, valid: Tensor) -> Tensor:
+        ranking = similarity_ranking(query, cands, valid)  # (C, K) candidates by relevance: argmax keeps that order
+        cands, valid = cands.gather(1, ranking[..., None].expand_as(cands)), valid.gather(1, ranking)
+        c = F.normalize(cands, dim=-1)  # (C, K, d)
+        rel = torch.einsum("cd,ckd->ck", F.normalize(query, dim=-1), c)  # (C, K)
+        sim = torch.einsum("ckd,cjd->ckj", c, c)  # (C, K, K)
+        avail, red, out = valid.clone(), torch.full_like(rel, -1.0), []
+        rows = torch.arange(len(rel))
+        for t in range(k):
+            score = lam * rel - (1 - lam) * red if t else rel  # nothing picked yet: relevance alone
+            choice = score.masked_fill(~avail, float("-inf")).argmax(1)  # (C,)
+            out.append(ranking[rows, choice])
+            avail[rows, choice] = False
+            red = torch.maximum(red, sim[rows, choice])  # (C, K) each candidate's closest pick so far
+        return torch.stack(out, 1)  # (C, k)
+
+    return _chunked(pick, query_emb, train_emb, pool)
+
+
+def mmices_order(
+    image_q: Tensor, image_train: Tensor, text_q: Tensor, text_train: Tensor, pool: Tensor, k: int, prefilter: int
+) -> Tensor:
+    """MMICES: the `prefilter` most image-similar candidates of each pool, reranked by question (text) similarity;
+    the first k. Image and text views (Q, d) / (N, d), pool (Q, K) -> (Q, k) pool positions. A prefilter as large as
+    the pool is the text-similarity ranking."""
+    if prefilter < k:
+        raise ValueError(f"the MMICES prefilter ({prefilter}) must hold at least the {k} demonstrations asked for")
+    by_image = pool_ranking(image_q, image_train, pool)[:, :prefilter]  # (Q, P)
+    kept = torch.zeros(pool.shape, dtype=torch.bool).scatter_(1, by_image, True) & (pool >= 0)  # (Q, K)
+    return pool_ranking(text_q, text_train, pool.masked_fill(~kept, -1))[:, :k]
+
+
+def coreset_order(query_emb: Tensor, train_emb: Tensor, pool: Tensor, k: int, iters: int = 10) -> Tensor:
+    """A diverse, relevant set in the spirit of CoDR: the pool in k clusters (spherical k-means, `iters` rounds, seeded
+    deterministically by farthest points from the most query-similar candidate), and from each cluster its most
+    query-similar member; picks ordered by similarity to the query. (Q, d), (N, d), pool (Q, K) -> (Q, k)."""
+
+    def pick(query: Tensor, cands: Tensor, valid: Tensor) -> Tensor:
+        c = F.normalize(cands, dim=-1)  # (C, K, d)
+        rel = torch.einsum("cd,ckd->ck", F.normalize(query, dim=-1), c).masked_fill(~valid, float("-inf"))  # (C, K)
+        rows = torch.arange(len(rel))
+        seeds = [rel.argmax(1)]  # (C,) each
+        near = torch.einsum("ckd,cd->ck", c, c[rows, seeds[0]])  # (C, K) cosine to the closest seed so far
+        for _ in range(1, k):
+            far = near.masked_fill(~valid, float("inf")).argmin(1)  # the candidate farthest from every seed
+            seeds.append(far)
+            near = torch.maximum(near, torch.einsum("ckd,cd->ck", c, c[rows, far]))
+        centres = c[rows[:, None], torch.stack(seeds, 1)]  # (C, k, d)
+        for _ in range(iters):
+            member = torch.einsum("ckd,cjd->ckj", c, centres).argmax(-1)  # (C, K) nearest centre
+            onehot = F.one_hot(member, k).to(c.dtype) * valid[..., None]  # (C, K, k)
+            sums = torch.einsum("ckj,ckd->cjd", onehot, c)  # (C, k, d)
+            empty = onehot.sum(1) == 0  # (C, k) a centre no candidate chose keeps its place
+            centres = torch.where(empty[..., None], centres, F.normalize(sums, dim=-1))
+        member = torch.einsum("ckd,cjd->ckj", c, centres).argmax(-1)  # (C, K)
+        # each cluster's most relevant member, then the clusters by that relevance (an empty cluster: the next best)
+        best = rel[:, :, None].masked_fill(member[..., None] != torch.arange(k), float("-inf")).argmax(1)  # (C, k)
+        filled = rel.gather(1, best) > float("-inf")  # (C, k)
+        taken = torch.zeros_like(valid).scatter_(1, best.where(filled, 0), filled)
+        spare = rel.masked_fill(taken, float("-inf")).argsort(dim=1, descending=True, stable=True)  # (C, K)
+        best = best.where(filled, spare[:, :k].gather(1, ((~filled).long().cumsum(1) - 1).clamp_min(0)))
+        return best.gather(1, rel.gather(1, best).argsort(dim=1, descending=True, stable=True))  # (C, k)
+
+    return _chunked(pick, query_emb, train_emb, pool)

@@ -12,7 +12,7 @@ import evaluate
 import rce
 from gen_rl_data import Args as GenArgs
 from gen_rl_data import generate
-from icl_select import data
+from icl_select import data, pools
 from icl_select.backends import open_backend
 from icl_select.data import load_dataset
 from icl_select.runs import load_selector
@@ -87,6 +87,38 @@ def test_similarity_baseline_puts_most_similar_last(baselines, small_data):
     q = ds.emb["val_image"][r["row"]]
     sims = [float(q @ ds.emb["train_image"][i]) for i in r["icds"]]
     assert sims == sorted(sims)  # ascending: the most similar is next to the query
+
+
+def test_rivals_reduce_to_rices_and_text_similarity_at_their_limits(baselines, small_data, tmp_path):
+    """MMR at lambda 1 picks (and orders) what RICES picks; MMICES with a prefilter as large as the pool picks what
+    text similarity picks; each records its setting, and a file made with another setting is kept, not overwritten."""
+    ds = load_dataset(small_data)
+    run_eval(data=small_data, baseline="mmr", mmr_lambda=1.0, out=tmp_path / "mmr")
+    run_eval(data=small_data, baseline="mmices", prefilter=ds.eval_pools.shape[1], out=tmp_path / "mmices")
+    mmr, mmices = (json.loads((tmp_path / b / "eval" / "val.json").read_text()) for b in ("mmr", "mmices"))
+    assert [r["icds"] for r in mmr["results"]] == [r["icds"] for r in baselines["image-sim"]["results"]]
+    assert [r["icds"] for r in mmices["results"]] == [r["icds"] for r in baselines["text-sim"]["results"]]
+    assert mmr["baseline_settings"] == {"lambda": 1.0} and mmices["order"] == "reversed"
+    other = r"^\S+val\.json holds results made with other settings \(baseline_settings: [^\n]*$"
+    with pytest.raises(ValueError, match=other):
+        run_eval(data=small_data, baseline="mmr", mmr_lambda=0.5, out=tmp_path / "mmr")
+
+
+def test_coreset_and_mmr_diversify_within_the_pool(small_data, tmp_path):
+    """The diversity baselines pick distinct demonstrations of the question's own pool, the most relevant next to the
+    question, and at a lambda below 1 MMR departs from RICES somewhere."""
+    ds = load_dataset(small_data)
+    for b in ("coreset", "mmr"):
+        run_eval(data=small_data, baseline=b, out=tmp_path / b)
+    coreset, mmr = (json.loads((tmp_path / b / "eval" / "val.json").read_text()) for b in ("coreset", "mmr"))
+    for r in coreset["results"]:
+        assert len(set(r["icds"])) == r["shot"] and set(r["icds"]) <= set(ds.eval_pools[r["row"]].tolist())
+        q = ds.emb["val"][r["row"]]
+        sims = [float(q @ ds.emb["train"][i]) for i in r["icds"]]
+        assert sims == sorted(sims)  # ascending: the most similar is next to the query
+    rices = pools.pool_ranking(ds.emb["val_image"], ds.emb["train_image"], ds.eval_pools)
+    four = [r["icds"][::-1] for r in mmr["results"] if r["shot"] == 4]
+    assert any(f != ds.eval_pools[i].gather(0, rices[i, :4]).tolist() for i, f in enumerate(four))
 
 
 def test_selector_run_orders_epochs_and_train_split(small_data, tmp_path):

@@ -375,3 +375,84 @@ def test_pool_ranking_in_chunks_equals_one_whole_call(seed, num_queries, pool_le
         assert torch.equal(pools.pool_ranking(query, train, pool), whole)
     assert torch.equal(torch.cat(chunks), torch.arange(num_queries))
     assert len(chunks) == min(num_queries, -(-num_queries * pool_len * dim // budget))  # as large as the budget allows
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Training-free rivals: MMR, MMICES, the clustered coreset
+
+
+def _rival_setup(seed: int, num_queries: int, pool_len: int, dim: int):
+    """Unit train embeddings, queries, pools of distinct train rows with some padding (-1) at the end."""
+    g = _gen(seed)
+    train = F.normalize(torch.randn(pool_len * 3, dim, generator=g), dim=-1)
+    query = F.normalize(torch.randn(num_queries, dim, generator=g), dim=-1)
+    pool = torch.stack([torch.randperm(len(train), generator=g)[:pool_len] for _ in range(num_queries)])
+    pad = torch.randint(0, pool_len // 3 + 1, (num_queries,), generator=g)  # (Q,) padded slots at the end
+    pool = pool.masked_fill(torch.arange(pool_len) >= pool_len - pad[:, None], -1)
+    return train, query, pool
+
+
+@settings(max_examples=25)
+@given(seed=seeds, num_queries=st.integers(1, 6), pool_len=st.integers(6, 20), k=st.integers(1, 4), lam=st.floats(0, 1))
+def test_mmr_picks_as_its_definition_says(seed, num_queries, pool_len, k, lam):
+    """Each pick maximises lam * cos(q, c) - (1 - lam) * max over earlier picks cos(c, p), checked by a plain loop over
+    the candidates; lam = 1 is the similarity ranking."""
+    train, query, pool = _rival_setup(seed, num_queries, pool_len, 8)
+    got = pools.mmr_order(query, train, pool, k, lam)
+    assert torch.equal(pools.mmr_order(query, train, pool, k, 1.0), pools.pool_ranking(query, train, pool)[:, :k])
+
+    def value(q: int, j: int, picked: list[int]) -> float:
+        rel = float(train[pool[q, j]] @ query[q])
+        red = max((float(train[pool[q, j]] @ train[pool[q, p]]) for p in picked), default=None)
+        return rel if red is None else lam * rel - (1 - lam) * red
+
+    for q in range(num_queries):
+        cands = [j for j in range(pool_len) if pool[q, j] >= 0]
+        picked: list[int] = []
+        for t in range(k):
+            assert int(got[q, t]) in cands and int(got[q, t]) not in picked
+            best = max(value(q, j, picked) for j in cands if j not in picked)
+            assert value(q, int(got[q, t]), picked) >= best - 1e-5
+            picked.append(int(got[q, t]))
+
+
+@settings(max_examples=25)
+@given(seed=seeds, num_queries=st.integers(1, 6), pool_len=st.integers(6, 20), k=st.integers(1, 4), data=st.data())
+def test_mmices_reranks_the_image_prefilter_by_text(seed, num_queries, pool_len, k, data):
+    """The k most text-similar among the `prefilter` most image-similar candidates, most text-similar first; a
+    prefilter as large as the pool is the text ranking."""
+    train, query, pool = _rival_setup(seed, num_queries, pool_len, 8)
+    text_train, text_query, _ = _rival_setup(seed + 1, num_queries, pool_len, 8)
+    valid = int((pool >= 0).sum(1).min())
+    prefilter = data.draw(st.integers(k, max(k, valid)))
+    got = pools.mmices_order(query, train, text_query, text_train, pool, k, prefilter)
+    whole = pools.mmices_order(query, train, text_query, text_train, pool, k, pool_len)
+    assert torch.equal(whole, pools.pool_ranking(text_query, text_train, pool)[:, :k])
+    for q in range(num_queries):
+        cands = [j for j in range(pool_len) if pool[q, j] >= 0]
+        by_image = sorted(cands, key=lambda j: -float(train[pool[q, j]] @ query[q]))[:prefilter]
+        by_text = sorted(by_image, key=lambda j: -float(text_train[pool[q, j]] @ text_query[q]))[:k]
+        assert got[q].tolist() == by_text
+
+
+@settings(max_examples=25)
+@given(seed=seeds, k=st.integers(1, 5), per=st.integers(2, 6))
+def test_coreset_takes_one_from_each_planted_cluster(seed, k, per):
+    """Pools made of k tight, far-apart clusters: the coreset picks one member of each cluster, the most
+    query-similar of it, ordered by similarity to the query; picks are distinct pool positions."""
+    g = _gen(seed)
+    dim = 16
+    centres = torch.linalg.qr(torch.randn(dim, dim, generator=g))[0][:k]  # (k, d) orthonormal: far apart
+    members = F.normalize(centres.repeat_interleave(per, 0) + 0.05 * torch.randn(k * per, dim, generator=g), dim=-1)
+    order = torch.randperm(k * per, generator=g)
+    train, cluster = members[order], torch.arange(k).repeat_interleave(per)[order]  # pool = all of train, shuffled
+    query = F.normalize(torch.randn(2, dim, generator=g), dim=-1)
+    pool = torch.arange(k * per).expand(2, -1)
+    got = pools.coreset_order(query, train, pool, k)
+    for q in range(2):
+        picks = got[q].tolist()
+        assert sorted(cluster[picks].tolist()) == list(range(k))
+        rel = (train @ query[q]).tolist()
+        for p in picks:
+            assert rel[p] == max(rel[j] for j in range(k * per) if cluster[j] == cluster[p])
+        assert [rel[p] for p in picks] == sorted((rel[p] for p in picks), reverse=True)
