@@ -1,0 +1,524 @@
+"""A trained selector at work: demonstrations for any picture and question, from a library of demonstrations you keep.
+
+    demos = Demonstrations.from_run("runs/grpo-kl0.1")            # a run folder, or a Hub id with library= and encoder=
+    picked = demos.pick("photo.jpg", "What is the man holding?")   # [Demo(row, question_id, image_id, image, question,
+                                                                   #       answers, prob), ...] in prompt order
+    lvlm = demos.lvlm()                                            # the run's LVLM with its recorded prompt layout
+    lvlm.generate([demos.example("photo.jpg", "What is the man holding?", picked)])
+
+A `Library` is items (question, annotator answers, picture) and their CLIP embeddings: the train split of the run's own
+dataset folder, another dataset folder of the kit, or OK-VQA / VQAv2 files (official or parquet) embedded once and
+cached in `<folder>/.icl-select/`, in a file named by the digest of the items, their pictures' bytes and the encoder (id
+and revision): a changed library is embedded again, never silently reused. A query is embedded by the run's encoder,
+its pool built as the run built its pools (`pools.query_pools` with the run's sampler and pool size: the top n a chunk
+of the library at a time, never one question on the query's picture), and the selector decodes greedily as evaluate.py
+does (`validation.greedy_icds`), the picks put in the prompt order it was trained with. A random-sampler run draws a
+query's pool from a generator seeded by the run's seed and the query itself (its question and its picture's pixels):
+the same question on the same picture gets the same demonstrations, alone or in any batch; `sampler="image"` builds
+similarity pools instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import json
+import os
+import re
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch import Tensor
+
+from icl_select import pools
+from icl_select.backends import LVLMRun, open_backend
+from icl_select.data import DATA_FILES, data_digest, read_embeddings, read_eval_pools, read_items, read_meta
+from icl_select.files import DataError, atomic_write_bytes, atomic_write_text, read_json, save_tensors, sha256
+from icl_select.runs import check_width
+from icl_select.validation import greedy_icds
+from icl_select.vqa_data import check_images, load_vqa_split
+from model import PointerSelector
+
+__all__ = ["CACHE", "Demo", "Demonstrations", "Library"]
+
+CACHE = ".icl-select"  # a library's embedding cache, inside its folder
+VIEWS = {"random": (), "image": ("image",), "text": ("text",), "mix": ("image", "text")}  # what each sampler compares
+
+
+@dataclass(frozen=True)
+class Demo:
+    """One chosen demonstration: a library item and the selector's probability of picking it at its step."""
+
+    row: int  # the item's row in the library
+    question_id: int | str
+    image_id: int
+    image: str | None  # the picture's file (None on the simulator)
+    question: str
+    answers: list[str]  # every annotator answer
+    prob: float
+
+    @property
+    def answer(self) -> str:
+        """The answer the kit's prompt shows: the annotators' most common one."""
+        from icl_select.lvlm import answer_counts
+
+        return answer_counts(self.answers)[0][0]
+
+    @property
+    def item(self) -> dict:
+        """The item as the LVLM backend reads it (`LVLMBackend.messages`, `generate`, `score_examples`)."""
+        keys = {"question_id": self.question_id, "image_id": self.image_id, "question": self.question}
+        return keys | {"answers": self.answers} | ({"image": self.image} if self.image is not None else {})
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The library
+
+
+@dataclass
+class Library:
+    """Demonstrations to pick from: items and their embeddings, all (N, d) float32 rows in item order: "fused" (what
+    the selector reads), "image" and "text" (what similarity samplers compare)."""
+
+    items: list[dict]
+    emb: dict[str, Tensor]
+    encoder: str  # what embedded them: a model id or folder, or "sim"
+    encoder_revision: str | None = None  # the encoder's Hub commit (None for a local folder)
+    task: str = "vqa"
+    where: str = "the library"  # how messages name it
+    meta: dict | None = None  # the meta.json of the dataset folder it comes from
+    folder: Path | None = None  # that folder (its train split is this library)
+    image_ids: Tensor = field(init=False, repr=False)  # (N,)
+
+    def __post_init__(self):
+        n = len(self.items)
+        if n == 0 or "fused" not in self.emb:
+            raise ValueError(f"{self.where}: a library needs items and their 'fused' embeddings")
+        for name, t in self.emb.items():
+            if t.dim() != 2 or t.shape != self.emb["fused"].shape or t.shape[0] != n:
+                raise ValueError(
+                    f"{self.where}: embeddings {name!r} are {tuple(t.shape)}, expected ({n}, d) like 'fused', one row "
+                    "per item"
+                )
+        self.image_ids = torch.tensor([it["image_id"] for it in self.items], dtype=torch.long)
+
+    @property
+    def dim(self) -> int:
+        return self.emb["fused"].shape[1]
+
+    @functools.cached_property
+    def picture_ids(self) -> dict[str, int]:
+        """Picture file (resolved) -> its image id, so that a query on one of the library's pictures is recognised."""
+        return {str(Path(it["image"]).resolve()): it["image_id"] for it in self.items if "image" in it}
+
+    @classmethod
+    def from_dataset(cls, folder: str | Path, encoder: str | None = None, device: str = "auto") -> Library:
+        """The train split of a dataset folder of the kit, with the folder's own embeddings; with another `encoder`,
+        its items embedded by that one (cached in the folder)."""
+        folder = Path(folder)
+        if not (folder / "meta.json").is_file():
+            raise DataError(
+                f"{folder}: not a dataset folder of the kit (no meta.json); OK-VQA or VQAv2 files are a library "
+                "through Library.from_vqa"
+            )
+        meta = read_meta(folder)
+        items = read_items(folder / "items.json")
+        own, task = meta.get("encoder"), meta.get("task", "vqa")
+        if encoder is None or encoder == own:
+            emb = read_embeddings(folder / "embeddings.safetensors", {s: len(v) for s, v in items.items()})
+            views = {"fused": emb["train"]} | {v: emb[f"train_{v}"] for v in ("image", "text") if f"train_{v}" in emb}
+            return cls(items["train"], views, own, meta.get("encoder_revision"), task, str(folder), meta, folder)
+        if meta["source"] == "sim":
+            raise ValueError(f"{folder}: a simulated dataset has no pictures for {encoder} to embed")
+        emb, revision = embedded(items["train"], folder / CACHE, "train", encoder, device)
+        return cls(items["train"], emb, encoder, revision, task, f"{folder} (embedded by {encoder})", meta, folder)
+
+    @classmethod
+    def from_vqa(
+        cls,
+        dataset: str,
+        data_root: str | Path,
+        encoder: str,
+        split: str = "train",
+        device: str = "auto",
+        questions: str | None = None,
+        annotations: str | None = None,
+        images: str | None = None,
+    ) -> Library:
+        """A split of OK-VQA or VQAv2 (the official files and COCO pictures, or a parquet export, as gen_rl_data.py
+        reads them), embedded by `encoder` once and cached in `<data_root>/.icl-select/`."""
+        items = load_vqa_split(dataset, Path(data_root), split, questions, annotations, images)
+        emb, revision = embedded(items, Path(data_root) / CACHE, f"{dataset}-{split}", encoder, device)
+        return cls(items, emb, encoder, revision, "vqa", f"{dataset} {split} of {data_root}")
+
+
+def picture_digests(paths: list[str], stats: Path) -> dict[str, str]:
+    """The SHA-256 of each picture file's bytes. `stats` keeps each file's size, modification time and digest, and a
+    file whose size and time are unchanged is taken as unchanged (as git and make do), so that a library's pictures
+    are read whole once, not at every load."""
+    try:
+        old = read_json(stats) if stats.is_file() else {}
+    except DataError:
+        old = {}  # a damaged record only costs reading the pictures again
+    new = {}
+    for path in dict.fromkeys(paths):
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: picture of the library not found") from None
+        seen = old.get(path) if isinstance(old, dict) else None
+        same = isinstance(seen, list) and seen[:2] == [st.st_size, st.st_mtime_ns]
+        new[path] = seen if same else [st.st_size, st.st_mtime_ns, sha256(Path(path))]
+    if new != old:
+        atomic_write_text(stats, json.dumps(new) + "\n")
+    return {path: record[2] for path, record in new.items()}
+
+
+def library_digest(items: list[dict], pictures: dict[str, str], encoder: str, revision: str | None) -> str:
+    """What a library's embeddings are made from: the encoder and every item with its picture's bytes (not its path,
+    so a moved library keeps its embeddings)."""
+    h = hashlib.sha256(json.dumps([encoder, revision]).encode())
+    for it in items:
+        h.update(
+            json.dumps(
+                [it["question_id"], it["image_id"], it["question"], it["answers"], pictures[it["image"]]]
+            ).encode()
+        )
+    return h.hexdigest()[:16]
+
+
+def embedded(
+    items: list[dict], cache: Path, name: str, encoder: str, device: str
+) -> tuple[dict[str, Tensor], str | None]:
+    """`lvlm.clip_embed` of the items, read from `cache/<name>-<encoder>-<digest>.safetensors` when their digest is
+    unchanged, else computed and written there (the files of older digests removed); and the encoder's revision."""
+    from icl_select.lvlm import DECODED_IMAGES, clip_embed, resolve_model
+
+    revision = resolve_model(encoder)[1]
+    cache.mkdir(parents=True, exist_ok=True)
+    encoder_name = re.sub(r"[^\w.-]+", "-", Path(encoder.rstrip("/")).name)
+    stem = f"{name}-{encoder_name}-{hashlib.sha256(encoder.encode()).hexdigest()[:8]}"
+    pictures = picture_digests([it["image"] for it in items], cache / f"{name}-pictures.json")
+    path = cache / f"{stem}-{library_digest(items, pictures, encoder, revision)}.safetensors"
+    if path.is_file():
+        return read_embeddings(path, dict.fromkeys(("fused", "image", "text"), len(items))), revision
+    DECODED_IMAGES.clear()  # it keys pictures by path: a redrawn one must be read again
+    emb = clip_embed(items, encoder, device=device)
+    save_tensors(path, emb)
+    for old in cache.glob(f"{stem}-*.safetensors"):
+        if old != path:
+            old.unlink()
+    return emb, revision
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The selector at work
+
+
+def run_data(config: dict, library) -> tuple[Path | None, str]:
+    """The dataset folder a run was trained on, recognised by the digest its config.json records (the library, when it
+    is a folder, may be it), or None and why."""
+    recorded = config.get("data") if isinstance(config.get("data"), dict) else {}
+    folder, digest = recorded.get("folder"), recorded.get("digest")
+    if not folder or not digest:
+        return None, "it does not name the dataset it was trained on (no config.json field 'data.folder')"
+    whole = [f for f in (library, folder) if isinstance(f, str | os.PathLike)]
+    for candidate in (Path(f) for f in whole):
+        if (
+            all((candidate / name).is_file() for name in ("meta.json", *DATA_FILES))
+            and data_digest(candidate) == digest
+        ):
+            return candidate, ""
+    if all((Path(folder) / name).is_file() for name in ("meta.json", *DATA_FILES)):
+        now = data_digest(Path(folder))
+        return None, f"its dataset folder {folder} changed since training (digest {digest} in config.json, {now} now)"
+    return None, f"its dataset folder {folder} (config.json field 'data.folder') is not here"
+
+
+def stable_seed(*parts: bytes) -> int:
+    """A generator seed in [0, 2**63) from bytes: the same parts give the same seed on every machine."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(len(part).to_bytes(8, "little") + part)
+    return int.from_bytes(h.digest()[:8], "little") >> 1
+
+
+@dataclass
+class Demonstrations:
+    """A selector and the library it picks from, with the run's pool settings (`from_run` reads them)."""
+
+    selector: PointerSelector
+    library: Library
+    sampler: str  # how a query's pool is built (pools.SAMPLERS)
+    pool_size: int  # candidates per pool (fewer where the library holds fewer)
+    seed: int = 0  # the run's data seed: random pools are drawn from it and the query
+    meta: dict | None = None  # the run's dataset meta.json, where its folder is here
+    data: Path | None = None  # that folder
+    source: str = "the selector"  # the run folder or Hub id, for messages
+    device: str = "auto"  # where queries are embedded
+    query_pictures: tempfile.TemporaryDirectory | None = field(default=None, init=False, repr=False)  # PIL queries
+    val: tuple[Tensor, Tensor] | None = field(default=None, init=False, repr=False)  # the run's val embeddings, pools
+
+    def __post_init__(self):
+        if self.sampler not in pools.SAMPLERS:
+            raise ValueError(f"sampler {self.sampler!r}: expected one of {pools.SAMPLERS}")
+        if self.pool_size < 1:
+            raise ValueError(f"pool_size {self.pool_size}: expected >= 1")
+        if missing := [v for v in VIEWS[self.sampler] if v not in self.library.emb]:
+            raise ValueError(f"{self.library.where}: no {missing[0]!r} embeddings for the {self.sampler} sampler")
+        check_width(self.selector, Path(self.source), self.library.where, self.library.dim)
+        task = self.meta.get("task", "vqa") if self.meta else "vqa"
+        if task != "vqa":
+            raise ValueError(f"{self.source} was trained for {task}, not for questions about pictures")
+        if self.library.task != task:
+            raise ValueError(f"{self.library.where} holds {self.library.task} items; {self.source} picks for {task}")
+        self.selector.eval()
+
+    @classmethod
+    def from_run(
+        cls,
+        run: str | Path,
+        library: Library | str | Path | None = None,
+        encoder: str | None = None,
+        sampler: str | None = None,
+        pool_size: int | None = None,
+        device: str = "auto",
+        revision: str | None = None,
+    ) -> Demonstrations:
+        """The selector of a run folder or Hub id (`revision` of the Hub repository), the library to pick from (by
+        default the train split of the run's dataset folder; a dataset folder of the kit; or a `Library`), and the
+        run's encoder and pool settings from that folder's meta.json. A Hub download carries no dataset folder: then
+        name the library and the `encoder` the selector was trained with (and `sampler`, `pool_size` unless the
+        library is a dataset folder of the kit that records them)."""
+        selector = PointerSelector.from_pretrained(run, revision=revision)
+        config = json.loads((selector.run_files or {}).get("config.json", b"{}"))
+        data, why = run_data(config, library)
+        meta = read_meta(data) if data is not None else None
+        if meta is not None:
+            if encoder is not None and encoder != meta["encoder"]:
+                raise ValueError(f"{run} was trained on embeddings of {meta['encoder']} ({data}), not of {encoder}")
+            encoder, revision = meta["encoder"], meta.get("encoder_revision")
+        elif library is None or encoder is None:
+            raise ValueError(
+                f"{run}: {why}; name the library to pick from and the encoder the selector was trained with "
+                "(Demonstrations.from_run(..., library=..., encoder=...))"
+            )
+        else:
+            from icl_select.lvlm import resolve_model
+
+            revision = resolve_model(encoder)[1] if encoder != "sim" else None
+        if library is None:
+            library = Library.from_dataset(data)
+        elif not isinstance(library, Library):
+            library = Library.from_dataset(library, encoder, device)
+        if (library.encoder, library.encoder_revision) != (encoder, revision):
+            raise ValueError(
+                f"{library.where} was embedded by {library.encoder} (revision {library.encoder_revision}), but {run} "
+                f"was trained on embeddings of {encoder} (revision {revision}); embed the library with that encoder "
+                "(Library.from_dataset or Library.from_vqa with encoder=...)"
+            )
+        settings = meta or library.meta or {}
+        sampler, pool_size = sampler or settings.get("sampler"), pool_size or settings.get("pool_size")
+        if sampler is None or pool_size is None:
+            raise ValueError(
+                f"{run}: how its pools were built is recorded in its dataset folder, which is not here; name sampler= "
+                "and pool_size= (gen_rl_data.py's defaults are random and 64)"
+            )
+        demos = cls(selector, library, sampler, pool_size, settings.get("seed", 0), meta, data, str(run), device)
+        if encoder != "sim":  # the queries are embedded by the encoder as it is now: the same weights as the library's
+            from icl_select.lvlm import resolve_model
+
+            if (now := resolve_model(encoder)[1]) != revision:
+                raise ValueError(
+                    f"{encoder} is at revision {now} here, but {library.where} was embedded at revision {revision}; "
+                    f"`hf download {encoder} --revision {revision}` first"
+                )
+        return demos
+
+    # -- picking -------------------------------------------------------------------------------------------------------
+    def pick(self, image, question: str, k: int | None = None) -> list[Demo]:
+        """The k demonstrations (default: as many as the selector was trained to pick) for a picture (a file path or a
+        PIL image) and a question, in prompt order (the last one next to the question)."""
+        return self.pick_batch([(image, question)], k)[0]
+
+    def pick_batch(self, queries: Sequence[tuple], k: int | None = None) -> list[list[Demo]]:
+        """`pick` for many (picture, question) pairs: the encoder loads once per call."""
+        from PIL import Image
+
+        from icl_select.lvlm import clip_embed
+
+        if self.library.encoder == "sim":
+            raise ValueError(
+                f"{self.source} is a simulator run: its questions have no pictures to embed; pick for its validation "
+                "questions with pick_val(rows), or for embeddings with pick_embedded"
+            )
+        items, keys, same_picture = [], [], []  # same_picture: the image id of a library picture given as the query's
+        for i, (image, question) in enumerate(queries):
+            if image is None:
+                raise ValueError(f"query {i} has no picture: {self.source} picks from a picture and its question")
+            if not isinstance(question, str) or not question.strip():
+                raise ValueError(f"query {i}: expected a question, got {question!r}")
+            path, pixels = self.picture(image)
+            items.append({"image": path, "question": question})
+            keys.append(stable_seed(str(self.seed).encode(), pixels, question.encode()))
+            given = None if isinstance(image, Image.Image) else str(Path(image).resolve())
+            same_picture.append(self.library.picture_ids.get(given, self.no_picture))
+        if not items:
+            return []
+        emb = clip_embed(items, self.library.encoder, device=self.device)
+        return self.pick_embedded(emb, k, torch.tensor(same_picture), keys)
+
+    def pick_embedded(
+        self,
+        emb: dict[str, Tensor],
+        k: int | None = None,
+        image_ids: Tensor | None = None,
+        keys: list[int] | None = None,
+    ) -> list[list[Demo]]:
+        """Demonstrations for queries given as embeddings, as `lvlm.clip_embed` returns them: "fused" (B, d), and the
+        "image" / "text" views the sampler compares. `image_ids` (B,): the library's questions on these pictures stay
+        out of the pools (default: none); `keys` seed the random pools (default: from each query's embedding)."""
+        fused = emb["fused"]
+        n = fused.shape[0]
+        for name, t in emb.items():
+            if t.shape != (n, self.library.dim) or not torch.isfinite(t).all():
+                raise ValueError(f"query embeddings {name!r}: expected finite ({n}, {self.library.dim}), got {t.shape}")
+        if missing := [v for v in VIEWS[self.sampler] if v not in emb]:
+            raise ValueError(f"query embeddings: the {self.sampler} sampler needs {missing[0]!r} embeddings too")
+        ids = torch.full((n,), self.no_picture) if image_ids is None else image_ids
+        if keys is None:
+            keys = [stable_seed(str(self.seed).encode(), row.numpy().tobytes()) for row in fused.float()]
+        k = self.steps(k)
+        found = {}
+        for rows, pool in self.pools(emb, ids, keys, k):
+            found.update(zip(rows.tolist(), self.decode(fused, rows, pool, k)))
+        return [found[i] for i in range(n)]
+
+    def pick_val(self, rows: Sequence[int] | Tensor, k: int | None = None) -> list[list[Demo]]:
+        """Demonstrations for validation questions of the run's own dataset, from their pools in eval_pools.json:
+        exactly what evaluate.py picks for them (its k-shot prompt)."""
+        own = (
+            self.library.folder is not None
+            and self.data is not None
+            and self.library.folder.resolve() == self.data.resolve()
+        )
+        if not own or self.library.encoder != self.meta["encoder"]:
+            raise ValueError(
+                f"pick_val picks from the evaluation pools of {self.source}'s own dataset folder's train split"
+            )
+        if self.val is None:
+            items = read_items(self.data / "items.json")
+            emb = read_embeddings(self.data / "embeddings.safetensors", {s: len(v) for s, v in items.items()})
+            self.val = (
+                emb["val"],
+                read_eval_pools(self.data / "eval_pools.json", len(items["val"]), len(items["train"])),
+            )
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        return self.decode(self.val[0], rows, self.val[1][rows], self.steps(k))
+
+    # -- the pieces ----------------------------------------------------------------------------------------------------
+    @property
+    def no_picture(self) -> int:
+        """An image id that no library item has: a query's picture that is none of the library's."""
+        return int(self.library.image_ids.min()) - 1
+
+    def steps(self, k: int | None) -> int:
+        picks = self.selector.cfg.picks
+        k = picks if k is None else k
+        if not 1 <= k <= picks:
+            raise ValueError(f"k={k}: {self.source} makes 1 to {picks} picks (model.json field 'picks')")
+        return k
+
+    def pools(self, emb: dict[str, Tensor], image_ids: Tensor, keys: list[int], k: int) -> list[tuple[Tensor, Tensor]]:
+        """Each query's pool (`pools.query_pools`), grouped by size: [(query indices (n,), library rows (n, K))]. A
+        pool holds pool_size rows, or every row not on the query's picture where the library has fewer."""
+        lib_ids = self.library.image_ids
+        ordered = lib_ids.sort().values  # (N,)
+        on_picture = torch.searchsorted(ordered, image_ids, right=True) - torch.searchsorted(ordered, image_ids)  # (B,)
+        size = (len(lib_ids) - on_picture).clamp(max=self.pool_size)  # (B,)
+        if (size < k).any():
+            i = int((size < k).nonzero()[0, 0])
+            raise ValueError(
+                f"{self.library.where} holds {int(size[i])} demonstrations not on the picture of query {i}, fewer than "
+                f"the {k} asked for"
+            )
+        views = {f"train_{v}": self.library.emb[v] for v in VIEWS[self.sampler]}
+        views |= {f"query_{v}": emb[v] for v in VIEWS[self.sampler]}
+        image_ids = {"train": lib_ids, "query": image_ids}
+        out = []
+        for K in size.unique().tolist():
+            rows = (size == K).nonzero()[:, 0]  # (n,)
+            none = torch.full((len(rows),), -1)  # no query is a library row
+            if self.sampler == "random":  # each query's own generator: its pool does not depend on the batch
+                made = [
+                    pools.query_pools("random", K, views, image_ids, "query", rows[i : i + 1], none[:1], g)
+                    for i, g in enumerate(torch.Generator().manual_seed(keys[r]) for r in rows.tolist())
+                ]
+                out.append((rows, torch.cat(made)))
+            else:
+                g = torch.Generator()  # unused: similarity pools draw nothing
+                out.append((rows, pools.query_pools(self.sampler, K, views, image_ids, "query", rows, none, g)))
+        return out
+
+    @torch.no_grad()
+    def decode(self, query: Tensor, rows: Tensor, pool: Tensor, k: int) -> list[list[Demo]]:
+        """The selector's greedy picks for the queries `query[rows]` from their pools (n, K) of library rows, in prompt
+        order, each with its probability at its step."""
+        lib = self.library.emb["fused"]
+        picks = greedy_icds(self.selector, SimpleNamespace(emb={"query": query, "train": lib}), "query", rows, pool, k)
+        at = (pool[:, None, :] == picks[:, :, None]).long().argmax(-1)  # (n, k) pool positions of the picks
+        probs = []
+        for c in pools.pool_chunks(*pool.shape, lib.shape[1]):
+            one = torch.ones(len(c), 1, dtype=torch.bool)
+            pool_emb = lib[pool[c].clamp_min(0)]  # (c, K, d)
+            steps = self.selector.log_probs(query[rows[c]], pool_emb, pool[c] >= 0, at[c][:, None], one)  # (c, 1, k)
+            probs.append(steps[:, 0].exp())  # (c, k)
+        to_prompt = self.selector.cfg.to_prompt
+        chosen, probs = to_prompt(picks).tolist(), to_prompt(torch.cat(probs)).tolist()
+        return [[self.demo(r, p) for r, p in zip(rs, ps)] for rs, ps in zip(chosen, probs)]
+
+    def demo(self, row: int, prob: float) -> Demo:
+        it = self.library.items[row]
+        return Demo(row, it["question_id"], it["image_id"], it.get("image"), it["question"], it["answers"], prob)
+
+    def picture(self, image) -> tuple[str, bytes]:
+        """A query's picture (a file or a PIL image) as a file named by its pixels, which the encoder and the LVLM read
+        (never a stale copy of a file that changed since it was read), and the digest of those pixels."""
+        from PIL import Image
+
+        if isinstance(image, Image.Image):
+            rgb = image.convert("RGB")
+        else:
+            check_images([str(image)], "given as a query")
+            with Image.open(image) as img:
+                rgb = img.convert("RGB")
+        pixels = hashlib.sha256(f"{rgb.width}x{rgb.height}".encode() + rgb.tobytes()).digest()
+        if self.query_pictures is None:
+            self.query_pictures = tempfile.TemporaryDirectory(prefix="icl-select-queries-")
+        path = Path(self.query_pictures.name) / f"{pixels.hex()[:32]}.png"
+        if not path.is_file():
+            png = io.BytesIO()
+            rgb.save(png, format="PNG", compress_level=1)
+            atomic_write_bytes(path, png.getvalue())
+        return str(path), pixels
+
+    # -- into an LVLM --------------------------------------------------------------------------------------------------
+    def example(self, image, question: str, demos: list[Demo]) -> tuple[dict, list[dict]]:
+        """(query item, demonstration items) as the LVLM backend takes a prompt (`LVLMBackend.generate`, `messages`)."""
+        return {"question": question, "image": self.picture(image)[0]}, [d.item for d in demos]
+
+    def lvlm(self, model: str | None = None, options: LVLMRun | None = None):
+        """The run's LVLM (or `model`) as the kit scores with it: `lvlm.LVLMBackend` with the prompt layout and
+        generation settings recorded in the run's meta.json, self-checked against plain transformers on the library."""
+        if self.meta is None:
+            raise ValueError(
+                f"{self.source}: its prompt layout is recorded in its dataset folder's meta.json, which is not here"
+            )
+        if self.meta["source"] == "sim":
+            raise ValueError(f"{self.source} is a simulator run: the simulated LVLM answers no real question")
+        return open_backend(self.meta, {"train": self.library.items}, {}, options or LVLMRun(), model)
