@@ -14,8 +14,8 @@ tf(g) * idf(g) for its n-grams g. Against one reference r,
 
 (the candidate's weights clipped by the reference's; the norm factor is skipped when either norm is 0), where the
 length l is the caption's number of bigrams, max(words - 1, 0): pycocoevalcap sums the term frequencies at n-gram
-index 1, so length differences are word-count differences except against an empty caption. CIDEr-D(c) = 10 * mean over n of the mean over the image's references of sim_n; the corpus score is the mean
-over images.
+index 1, so length differences are word-count differences except against an empty caption. CIDEr-D(c) = 10 * mean
+over n of the mean over the image's references of sim_n; the corpus score is the mean over images.
 
 Which corpus the document frequencies come from:
 - Evaluation (`cider_d`): the references of the evaluated images, as pycocoevalcap does and the captioning literature
