@@ -1,0 +1,151 @@
+"""Training never reads the simulator's hidden truth: RCE, offline GRPO and a budgeted online GRPO run (its warm start
+included) learn from what a real LVLM would give them, the dataset folder and the scores of the prompts they send, and
+nothing else.
+
+Every part of `sim.Simulator` that holds or reads the planted truth is guarded: the latents and the answer tables
+(instance state), the answer model (helpfulness, the logit, the features and reply behind `score`), the oracle and its
+search, and the probes behind the observable ceiling (they read the latents to fit; evaluation only). A guarded part may
+be read only while a simulator is being built, or inside `Simulator.score` called by `backends.SimBackend.score`, the
+one scoring path (and behind the score cache, the one the budget counts). Anything else, such as grpo.py reading
+`sim.latents` or calling `sim.oracle`, or scoring through the simulator behind the backend's back, fails the test. Not
+guarded: `cfg` (meta.json records it), `emb` and `items` (the dataset folder's embeddings and items.json).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import traceback
+from types import SimpleNamespace
+
+import pytest
+
+import grpo
+import rce
+from icl_select import sim
+from icl_select.backends import SimBackend, sim_from_meta
+from icl_select.data import read_meta
+
+STATE = ("latents", "_acc", "_rel", "_predictions")  # instance attributes set by __init__
+CACHED = ("probes", "_answers")  # functools.cached_property
+METHODS = (
+    "helpfulness",
+    "expected_helpfulness",
+    "logit",
+    "oracle",
+    "_search",
+    "_features",
+    "_effect",
+    "_reply",
+    "_query",
+)
+FAST = dict(batch_size=8, val_frac=0.25)
+
+
+@pytest.fixture
+def guard(monkeypatch):
+    """Guards every hidden part of sim.Simulator for the test: -> .reads (each read outside scoring, with where it came
+    from; the read also raises) and .scored (prompts scored through the one scoring path)."""
+    state = SimpleNamespace(open=0, reads=[], scored=0)
+    scoring_path = SimBackend.score.__code__  # the backend's own method, before anything wraps it
+
+    def check(name: str) -> None:
+        if not state.open:
+            where = "".join(traceback.format_stack(limit=6)[:-2])
+            state.reads.append(f"Simulator.{name} read outside scoring:\n{where}")
+            raise AssertionError(state.reads[-1])
+
+    def opened(fn):
+        """fn runs with the hidden parts open."""
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            state.open += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                state.open -= 1
+
+        return wrapper
+
+    real_score = opened(sim.Simulator.score)
+
+    def score(self, split, queries, icds):
+        if sys._getframe(1).f_code is not scoring_path:
+            check("score")  # the answer model asked behind the backend (and the score cache) is a read too
+        state.scored += len(queries)
+        return real_score(self, split, queries, icds)
+
+    def guarded_method(name: str, fn):
+        @functools.wraps(fn)
+        def wrapper(self, *args, **kwargs):
+            check(name)
+            return fn(self, *args, **kwargs)
+
+        return wrapper
+
+    def guarded_state(name: str) -> property:
+        def get(self):
+            check(name)
+            return self.__dict__[name]
+
+        def put(self, value):
+            self.__dict__[name] = value
+
+        return property(get, put)
+
+    def guarded_cache(name: str, cached: functools.cached_property) -> property:
+        def get(self):
+            check(name)
+            return cached.__get__(self, sim.Simulator)  # computed once, kept in the instance's __dict__
+
+        return property(get)
+
+    monkeypatch.setattr(sim.Simulator, "__init__", opened(sim.Simulator.__init__))
+    monkeypatch.setattr(sim.Simulator, "score", score)
+    for name in METHODS:
+        monkeypatch.setattr(sim.Simulator, name, guarded_method(name, getattr(sim.Simulator, name)))
+    for name in STATE:
+        monkeypatch.setattr(sim.Simulator, name, guarded_state(name), raising=False)
+    for name in CACHED:
+        monkeypatch.setattr(sim.Simulator, name, guarded_cache(name, sim.Simulator.__dict__[name]))
+    return state
+
+
+def test_the_guard_stops_every_read_but_the_scoring_path(small_data, guard):
+    """The guard itself: the simulator a training stage rebuilds scores through its backend, and every hidden part
+    read from outside raises and is recorded."""
+    import torch
+
+    backend = SimBackend(sim_from_meta(read_meta(small_data)))
+    queries, icds = torch.tensor([0, 1]), torch.tensor([[2, 3], [4, 5]])
+    assert len(backend.score("train", queries, icds)["acc"]) == 2 and guard.scored == 2 and not guard.reads
+    s = backend.sim
+    reads = [
+        lambda: s.score("train", queries, icds),
+        *(lambda name=name: getattr(s, name) for name in (*STATE, *CACHED)),
+        lambda: s.helpfulness("train", queries, icds),
+        lambda: s.expected_helpfulness("train", queries, icds),
+        lambda: s.logit("train", queries, icds),
+        lambda: s.oracle("train", queries, icds, 1),
+        lambda: s._features("train", queries, icds),
+        lambda: s._query("train", queries),
+    ]
+    for read in reads:
+        with pytest.raises(AssertionError, match=r"^Simulator\.\w+ read outside scoring"):
+            read()
+    assert len(guard.reads) == len(reads) and guard.scored == 2
+
+
+def test_training_reads_nothing_of_the_simulator_but_its_scores(small_data, tmp_path, guard):
+    """RCE, offline GRPO from it, and online GRPO on a budget short enough for a warm start (offline GRPO first), each
+    scoring through the backend (it validates on the simulator), none reading the hidden truth."""
+    rce.main(rce.Args(data=small_data, out=tmp_path / "rce", epochs=1, **FAST))
+    after_rce = guard.scored
+    grpo.main(grpo.Args(data=small_data, init=tmp_path / "rce", out=tmp_path / "offline", epochs=1, **FAST))
+    after_offline = guard.scored
+    online = dict(online=True, group_size=6, lvlm_budget=1000)
+    grpo.main(grpo.Args(data=small_data, init=tmp_path / "rce", out=tmp_path / "online", **online, **FAST))
+    assert (tmp_path / "online" / "offline" / "model.safetensors").is_file()  # the warm start ran
+    assert 0 < after_rce < after_offline < guard.scored, (after_rce, after_offline, guard.scored)
+    assert not guard.reads, "\n".join(guard.reads)
