@@ -5,15 +5,17 @@ nothing else.
 Every part of `sim.Simulator` that holds or reads the planted truth is guarded: the latents and the answer tables
 (instance state), the answer model (helpfulness, the logit, the features and reply behind `score`), the oracle and its
 search, and the probes behind the observable ceiling (they read the latents to fit; evaluation only). A guarded part may
-be read only while a simulator is being built, or inside `Simulator.score` called by `backends.SimBackend.score`, the
-one scoring path (and behind the score cache, the one the budget counts). Anything else, such as grpo.py reading
-`sim.latents` or calling `sim.oracle`, or scoring through the simulator behind the backend's back, fails the test. Not
-guarded: `cfg` (meta.json records it), `emb` and `items` (the dataset folder's embeddings and items.json).
+be read only while a simulator is being built, or inside `Simulator.score` called by a method of
+`backends.SimBackend`, the scoring path (behind the score cache, the one the budget counts). Anything else, such as
+grpo.py reading `sim.latents` or calling `sim.oracle`, or scoring through the simulator behind the backend's back,
+fails the test. Not guarded: `cfg` (meta.json records it), `emb` and `items` (the dataset folder's embeddings and
+items.json).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import traceback
 from types import SimpleNamespace
@@ -47,7 +49,7 @@ def guard(monkeypatch):
     """Guards every hidden part of sim.Simulator for the test: -> .reads (each read outside scoring, with where it came
     from; the read also raises) and .scored (prompts scored through the one scoring path)."""
     state = SimpleNamespace(open=0, reads=[], scored=0)
-    scoring_path = SimBackend.score.__code__  # the backend's own method, before anything wraps it
+    scoring = {f.__code__ for f in vars(SimBackend).values() if inspect.isfunction(f)}  # before anything wraps them
 
     def check(name: str) -> None:
         if not state.open:
@@ -71,7 +73,7 @@ def guard(monkeypatch):
     real_score = opened(sim.Simulator.score)
 
     def score(self, split, queries, icds):
-        if sys._getframe(1).f_code is not scoring_path:
+        if sys._getframe(1).f_code not in scoring:
             check("score")  # the answer model asked behind the backend (and the score cache) is a read too
         state.scored += len(queries)
         return real_score(self, split, queries, icds)
