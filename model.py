@@ -56,6 +56,9 @@ class SelectorConfig:
     """Dropout after attention and on the projected features (train mode only)."""
     temperature: float = 0.1
     """Scores are cosine / temperature: how sharp the selector's distribution over its pool is."""
+    state_update: bool = True
+    """Whether a pick moves the query state (the gated update); off, every step scores the pool against the query
+    alone, so greedy decoding is the top k by score: a bi-encoder retriever (rce.py --retriever)."""
     pick_order: PickOrder = "nearest_first"
     """How picks become a prompt: nearest_first (first pick next to the query) or prompt (Lever-Plus)."""
     # Decoders return picks in pick order; to_prompt / from_prompt convert wherever picks meet scored data or the LVLM.
@@ -91,10 +94,10 @@ def selector_config(raw: object, where: str) -> SelectorConfig:
         raise DataError(f"{where}: fields missing {missing}, unknown {unknown}; expected {sorted(kinds)}")
     for name, kind in kinds.items():
         value = raw[name]
-        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
-            raise DataError(
-                f"{where}: field {name!r} must be {'a number' if kind is float else kind.__name__}, got {value!r}"
-            )
+        numeric = (int, float) if kind is float else kind
+        if (isinstance(value, bool) and kind is not bool) or not isinstance(value, numeric):
+            what = {float: "a number", bool: "true or false"}.get(kind, kind.__name__)
+            raise DataError(f"{where}: field {name!r} must be {what}, got {value!r}")
     if raw["picks"] < 1:
         raise DataError(f"{where}: field 'picks' must be >= 1, got {raw['picks']}")
     try:
@@ -257,7 +260,10 @@ class PointerSelector(
         return scores.masked_fill(~avail, float("-inf")).log_softmax(-1)
 
     def advance(self, s: Tensor, keys: Tensor, pick: Tensor) -> Tensor:
-        """Gated state update with the picked candidates: s (B, M, H), pick (B, M) -> s (B, M, H)."""
+        """Gated state update with the picked candidates: s (B, M, H), pick (B, M) -> s (B, M, H); the state as it was
+        without `state_update`."""
+        if not self.cfg.state_update:
+            return s
         c = keys[torch.arange(keys.shape[0], device=keys.device)[:, None], pick]  # (B, M, H)
         g = torch.sigmoid(self.gate(torch.cat([s, c], -1)))  # (B, M, H)
         return F.normalize(g * s + (1 - g) * c, dim=-1)
@@ -596,6 +602,28 @@ def k3_kl(logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
     """The k3 estimator of KL(pi || pi_ref) at the sampled actions: mean_valid exp(r) - r - 1, r = ref_logp - logp."""
     r = (ref_logp - logp).where(mask, 0.0)
     return _masked_mean((torch.expm1(r) - r).clamp_min(0.0), mask)  # >= 0 exactly; clamp only removes rounding
+
+
+Credit = Literal["mean", "best"]
+
+
+def demo_credits(seqs: Tensor, seq_mask: Tensor, rewards: Tensor, pool_len: int, how: Credit) -> tuple[Tensor, Tensor]:
+    """Each candidate's share of its group's rewards, for a retriever that scores demonstrations one by one: seqs (B,
+    G, S) pool positions, seq_mask (B, G), rewards (B, G) -> credit (B, K) and seen (B, K), whether the candidate is in
+    any valid sequence (credit 0 where not). how="mean": the mean reward of the sequences holding it, minus the group's
+    mean reward; how="best": 1 for the demonstrations of the group's best sequence (the first on ties), 0 elsewhere."""
+    B, G, S = seqs.shape
+    member = F.one_hot(seqs.clamp_min(0), pool_len).amax(2).to(rewards.dtype) * seq_mask[..., None]  # (B, G, K)
+    seen = member.sum(1) > 0  # (B, K)
+    if how == "mean":
+        centred = rewards - _masked_mean(rewards, seq_mask, -1)[:, None]  # (B, G)
+        credit = torch.einsum("bg,bgk->bk", centred.where(seq_mask, 0.0), member) / member.sum(1).clamp_min(1)
+    elif how == "best":
+        best = rewards.masked_fill(~seq_mask, float("-inf")).argmax(-1)  # (B,)
+        credit = member[torch.arange(B), best]  # (B, K)
+    else:
+        raise ValueError(f"credit must be 'mean' or 'best', got {how!r}")
+    return credit.where(seen, 0.0), seen
 
 
 def rce_weights(rewards: Tensor, mask: Tensor, temperature: float) -> Tensor:

@@ -1,13 +1,20 @@
-"""Stage 2: reward-weighted cross-entropy (RCE) warm-up of the pointer selector.
+"""Stage 2: reward-weighted cross-entropy (RCE) warm-up of the pointer selector, or a retriever on the same data.
 
 Loss per query: sum_i w_i * (-log pi(seq_i)) over its group of scored sequences, w = softmax(reward / tau) over the
-group's valid sequences, tau annealed linearly from --temp-start to --temp-end over all steps; `--top1` is plain
-cross-entropy on each group's best sequence (a supervised baseline). It trains on the groups whose rewards differ and
+group's valid sequences, tau annealed linearly from --temp-start to --temp-end over all steps. `--weights top1` is plain
+cross-entropy on each group's best sequence (a supervised baseline), `--weights uniform` on every sequence alike
+(ICD-LM's objective on Lever-LM's InfoScore beams, docs/rivals.md). It trains on the groups whose rewards differ and
 keeps the best epoch on held-out anchors; docs/design.md says why each choice differs from Lever-Plus.
+
+`--retriever` trains a bi-encoder on the same scored groups instead (MSIER / EPR): no cross-attention and no state
+update, so the query scores each candidate alone and the top k are its picks. Each demonstration is credited with a
+share of its group's rewards (`--credit`), and the loss is the cross-entropy of the candidates' softmax against
+softmax(credit / tau) over the candidates the group scored.
 
 Usage:
     python rce.py                                  # data/sim -> runs/rce
-    python rce.py --top1 --out runs/sup            # supervised top-1 baseline
+    python rce.py --weights top1 --out runs/sup    # supervised top-1 baseline
+    python rce.py --retriever                      # -> runs/retriever, the bi-encoder rival
     python rce.py                                  # again: continues an interrupted run, leaves a finished one
 """
 
@@ -16,20 +23,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import torch
 import tyro
 from torch import Tensor
 
-from icl_select.batches import make_batch, split_queries, steps_per_epoch
-from icl_select.cli import alias, help_first, run_cli
+from icl_select.batches import Batch, make_batch, split_queries, steps_per_epoch
+from icl_select.cli import alias, default_is, help_first, run_cli
 from icl_select.data import Quality, load_dataset
 from icl_select.epochs import EpochMeans, log_line, lr_factor, stop_if_diverged
 from icl_select.runs import RunFolder, check_width, load_selector, new_loop
 from icl_select.train_args import TrainArgs, check_train_args
 from icl_select.validation import selection_metric, validate, validation_backend
-from model import PointerSelector, SelectorConfig, rce_weights
+from model import Credit, PointerSelector, SelectorConfig, demo_credits, rce_weights
 
 SHOWN = ("train/loss", "train/tau")  # on the progress bar and the epoch line
 
@@ -40,7 +47,7 @@ class Args(TrainArgs, SelectorConfig):
     """The selector's settings (--hidden, --num-layers, --num-heads, --dropout, --temperature, --pick-order) shape a
     fresh selector; --init starts from a trained one instead."""
 
-    out: Annotated[Path, alias("--output-dir")] = Path("runs/rce")
+    out: Annotated[Path | None, alias("--output-dir"), default_is("runs/rce, or runs/retriever (--retriever)")] = None
     """Run folder."""
     temp_start: float = 2.0
     """RCE temperature at the first step."""
@@ -48,14 +55,18 @@ class Args(TrainArgs, SelectorConfig):
     """RCE temperature at the last step (linear annealing)."""
     quality: Quality = "varied"
     """Training queries; varied = those whose rewards are not all equal (docs/flags.md)."""
-    top1: bool = False
-    """Plain cross-entropy on each group's best sequence instead of reward weighting."""
+    weights: Literal["reward", "top1", "uniform"] = "reward"
+    """How a group's sequences are weighted: softmax(reward / tau), the best one alone, or all alike."""
+    retriever: bool = False
+    """Train a bi-encoder retriever (no cross-attention, no state update) on demonstration credits instead."""
+    credit: Credit = "mean"
+    """--retriever: how a sequence's reward is credited to its demonstrations (docs/rivals.md)."""
     init: Path | None = None
     """Start from this selector (run folder or epoch checkpoint) instead of a fresh one."""
     dim: tyro.conf.Suppress[int] = 0
     """Not a flag: a fresh selector takes the data's embedding size."""
-    picks: tyro.conf.Suppress[int] = 0
-    """Not a flag: the selector learns to pick the data's sequence length."""
+    picks: int = 0
+    """Demonstrations the selector may be asked for, at least the data's sequence length (0 = that length)."""
 
     def fixed_length_reason(self) -> str | None:
         return "RCE anneals tau over all steps of the run"
@@ -67,14 +78,39 @@ def top1_weights(reward: Tensor, mask: Tensor) -> Tensor:
     return torch.nn.functional.one_hot(best, reward.shape[1]).to(reward.dtype)
 
 
+def sequence_loss(model: PointerSelector, b: Batch, args: Args, tau: float) -> Tensor:
+    """sum_i w_i * (-log pi(seq_i)) per group, averaged over the batch; w by --weights."""
+    logp = model.log_probs(b.query, b.pool, b.pool_mask, b.seqs, b.seq_mask).sum(-1)  # (B, G)
+    if args.weights == "top1":
+        w = top1_weights(b.reward, b.seq_mask)
+    elif args.weights == "uniform":
+        w = b.seq_mask / b.seq_mask.sum(-1, keepdim=True)
+    else:
+        w = rce_weights(b.reward, b.seq_mask, tau)
+    return -(w.to(logp.dtype) * logp).sum(-1).mean()
+
+
+def retriever_loss(model: PointerSelector, b: Batch, args: Args, tau: float) -> Tensor:
+    """Cross-entropy of the selector's first-step distribution over the candidates the group scored against
+    softmax(credit / tau) over them, averaged over the batch."""
+    credit, seen = demo_credits(b.seqs, b.seq_mask, b.reward, b.pool.shape[1], args.credit)  # (B, K) x2
+    target = (credit / tau).masked_fill(~seen, float("-inf")).softmax(-1)  # (B, K)
+    s, keys, prior = model.encode(b.query, b.pool, b.pool_mask)
+    log_dist = model.step_log_dist(s[:, None], keys, prior, (seen & b.pool_mask)[:, None])[:, 0]  # (B, K)
+    return -(target.to(log_dist.dtype) * log_dist.masked_fill(~seen, 0.0)).sum(-1).mean()
+
+
 def main(args: Args) -> None:
     check_train_args(args)
     if not (0 < args.temp_start < math.inf and 0 < args.temp_end < math.inf):  # NaN fails every comparison
         raise ValueError(f"--temp-start and --temp-end must be finite and > 0, got {args.temp_start}, {args.temp_end}")
-    out = args.out
+    out = args.out or Path("runs/retriever" if args.retriever else "runs/rce")
 
     # data and split
     ds = load_dataset(args.data, args.allow_truncated)
+    picks = args.picks or ds.seq_len  # Lever-LM trains on 2 demonstrations and is asked for more
+    if picks < ds.seq_len:
+        raise ValueError(f"--picks {args.picks} is below the sequence length {ds.seq_len} of {ds.folder}")
     split = split_queries(ds, args)
     steps = steps_per_epoch(split, args.batch_size)
     total = args.epochs * steps
@@ -90,10 +126,13 @@ def main(args: Args) -> None:
         if args.init is not None:
             model = load_selector(args.init)
             check_width(model, args.init, ds.folder, ds.emb["train"].shape[1])
-            model.cfg = replace(model.cfg, picks=ds.seq_len)  # what it learns to pick from here on
+            model.cfg = replace(model.cfg, picks=picks)  # what it may be asked for from here on
         else:
             settings = {f.name: getattr(args, f.name) for f in fields(SelectorConfig)}
-            model = PointerSelector(SelectorConfig(**settings | {"dim": ds.emb["train"].shape[1], "picks": ds.seq_len}))
+            settings |= {"dim": ds.emb["train"].shape[1], "picks": picks}
+            if args.retriever:  # the query scores each candidate alone: the top k are its picks
+                settings |= {"num_layers": 0, "state_update": False}
+            model = PointerSelector(SelectorConfig(**settings))
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
         # resume
@@ -119,9 +158,7 @@ def main(args: Args) -> None:
 
                 model.train()  # dropout on: the warm-up is plain supervised learning
                 b = make_batch(ds, idx, split.reward, model.cfg)
-                logp = model.log_probs(b.query, b.pool, b.pool_mask, b.seqs, b.seq_mask).sum(-1)  # (B, G)
-                w = top1_weights(b.reward, b.seq_mask) if args.top1 else rce_weights(b.reward, b.seq_mask, tau)
-                loss = -(w.to(logp.dtype) * logp).sum(-1).mean()
+                loss = (retriever_loss if args.retriever else sequence_loss)(model, b, args, tau)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf))

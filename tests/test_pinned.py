@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 PINNED = {
-    "rce": "18ae49a7cc19040e",
-    "offline": "483fc18fd6a499bb",
-    "online": "48ba6c7bd8cfdd80",
+    "rce": "08770f833d282638",
+    "offline": "517a7fc21602acb9",
+    "online": "407ce1bd0e550066",
 }
 AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1"}
 

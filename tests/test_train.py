@@ -127,7 +127,7 @@ def test_rerunning_a_finished_run_changes_nothing_and_top1(small_data, rce_run, 
     rce.main(rce.Args(data=small_data, out=rce_run, epochs=3, **FAST))
     assert {p: p.read_bytes() for p in rce_run.rglob("*") if p.is_file()} == before
     assert "finished" in capsys.readouterr().err
-    rce.main(rce.Args(data=small_data, out=tmp_path / "sup", epochs=1, top1=True, **FAST))
+    rce.main(rce.Args(data=small_data, out=tmp_path / "sup", epochs=1, weights="top1", **FAST))
     reward = torch.tensor([[0.0, 2.0, 2.0, 1.0], [1.0, 0.0, 5.0, 0.0]])
     mask = torch.tensor([[True, True, True, True], [True, True, False, True]])
     assert torch.equal(rce.top1_weights(reward, mask), torch.tensor([[0.0, 1, 0, 0], [1, 0, 0, 0]]))
