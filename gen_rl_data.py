@@ -2,11 +2,18 @@
 
 For each anchor query (a train item) it builds a pool of K train items (never the query nor another question on its
 image), makes G distinct sequences of S picks from it (a selector's picks with --init, one similarity-retrieval
-sequence, random ones to fill the group) and scores each with the LVLM: VQA accuracy `acc`, `correct = acc > 0`,
+sequence, random ones to fill the group; or, with --groups infoscore, Lever-LM's beam search on InfoScore, below) and
+scores each with the LVLM: VQA accuracy `acc`, `correct = acc > 0`,
 `gt_prob` (the probability of replying with an answer the VQA metric credits, weighted by that credit, at full precision
 for log-space rewards) and `rel`; once per anchor, `zero_shot_gt_prob` for the info_score reward. Each validation query
 gets a pool from the same sampler (eval_pools.json). The default LVLM is the built-in simulator, labelled as simulation
 in every output.
+
+--groups infoscore builds the data Lever-LM / ICD-LM train on: per anchor, a beam search over its pool that grows each
+beam by the candidate c of the highest InfoScore(c) = P(y | c + S, x) - P(y | S, x), the new demonstration placed first
+(P: the geometric-mean token probability of the query's most common answer y; the simulator's gt_prob), keeping the G
+best (beam width G) at each of the S steps; the G final beams are the anchor's group. It asks the LVLM about
+1 + K + (S - 1) G K prompts per anchor, every one counted in meta.json's lvlm_calls (docs/rivals.md).
 
 Usage:
     python gen_rl_data.py                              # builds data/sim/ (800 anchors, G=16, S=4, K=64)
@@ -15,6 +22,7 @@ Usage:
     python gen_rl_data.py --world strong --sim-set help_base=-0.2 --out data/sim-strong2   # a world's variant
     python gen_rl_data.py --report data/sim            # Markdown report of a dataset folder
     python gen_rl_data.py --init runs/rce --out data/sim-r2   # add sequences decoded by a trained selector
+    python gen_rl_data.py --groups infoscore --group-size 5 --seq-len 2 --num-queries 5000 --out data/sim-leverlm
 """
 
 from __future__ import annotations
@@ -77,6 +85,9 @@ class Args(RewardArgs, LVLMOptions, CpuArgs):
     """Demonstrations per sequence (S), i.e. the largest shot count."""
     sampler: Literal["random", "image", "text", "mix"] = "random"
     """How pools are built: random, most image-similar, most text-similar, or half of each."""
+    groups: Literal["sampled", "infoscore"] = "sampled"
+    """How each anchor's sequences are made: sampled (retrieval, random, --init's picks) or infoscore (Lever-LM's beam
+    search; --group-size is its beam width)."""
     init: Path | None = None
     """A trained selector run folder: add its greedy, beam and sampled sequences to each group."""
     init_beams: int = 4
@@ -169,6 +180,8 @@ def check_args(args: Args) -> None:
         raise ValueError(f"--init-temperature must be a finite number > 0, got {args.init_temperature}")
     if args.chunk < 0:
         raise ValueError(f"--chunk must be >= 0, got {args.chunk}")
+    if args.groups == "infoscore" and args.init is not None:
+        raise ValueError("--init adds a selector's picks to sampled groups; --groups infoscore builds its own beams")
     if not is_sim(args) and (args.world != "additive" or args.sim_set):
         raise ValueError(f"--world and --sim-set set the simulator; --lvlm {args.lvlm} is a real LVLM")
     if not is_sim(args) and args.data_root is None:
@@ -239,6 +252,7 @@ def settings(args: Args, src: Source) -> dict:
         **src.settings,
         **src.backend.describe(),
         "sampler": args.sampler,
+        "groups": args.groups,
         "pool_size": args.pool_size,
         "group_size": args.group_size,
         "seq_len": args.seq_len,
@@ -277,10 +291,15 @@ def init_candidates(args: Args, train: Tensor, anchors: Tensor, pool: Tensor) ->
     return torch.cat(seqs), ["greedy"] + ["beam"] * args.init_beams + ["sample"] * args.init_samples
 
 
-def anchor_groups(args: Args, items: dict, emb: dict, anchors: Tensor) -> tuple[Tensor, Tensor, list[list[str]]]:
+def anchor_groups(
+    args: Args, items: dict, emb: dict, anchors: Tensor
+) -> tuple[Tensor, Tensor | None, list[list[str]] | None]:
     """The anchors' pools (Q, K) train rows and G distinct sequences per anchor (Q, G, S) in pool positions, with
-    their sources: the selector's picks (with --init), one similarity-retrieval sequence, then random ones."""
+    their sources: the selector's picks (with --init), one similarity-retrieval sequence, then random ones. InfoScore
+    groups are searched with the LVLM as their anchors are scored: None, None."""
     anchor_pools = make_pools(args, items, emb, "train", anchors, anchors, stream=2)  # (Q, K)
+    if args.groups == "infoscore":
+        return anchor_pools, None, None
     train = emb["train"]
     prefix, prefix_sources = None, None
     if args.init is not None:
@@ -290,6 +309,49 @@ def anchor_groups(args: Args, items: dict, emb: dict, anchors: Tensor) -> tuple[
         ranking, args.group_size, args.seq_len, rng(args.seed, 3), prefix, prefix_sources
     )
     return anchor_pools, groups, sources
+
+
+def infoscore_beams(backend, queries: Tensor, pools: Tensor, width: int, steps: int) -> Tensor:
+    """Lever-LM's beam search: for each query (C,) train rows over its pool (C, K) train rows, the `width` sequences
+    of `steps` demonstrations whose last step had the highest InfoScore(c) = P(y | c + S, x) - P(y | S, x), each step
+    placing the new demonstration first -> (C, W, S) pool positions in prompt order, best first. P is the backend's
+    `info_prob`; every prompt it is asked about is a distinct one (`infoscore_calls` counts them)."""
+    C, K = pools.shape
+    rows = torch.arange(C)
+    beams = torch.zeros(C, 1, 0, dtype=torch.long)  # (C, M, t) the beams, prompt order
+    base = backend.info_prob("train", queries, pools[:, :0])[:, None]  # (C, M) P(y | S, x) of each beam
+    for t in range(steps):
+        M = beams.shape[1]
+        new = torch.arange(K).view(1, 1, K, 1).expand(C, M, K, 1)
+        seqs = torch.cat([new, beams[:, :, None].expand(C, M, K, t)], -1)  # (C, M, K, t+1) the candidate first
+        fresh = ~(beams[..., None] == torch.arange(K)).any(2)  # (C, M, K) candidates not yet in the beam
+        flat = seqs[fresh]  # (n, t+1)
+        who = rows[:, None, None].expand(C, M, K)[fresh]  # (n,)
+        prob = torch.zeros(C, M, K, dtype=torch.float64)
+        prob[fresh] = backend.info_prob("train", queries[who], pools[who].gather(1, flat)).double()
+        info = (prob - base[..., None]).masked_fill(~fresh, float("-inf"))  # (C, M, K)
+        top = info.flatten(1).topk(min(width, int(fresh[0].sum())), dim=1).indices  # (C, W') best first
+        beams = seqs.flatten(1, 2)[rows[:, None], top]  # (C, W', t+1)
+        base = prob.flatten(1)[rows[:, None], top]  # (C, W')
+    return beams
+
+
+def infoscore_calls(pool_size: int, width: int, steps: int) -> int:
+    """Prompts `infoscore_beams` asks about for one anchor (its zero-shot one included)."""
+    calls, beams = 1, 1
+    for t in range(steps):
+        calls += beams * (pool_size - t)
+        beams = min(width, beams * (pool_size - t))
+    return calls
+
+
+def data_calls(meta: dict) -> int:
+    """The LVLM prompts a finished dataset folder's anchors cost: each scored sequence and each zero-shot prompt, and
+    for InfoScore groups every prompt the beam search asked about."""
+    per_anchor = meta["group_size"] + 1
+    if meta["groups"] == "infoscore":
+        per_anchor += infoscore_calls(meta["pool_size"], meta["group_size"], meta["seq_len"])
+    return meta["num_queries"] * per_anchor
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -353,28 +415,34 @@ def score_queries(
     todo: list[int],
     anchors: Tensor,
     anchor_pools: Tensor,
-    groups: Tensor,
-    sources: list[list[str]],
+    groups: Tensor | None,
+    sources: list[list[str]] | None,
     rank: int,
     world: int,
 ) -> None:
-    """Score the anchors `todo` (indices into anchors) chunk by chunk, appending one line per query to `path`."""
+    """Score the anchors `todo` (indices into anchors) chunk by chunk, appending one line per query to `path`; groups
+    None: each chunk's InfoScore beams are searched first."""
     chunk = args.chunk or (64 if is_sim(args) else 4)
-    G, S = groups.shape[1:]
+    G, S = args.group_size, args.seq_len
     desc = f"scoring (rank {rank})" if world > 1 else "scoring"
     bar = tqdm(total=len(todo), unit="query", desc=desc, position=rank, dynamic_ncols=True)
     start, scored = time.perf_counter(), 0
     with full_disk_names(path), sharding.own_file(path) as f:
         for c in range(0, len(todo), chunk):
             idx = torch.tensor(todo[c : c + chunk])  # (C,)
-            icds = anchor_pools[idx].gather(1, groups[idx].flatten(1)).view(-1, S)  # (C*G, S) train rows
+            if groups is None:
+                seqs = infoscore_beams(backend, anchors[idx], anchor_pools[idx], G, S)  # (C, G, S)
+                origin = [["infoscore"] * G] * len(idx)
+            else:
+                seqs, origin = groups[idx], [sources[i] for i in idx.tolist()]
+            icds = anchor_pools[idx].gather(1, seqs.flatten(1)).view(-1, S)  # (C*G, S) train rows
             res = backend.score("train", anchors[idx].repeat_interleave(G), icds)
             no_icds = torch.zeros(len(idx), 0, dtype=torch.long)  # (C, 0)
             zero_shot = backend.score("train", anchors[idx], no_icds)["gt_prob"]  # (C,)
             for j, i in enumerate(idx.tolist()):
-                seqs = [seq_record(groups[i, g].tolist(), sources[i][g], res, j * G + g) for g in range(G)]
+                group = [seq_record(seqs[j, g].tolist(), origin[j][g], res, j * G + g) for g in range(G)]
                 pool = anchor_pools[i].tolist()
-                line = {"query": int(anchors[i]), "pool": pool, ZERO_SHOT: float(zero_shot[j]), "seqs": seqs}
+                line = {"query": int(anchors[i]), "pool": pool, ZERO_SHOT: float(zero_shot[j]), "seqs": group}
                 f.write(jsonl_line(line))
             f.flush()
             scored += len(idx) * G
@@ -478,6 +546,7 @@ def build_folder(args: Args, rank: int, world: int) -> None:
             raise ValueError(f"{out}: {missing} anchor queries are still unscored; re-run the same command to finish")
         if not meta["complete"]:
             meta.update(complete=True, counts={"train": n_train, "val": n_val, "anchors": len(anchors)})
+            meta["lvlm_calls"] = data_calls(meta)
             if is_sim(args):
                 sim = src.backend.sim
                 meta["calibration"] = calibrate(
@@ -486,7 +555,7 @@ def build_folder(args: Args, rank: int, world: int) -> None:
             atomic_write_text(out / "meta.json", json.dumps(meta, indent=2) + "\n")
             changed = True
         label = "simulated LVLM" if is_sim(args) else f"LVLM {args.lvlm}"
-        what = f"{len(anchors)} anchor queries x {groups.shape[1]} sequences, {n_val} val queries; {label}"
+        what = f"{len(anchors)} anchor queries x {args.group_size} sequences, {n_val} val queries; {label}"
         print(f"wrote {out} ({what})" if changed else f"{out} is complete ({what}); left as it is")
     sharding.finish(world)
 

@@ -2,6 +2,7 @@
 
     backend.score(split, queries (N,), icds (N, k) train rows, gt_prob=True) -> {"prediction": [str], "acc",
                                                               "correct", "gt_prob", "rel": (N,) tensors}
+    backend.info_prob(split, queries, icds) -> (N,) InfoScore's P(y | ICDs, x) (gen_rl_data.py --groups infoscore)
     backend.describe() -> dict recorded in meta.json / eval files (id, revision, prompt template, generation args)
 
 `SimBackend` wraps the built-in simulator (default, CPU, instant); `lvlm.LVLMBackend` runs a transformers LVLM
@@ -30,6 +31,10 @@ class SimBackend:
 
     def score(self, split: str, queries: Tensor, icds: Tensor, gt_prob: bool = True) -> dict:
         return self.sim.score(split, queries, icds)  # gt_prob is free here
+
+    def info_prob(self, split: str, queries: Tensor, icds: Tensor) -> Tensor:
+        """InfoScore's P(y | ICDs, x): the simulated answer is one token, so its probability of a credited answer."""
+        return self.sim.score(split, queries, icds)["gt_prob"]
 
     def describe(self) -> dict:
         return {"lvlm": "sim", "simulation": True, "sim_config": asdict(self.sim.cfg)}

@@ -93,6 +93,7 @@ META_FIELDS = {
     "source": str,
     "lvlm": str,
     "sampler": str,
+    "groups": str,
     "pool_size": int,
     "group_size": int,
     "seq_len": int,
@@ -101,7 +102,14 @@ META_FIELDS = {
     "complete": bool,
     "settings": dict,
 }
-META_OPTIONAL = {"calibration": dict, "counts": dict, "sim_config": dict, "prompt_template": dict, "generation": dict}
+META_OPTIONAL = {
+    "calibration": dict,
+    "counts": dict,
+    "sim_config": dict,
+    "prompt_template": dict,
+    "generation": dict,
+    "lvlm_calls": int,
+}
 TYPE_NAMES = {
     int: "an integer",
     float: "a number",

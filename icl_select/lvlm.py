@@ -1033,6 +1033,16 @@ class LVLMBackend:
         credited = [credited_replies(query["answers"]) for query, _ in examples]
         return credit_sum(credited, self.run(examples, [[r for r, _ in c] for c in credited], answer=False)[1])
 
+    def info_prob(self, split: str, queries: Tensor, icds: Tensor) -> Tensor:
+        """InfoScore's P(y | ICDs, x) (Lever-LM): the geometric-mean probability of the tokens of y, the query's most
+        common answer as a demonstration shows it, teacher-forced as the assistant's reply (its stop token included):
+        (N,) float64, from the same pass over each prompt as P(reply)."""
+        examples = self.examples(split, queries, icds)
+        refs = [answer_counts(query["answers"])[0][0] for query, _ in examples]
+        probs = self.run(examples, [[r] for r in refs], answer=False)[1]
+        lengths = [len(self.reply_ids(self.messages(*ex), [r])[0]) for ex, r in zip(examples, refs)]
+        return torch.stack([p[0] ** (1 / n) for p, n in zip(probs, lengths)])  # (N,)
+
     def score_examples(self, examples: list[Example], gt_prob: bool = True) -> dict:
         """score() for explicit (query item, ICD items) prompts, ICD lists of any length; gt_prob=False skips the
         replies (NaN instead): evaluation needs only the answers."""
@@ -1052,11 +1062,14 @@ class LVLMBackend:
 
     def score(self, split: str, queries: Tensor, icds: Tensor, gt_prob: bool = True) -> dict:
         """Answer and score each query of `split` given its ICDs (train rows, prompt order): (N,), (N, k) -> (N,)s."""
+        return self.score_examples(self.examples(split, queries, icds), gt_prob)
+
+    def examples(self, split: str, queries: Tensor, icds: Tensor) -> list[Example]:
+        """The (query item, ICD items) prompts of queries (N,) of `split` and their ICDs (N, k) train rows."""
         if queries.dim() != 1 or icds.dim() != 2 or icds.shape[0] != queries.shape[0]:
             raise ValueError(f"expected queries (N,) and icds (N, k), got {tuple(queries.shape)}, {tuple(icds.shape)}")
         pool, split_items = self.items["train"], self.items[split]
-        examples = [(split_items[q], [pool[j] for j in row]) for q, row in zip(queries.tolist(), icds.tolist())]
-        return self.score_examples(examples, gt_prob)
+        return [(split_items[q], [pool[j] for j in row]) for q, row in zip(queries.tolist(), icds.tolist())]
 
     def describe(self) -> dict:
         return {
