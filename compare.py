@@ -121,6 +121,23 @@ class Run:
         return self.eval is not None and self.eval.get("baseline") in CEILINGS
 
     @property
+    def rival(self) -> bool:
+        """A baseline that picks demonstrations, or a selector trained otherwise than by the kit's RCE and GRPO: the
+        retriever, or cross-entropy with other weights (Lever-LM's uniform ones, top-1)."""
+        if self.eval is not None and self.eval.get("baseline"):
+            return self.eval["baseline"] not in (*CEILINGS, "zero-shot")
+        args = self.args or {}
+        return self.phase == "rce" and (args.get("retriever", False) or args.get("weights", "reward") != "reward")
+
+    @property
+    def calls(self) -> str:
+        """The LVLM prompts that built it (data, validation, online scoring), in short: 13.6k, 1.93M; '?' unknown."""
+        n = None if self.eval is None else self.eval.get("lvlm_calls")
+        if n is None:
+            return "-" if self.ceiling else "?"
+        return f"{n / 1e6:.3g}M" if n >= 1e6 else f"{n / 1e3:.3g}k" if n >= 1e3 else str(n)
+
+    @property
     def selected(self) -> int | None:
         """The epoch model.safetensors holds (the best on validation), as the last epoch record says."""
         return self.epochs[-1].get("best_epoch") if self.epochs else None
@@ -146,7 +163,10 @@ class Run:
     def kind(self) -> str:
         if self.eval is not None and self.eval.get("baseline"):
             return "simulator ceiling" if self.ceiling else "baseline"
-        stage = {"rce": "RCE", "grpo": "GRPO " + ("online" if (self.args or {}).get("online") else "offline")}
+        args = self.args or {}
+        weights = args.get("weights", "reward")
+        rce = "retriever" if args.get("retriever") else "RCE" + f", {weights} weights" * (weights != "reward")
+        stage = {"rce": rce, "grpo": "GRPO " + ("online" if args.get("online") else "offline")}
         what = stage.get(self.phase, "selector")
         if self.unfinished:
             return f"{what}, UNFINISHED: {self.unfinished}"
@@ -227,14 +247,14 @@ class Comparison:
 
 
 def reference(evaluated: list[Run], want: str | None) -> Run:
-    """--baseline if given; else the RCE warm-up (what GRPO must beat), else the random baseline, else the first
-    evaluated run; never whatever a glob happens to list first."""
+    """--baseline if given; else the RCE warm-up (what GRPO must beat; a rival trained by rce.py is none), else the
+    random baseline, else the first evaluated run; never whatever a glob happens to list first."""
     if want is not None:
         match = [r for r in evaluated if r.name == want or r.path.resolve() == Path(want).resolve()]
         if not match:
             raise ValueError(f"--baseline {want}: not among the evaluated runs {[r.name for r in evaluated]}")
         return match[0]
-    rce = [r for r in evaluated if r.phase == "rce"]
+    rce = [r for r in evaluated if r.phase == "rce" and not r.rival]
     random = [r for r in evaluated if r.eval.get("baseline") == "random"]
     return (rce or random or evaluated)[0]
 
@@ -408,14 +428,18 @@ BASELINE_WORDS = {
     "random": "random demonstrations",
     "image-sim": "RICES (most image-similar)",
     "text-sim": "most text-similar",
+    "mmices": "MMICES (image prefilter, text rerank)",
+    "mmr": "MMR (relevance minus redundancy)",
+    "coreset": "a clustered coreset",
 }
 
 
 def verdict_section(c: Comparison, args: Args) -> str:
     """The report's first lines: does the best selector beat zero-shot, random and RICES (paired, one rule), and
     what every selector does against each. Where no demonstrations beat every selector, that comes first."""
-    selectors = [r for r in c.evaluated if r.phase is not None]
+    selectors = [r for r in c.evaluated if r.phase is not None and not r.rival]
     baselines = [r for r in c.evaluated if r.eval.get("baseline") in BASELINE_WORDS]
+    rivals = [r for r in c.evaluated if r.rival]
     if not selectors or not baselines:
         return ""
     rng = np.random.default_rng(args.seed)
@@ -453,6 +477,14 @@ def verdict_section(c: Comparison, args: Args) -> str:
             f"**{best.name} beats {', '.join(b.name for b in beaten) or 'no baseline'}** and not "
             f"{', '.join(b.name for b in baselines if b not in beaten)}."
         )
+    if rivals:  # the strongest rival, whichever it is, against the best of the kit's selectors
+        top = max(rivals, key=lambda r: c.acc[r.name]["avg"])
+        if not not_comparable(top.eval, best.eval):
+            x = pair_cells(top.eval, best.eval, c.shots, c.n, args.bootstrap, rng)["avg"]
+            lines.append(
+                f"**Strongest rival: {top.name}** ({c.acc[top.name]['avg']:.2f}, built with {top.calls} LVLM calls); "
+                f"{best.name} ({c.acc[best.name]['avg']:.2f}, {best.calls} calls) against it: {words(x)}."
+            )
     lines.append("")
     for r in selectors:
         against = [
@@ -484,12 +516,13 @@ def glance_section(c: Comparison) -> str:
         name += " (reference)" if r is c.base else ""
         what = r.kind() + (f", answered by {Path(r.eval['backend']).name}" if several_lvlms else "")
         what += ", STALE evaluation" * r.stale
-        rows.append([name, what, *row])
-    header = ["run", "what", *[f"{s}-shot" for s in c.shots], "avg"]
+        rows.append([name, what, r.calls, *row])
+    header = ["run", "what", "LVLM calls", *[f"{s}-shot" for s in c.shots], "avg"]
     notes = [
         f"Each cell: VQA accuracy (%) on the first {c.n} {c.questions}, the largest count every run has, and "
         f"in brackets its delta in points to {c.base.name}. {rule(len(c.shots) + 1)} Best: the highest average, "
-        "simulator ceilings aside."
+        "simulator ceilings aside. LVLM calls: the prompts the LVLM scored to build the run (its data, validations "
+        "and online scoring, along its --init chain), 0 for a training-free baseline."
     ]
     notes += [f"Not paired with {c.base.name}: {name} ({why})." for name, why in c.apart.items()]
     notes += [
@@ -539,13 +572,16 @@ def trained_section(runs: list[Run]) -> list[str]:
         "stage",
         "epochs trained",
         "selected epoch",
-        *(["LVLM calls"] if any(calls.values()) else []),
+        *(["own LVLM calls"] if any(calls.values()) else []),
         *differ,
     ]
     notes = "Selected epoch: the one model.safetensors holds, the best on validation or, with --select-epoch last (the"
     notes += " default with --lvlm-budget), the last (see Training)."
     if any(calls.values()):
-        notes += " LVLM calls: sequences the LVLM scored during training and validation (after the score cache)."
+        notes += (
+            " Own LVLM calls: sequences the LVLM scored during this run's training and validation (after the score"
+            " cache); the glance table's count adds its data and its --init's."
+        )
     return ["## Trained runs", "", md_table(header, rows), "", notes, ""]
 
 

@@ -43,7 +43,17 @@ from icl_select.cli import CpuArgs, default_is, help_first, run_cli
 from icl_select.data import DEFAULT_DATA, Dataset, data_digest, load_dataset
 from icl_select.files import DataError, atomic_write_text, full_disk_names, read_json, sha256
 from icl_select.locks import exclusive
-from icl_select.runs import check_width, checkpoints, load_selector, read_args, read_metrics, settings_file, unfinished
+from icl_select.runs import (
+    check_width,
+    checkpoints,
+    load_selector,
+    lvlm_spent,
+    lvlm_total,
+    read_args,
+    read_metrics,
+    settings_file,
+    unfinished,
+)
 from icl_select.tables import accuracy_table
 from icl_select.validation import greedy_icds
 from icl_select.vqa_data import check_images
@@ -275,6 +285,7 @@ class Job:
     desc: str
     epoch: int | None = None
     sha256: str | None = None
+    lvlm_calls: int | None = 0  # LVLM prompts that built it (runs.lvlm_spent): 0 for a training-free baseline
 
 
 def plan(args: Args, ds: Dataset) -> list[Job]:
@@ -283,20 +294,21 @@ def plan(args: Args, ds: Dataset) -> list[Job]:
         out = args.out or Path("runs") / f"baseline-{args.baseline}"
         if out.exists() and (out / "model.safetensors").exists():
             raise ValueError(f"{out} holds a trained selector; choose another --out for the baseline")
-        return [Job(out / "eval" / f"{args.split}.json", None, None, args.baseline)]
+        calls = None if args.baseline in ("oracle", "observable") else 0  # the ceilings read the hidden truth
+        return [Job(out / "eval" / f"{args.split}.json", None, None, args.baseline, lvlm_calls=calls)]
     jobs = []
     for run in args.runs:
         # the epoch model.safetensors holds, as the run's last epoch record says (None without one)
         epochs = read_metrics(run / "metrics.jsonl") if (run / "metrics.jsonl").is_file() else []
         selected = epochs[-1].get("best_epoch") if epochs else None
         weights = run / "model.safetensors"
-        jobs.append(
-            Job(run / "eval" / f"{args.split}.json", run, load_selector(run), str(run), selected, sha256(weights))
-        )
+        target, model, calls = run / "eval" / f"{args.split}.json", load_selector(run), lvlm_total(lvlm_spent(run))
+        jobs.append(Job(target, run, model, str(run), selected, sha256(weights), calls))
         for e in args.epochs:
             ckpt = run / "ckpt" / f"epoch_{e:03d}.safetensors"
             target = run / "eval" / f"{args.split}-epoch{e:03d}.json"
-            jobs.append(Job(target, ckpt, load_selector(ckpt), f"{run} epoch {e}", e, sha256(ckpt)))
+            calls = lvlm_total(lvlm_spent(ckpt))
+            jobs.append(Job(target, ckpt, load_selector(ckpt), f"{run} epoch {e}", e, sha256(ckpt), calls))
     return jobs
 
 
@@ -374,6 +386,7 @@ def evaluate_job(args: Args, ds: Dataset, digest: str, backend, job: Job, header
         "simulation": ds.is_sim,
         "backend_info": backend.describe(),
         "self_check": getattr(backend, "check", None),  # the real backend against plain transformers, before the run
+        "lvlm_calls": job.lvlm_calls,  # what it cost to build the selector: data, validation and online scoring
         **{k: v for k, v in header.items() if k not in ("data", "lvlm")},
         "num_samples": sorted(args.num_samples),
         "results": results,

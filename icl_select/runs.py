@@ -170,10 +170,41 @@ def write_config(out: Path, args, ds, split, extra: dict | None = None) -> None:
         },
         "data": {"folder": str(ds.folder), "digest": ident["data"], "simulation": ds.is_sim},
         "init_sha256": ident["init"],
+        "lvlm_calls_before": lvlm_before(ds, ident["data"], getattr(args, "init", None)),
         "queries": {"train": len(split.train), "val": len(split.val)},
         **(extra or {}),
     }
     atomic_write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
+
+
+def lvlm_before(ds, digest: str, init: Path | None) -> dict | None:
+    """The LVLM prompts spent before a run starts: {"data": {digest: calls} of every dataset folder its chain was
+    built from, "training": the calls of every stage before it}; None where some cost is unknown (a dataset or an
+    --init that does not record it)."""
+    spent = {"data": {}, "training": 0} if init is None else lvlm_spent(Path(init))
+    if spent is None or "lvlm_calls" not in ds.meta:
+        return None
+    return {"data": spent["data"] | {digest: ds.meta["lvlm_calls"]}, "training": spent["training"]}
+
+
+def lvlm_spent(source: Path) -> dict | None:
+    """What built the selector at `source` (a run folder: all its epochs; an epoch checkpoint: the epochs up to it),
+    as `lvlm_before` counts it, its own calls included (validation, online scoring); None where unknown."""
+    run = Path(source) if Path(source).is_dir() else Path(source).parent.parent
+    if not (run / "config.json").is_file() or not (run / "metrics.jsonl").is_file():
+        return None
+    before = read_json(run / "config.json").get("lvlm_calls_before")
+    epochs = read_metrics(run / "metrics.jsonl")
+    if Path(source).is_file():
+        epochs = [r for r in epochs if r["epoch"] <= checkpoint_meta(Path(source))["epoch"]]
+    if before is None or not epochs:
+        return None
+    return {"data": before["data"], "training": before["training"] + epochs[-1].get("lvlm/calls", 0)}
+
+
+def lvlm_total(spent: dict | None) -> int | None:
+    """All the LVLM prompts an `lvlm_spent` record counts."""
+    return None if spent is None else sum(spent["data"].values()) + spent["training"]
 
 
 def resume_point(out: Path, args, ds) -> Path | None:

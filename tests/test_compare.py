@@ -63,8 +63,8 @@ def cells(text, header_start):
 
 
 def glance(text):
-    """The glance table as {run name (marks stripped): cells}."""
-    return {r[0].replace("**", "").split(" (")[0]: r[1:] for r in cells(text, "| run | what")}
+    """The glance table as {run name (marks stripped): [what, accuracy cells...]} (its LVLM-calls column left out)."""
+    return {r[0].replace("**", "").split(" (")[0]: [r[1], *r[3:]] for r in cells(text, "| run | what")}
 
 
 def reference(text):
@@ -82,7 +82,7 @@ def test_glance_and_paired_deltas_by_hand(tmp_path):
     text = report(Args(runs=[base, new], bootstrap=2000))
     assert text.index("## At a glance") < text.index("## Paired deltas")
     # base at n=4: 50, 50 (avg 50); new: 90, 32.5 (avg 61.25), the best run
-    rows = {r[0]: r[2:] for r in cells(text, "| run | what")}
+    rows = {r[0]: r[3:] for r in cells(text, "| run | what")}
     assert rows["base (reference)"] == ["50.00", "50.00", "50.00"]
     assert rows["**new** (best)"] == ["90.00 (+40.00)", "32.50 (-17.50)", "**61.25 (+11.25)**"]
     # 4 questions: no cell is distinguishable from noise, however large the delta looks
