@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ import gen_rl_data
 import grpo
 import rce
 from icl_select.cli import SIDE_ARGS, run_cli
+from icl_select.files import read_json
 from icl_select.runs import flag_values, read_args, read_eval, read_metrics
 from icl_select.sim import WORLDS
 from icl_select.stats import bootstrap_ci, gap_share, paired, per_question
@@ -76,10 +76,34 @@ def no_replay(**flags) -> tuple[str, dict, str]:
     return "grpo", BUDGET | {"replay_steps": 0} | flags, "online, budget 35k, no replay"
 
 
+# Lever-LM's data (docs/rivals.md): InfoScore beams over each anchor's pool, as published (5,000 anchors, beam 5,
+# 2-shot sequences) and cut to about 35k LVLM calls (90 anchors of 386 calls each).
+DATASETS = {
+    "infoscore": {"groups": "infoscore", "group_size": 5, "seq_len": 2, "num_queries": 5000},
+    "infoscore, 35k calls": {"groups": "infoscore", "group_size": 5, "seq_len": 2, "num_queries": 90},
+}
+LEVER_LM = {"data": "infoscore", "weights": "uniform", "quality": "all", "pick_order": "prompt", "picks": 4}
+
+
+def rival(baseline: str, **flags) -> tuple[str, dict, str]:
+    """A training-free rival with other settings than its default, against it."""
+    return "baseline", {"baseline": baseline, **flags}, baseline
+
+
 # name -> (stage, flags, reference). GRPO variants start from the default RCE run of their seed unless they name
-# another init.
+# another init; a "data" flag names the DATASETS recipe a run trains on (it is evaluated on the seed's own dataset).
 VARIANTS: dict[str, tuple[str, dict, str | None]] = {
     "rce": ("rce", {}, None),
+    "retriever": ("rce", {"retriever": True}, "rce"),
+    "retriever, best-sequence credit": ("rce", {"retriever": True, "credit": "best"}, "retriever"),
+    "lever-lm": ("rce", LEVER_LM, "rce"),  # ICD-LM's cross-entropy on the published data
+    "lever-lm, picks nearest first": ("rce", LEVER_LM | {"pick_order": "nearest_first"}, "lever-lm"),
+    "lever-lm, 35k calls": ("rce", LEVER_LM | {"data": "infoscore, 35k calls"}, "lever-lm"),
+    "mmices, prefilter 8": rival("mmices", prefilter=8),
+    "mmices, prefilter 32": rival("mmices", prefilter=32),
+    "mmr, lambda 0.25": rival("mmr", mmr_lambda=0.25),
+    "mmr, lambda 0.75": rival("mmr", mmr_lambda=0.75),
+    "mmr, lambda 0.9": rival("mmr", mmr_lambda=0.9),
     "rce, all groups (Lever-Plus)": ("rce", {"quality": "all"}, "rce"),
     "rce, picks in prompt order": ("rce", {"pick_order": "prompt"}, "rce"),
     "online": ("grpo", {"online": True}, None),
@@ -145,7 +169,7 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
     "online, budget 35k, replay 4 steps, beta 1": cold(kl_beta=1.0),
     "online, budget 35k, replay 4 steps, groups of 8 x 64 queries": cold(group_size=8, batch_size=64),
 }
-BASELINES = ("zero-shot", "random", "image-sim", "oracle", "observable")
+BASELINES = ("zero-shot", "random", "image-sim", "text-sim", "mmices", "mmr", "coreset", "oracle", "observable")
 
 
 @dataclass
@@ -175,7 +199,7 @@ def build(args: Args, world: str, seed: int, names: list[str]) -> None:
     """Train and evaluate what is missing for one seed of one world."""
     root = args.out / world / f"seed{seed}"
     data = root / "data"
-    if not (data / "meta.json").is_file() or not json.loads((data / "meta.json").read_text())["complete"]:
+    if not (data / "meta.json").is_file() or not read_json(data / "meta.json")["complete"]:
         quietly(gen_rl_data.generate, gen_rl_data.Args(out=data, seed=seed, world=world))
     for b in BASELINES:
         if not (root / b / "eval" / "val.json").is_file():
@@ -183,7 +207,17 @@ def build(args: Args, world: str, seed: int, names: list[str]) -> None:
     for name in names:
         stage, flags, _ = VARIANTS[name]
         run = root / slug(name)
+        if stage == "baseline":
+            if not (run / "eval" / "val.json").is_file():
+                quietly(evaluate.main, evaluate.Args(data=data, out=run, num_samples=[800], **flags))
+            continue
         common = {"data": data, "out": run, "seed": seed}
+        if "data" in flags:  # trained on a dataset of its own recipe, evaluated on the seed's
+            recipe, flags = flags["data"], {k: v for k, v in flags.items() if k != "data"}
+            common["data"] = root / f"data-{slug(recipe)}"
+            if not (common["data"] / "meta.json").is_file() or not read_json(common["data"] / "meta.json")["complete"]:
+                gen = gen_rl_data.Args(out=common["data"], seed=seed, world=world, **DATASETS[recipe])
+                quietly(gen_rl_data.generate, gen)
         if stage == "rce":
             run_args = rce.Args(**common, **flags)
         else:
@@ -206,8 +240,8 @@ def order(names: list[str]) -> list[str]:
     """The variants to train, each after what it starts from."""
     need = set(names)
     for name in names:
-        _, flags, ref = VARIANTS[name]
-        need |= {VARIANTS[name][0] == "grpo" and "rce", ref, flags.get("init")} - {None, False}
+        stage, flags, ref = VARIANTS[name]
+        need |= {stage == "grpo" and "rce", ref, flags.get("init")} - {None, False, *BASELINES}
     return [n for n in VARIANTS if n in need]
 
 
