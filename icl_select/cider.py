@@ -12,10 +12,10 @@ tf(g) * idf(g) for its n-grams g. Against one reference r,
 
     sim_n(c, r) = sum_g min(c_g, r_g) * r_g / (|c_n| |r_n|) * exp(-(l_c - l_r)^2 / (2 sigma^2)),   sigma = 6,
 
-(the candidate's weights clipped by the reference's; the norm factor is skipped when either norm is 0), where the
-length l is the caption's number of bigrams, max(words - 1, 0): pycocoevalcap sums the term frequencies at n-gram
-index 1, so length differences are word-count differences except against an empty caption. CIDEr-D(c) = 10 * mean
-over n of the mean over the image's references of sim_n; the corpus score is the mean over images.
+(the candidate's weights clipped by the reference's; the norm factor is skipped when either norm is 0), l a caption's
+length in words (pycocoevalcap counts its bigrams, max(words - 1, 0): the same differences, except against an empty
+caption, which shares no n-gram and so scores 0 either way). CIDEr-D(c) = 10 * mean over n of the mean over the
+image's references of sim_n; the corpus score is the mean over images. n is 4: pycocoevalcap's Cider fails for others.
 
 Which corpus the document frequencies come from:
 - Evaluation (`cider_d`): the references of the evaluated images, as pycocoevalcap does and the captioning literature
@@ -54,6 +54,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 __all__ = ["CiderD", "cider_d", "ptb_tokenize"]
+
+N = 4  # n-gram orders 1..N
 
 # ---------------------------------------------------------------------------------------------------------------------
 # PTB tokenization
@@ -536,29 +538,28 @@ class CiderD:
     references, so a caption's score depends on it and its references alone (a training reward). `cider_d` builds one
     from the evaluated images' references, which is pycocoevalcap's `Cider`."""
 
-    def __init__(self, corpus: Sequence[Sequence[str]], n: int = 4, sigma: float = 6.0):
+    def __init__(self, corpus: Sequence[Sequence[str]], sigma: float = 6.0):
         if not corpus:
             raise ValueError("CiderD: the reference corpus is empty (need one list of references per image)")
-        self.n, self.sigma = n, sigma
+        self.sigma = sigma
         df: Counter = Counter()
         for refs in corpus:  # one count per image, however many of its references hold the n-gram
             words = [ref.split() for ref in refs]
-            df.update({g for w in words for k in range(1, n + 1) for g in _ngrams(w, k)})
+            df.update({g for w in words for k in range(1, N + 1) for g in _ngrams(w, k)})
         self.log_n = math.log(float(len(corpus)))
         # idf = log N - log max(1, df): df 0 (not in the corpus) and df 1 weigh the same, so only df >= 2 is kept.
         self._log_df = {g: math.log(c) for g, c in df.items() if c > 1}
 
     def _vector(self, caption: str) -> tuple[list[dict], list[float], int]:
-        """Per n-gram order {n-gram: tf * idf} and its norm; and the length pycocoevalcap compares, the caption's
-        number of bigrams (the term frequencies it sums sit at order index 1), i.e. its words less one."""
+        """Per n-gram order {n-gram: tf * idf} and its norm, and the caption's length in words."""
         words = caption.split()
         log_n, log_df = self.log_n, self._log_df
         vecs, norms = [], []
-        for k in range(1, self.n + 1):
+        for k in range(1, N + 1):
             vec = {g: tf * (log_n - log_df.get(g, 0.0)) for g, tf in Counter(_ngrams(words, k)).items()}
             vecs.append(vec)
             norms.append(math.sqrt(sum(v * v for v in vec.values())))
-        return vecs, norms, max(len(words) - 1, 0) if self.n >= 2 else 0
+        return vecs, norms, len(words)
 
     def score(self, candidates: Sequence[str], references: Sequence[Sequence[str]]) -> np.ndarray:
         """CIDEr-D of each tokenized candidate against its own tokenized references: float64 [len(candidates)]."""
@@ -581,14 +582,14 @@ class CiderD:
                     # the candidate's weights clipped by the reference's, times the reference's
                     dot = sum(min(vec[g], ref_vec[g]) * ref_vec[g] for g in vec.keys() & ref_vec.keys())
                     total += (dot / (norm * ref_norm) if norm != 0 and ref_norm != 0 else dot) * penalty
-            out[i] = total / self.n / len(refs) * 10.0  # mean over orders, mean over references, times 10
+            out[i] = total / N / len(refs) * 10.0  # mean over orders, mean over references, times 10
         return out
 
 
 def cider_d(
-    candidates: Sequence[str], references: Sequence[Sequence[str]], n: int = 4, sigma: float = 6.0
+    candidates: Sequence[str], references: Sequence[Sequence[str]], sigma: float = 6.0
 ) -> tuple[float, np.ndarray]:
     """pycocoevalcap's CIDEr-D of tokenized candidates (one per image) against their images' tokenized references,
     document frequencies over these references: (the mean, the per-image scores [len(candidates)])."""
-    scores = CiderD(references, n, sigma).score(candidates, references)
+    scores = CiderD(references, sigma).score(candidates, references)
     return float(scores.mean()), scores

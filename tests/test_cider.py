@@ -198,6 +198,7 @@ COCO_STYLE = [
     "A 'Welcome' mat in front of the door",
     "Two men talking; one is holding a surfboard",
     "A giraffe standing in the grass-- next to a tree",
+    "A shirt with the letters \u0528\ua7b5 and \u00e9 on it",
 ]
 
 # What pycocoevalcap's PTBTokenizer (the Java jar, -preserveLines -lowerCase, then its punctuation filter) returns for
@@ -253,6 +254,7 @@ JAVA_OUTPUT = [
     "a welcome mat in front of the door",
     "two men talking one is holding a surfboard",
     "a giraffe standing in the grass next to a tree",
+    "a shirt with the letters and \u00e9 on it",
 ]
 
 
