@@ -10,6 +10,7 @@ Usage:
     python bench.py --only decode                                  # greedy decoding vs Lever-Plus's decoder
     python bench.py --only pools --pool-whole-rows 50000          # pool building: time and peak memory by size
     python bench.py --only sim                                     # simulator scoring per call, in each world
+    python bench.py --only library                                 # picking for new questions from 443,757 items
     python bench.py --only lvlm --lvlm Qwen/Qwen2.5-VL-3B-Instruct --vqa-root /data/okvqa --device cuda
     python bench.py --only lvlm --lvlm random-3b --group-size 16 --lvlm-batch-size 16 --pool-size 64   # GPU, no weights
 """
@@ -33,8 +34,8 @@ from model import DECODE_CHUNK, PointerSelector, SelectorConfig, slices
 
 @dataclass
 class Args:
-    only: Literal["all", "log-probs", "epochs", "grpo", "decode", "pools", "lvlm", "sim"] = "all"
-    """Which benchmark (all = the CPU ones but pools; lvlm needs --lvlm and --vqa-root)."""
+    only: Literal["all", "log-probs", "epochs", "grpo", "decode", "pools", "lvlm", "sim", "library"] = "all"
+    """Which benchmark (all = the CPU ones but pools and library; lvlm needs --lvlm and --vqa-root)."""
     shapes: list[str] = field(default_factory=lambda: ["64,16,4"])
     """GRPO benchmark: K,G,S (pool size, group size, shots) of each simulated dataset."""
     reference_queries: int = 64
@@ -55,6 +56,10 @@ class Args:
     """Pool benchmark: samplers to time (text costs what image does)."""
     pool_whole_rows: int = 0
     """Pool benchmark: up to this many rows, also check the chunked pools against a whole-mask build."""
+    library_rows: int = 443_757
+    """Library benchmark: demonstrations in the library (443,757 = VQAv2's train questions)."""
+    library_pictures: int = 500
+    """Library benchmark: 640 x 480 pictures (two questions each) the tiny CLIP embeds once."""
     data: Annotated[Path | None, default_is("a fresh simulated dataset")] = None
     """Dataset folder for the epoch benchmarks."""
     lvlm: str | None = None
@@ -361,6 +366,67 @@ def bench_pools(rows_list: list[int], queries: int, samplers: list[str], repeats
                 )
             if len(digests) > 1:
                 print(f"  {'':7s} same pools chunked and whole: {len(set(digests.values())) == 1}", flush=True)
+
+
+def bench_library(repeats: int, rows: int, pictures: int) -> None:
+    """Demonstrations for new questions (icl_select/library.py) from a library of `rows` items: random unit-norm 512-d
+    embeddings of the three views, about 5.4 questions per picture (VQAv2's), a random-weight selector, pools of 64,
+    4 picks. Per sampler: one question alone (seconds) and batches of 64 (questions per second), and the peak memory
+    above the embeddings (VmHWM). Then the one-time cost of a library of OK-VQA files on the tiny offline CLIP:
+    COCO-sized pictures decoded, hashed, embedded and cached, per item (a real CLIP's forward adds its own time)."""
+    import torch.nn.functional as F
+
+    from icl_select.library import Demonstrations, Library
+
+    g = torch.Generator().manual_seed(0)
+    emb = {}
+    for name in ("fused", "image", "text"):
+        x = torch.randn(rows, 512, generator=g)  # (N, d), normalised in place: no second copy
+        emb[name] = x.div_(x.norm(dim=1, keepdim=True))
+    image_ids = torch.randint(rows * 10 // 54, (rows,), generator=g).tolist()
+    items = [{"question_id": i, "image_id": m, "question": "q", "answers": ["a"]} for i, m in enumerate(image_ids)]
+    library = Library(items, emb, "random embeddings")
+    selector = PointerSelector(SelectorConfig(dim=512, picks=4)).eval()
+    n = 64 * (repeats + 1)
+    queries = {name: F.normalize(torch.randn(n, 512, generator=g), dim=-1) for name in emb}  # (n, d) each
+    gib = 2**30
+    print(
+        f"demonstrations for new questions: a library of {rows} items (embeddings {3 * rows * 512 * 4 / gib:.2f} "
+        f"GiB), pools of 64, 4 picks, d=512, 1 thread ({repeats} repeats after a warm-up; min / median / max)"
+    )
+    before = proc_status_bytes("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    for sampler in ("image", "mix", "text", "random"):
+        demos = Demonstrations(selector, library, sampler, 64, source="a random selector")
+        one, batch = [], []
+        for r in range(repeats + 1):  # the first round warms up
+            t0 = time.perf_counter()
+            demos.pick_embedded({k: v[r : r + 1] for k, v in queries.items()})
+            one.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            demos.pick_embedded({k: v[64 * r : 64 * (r + 1)] for k, v in queries.items()})
+            batch.append(64 / (time.perf_counter() - t0))
+        print(
+            f"  {sampler:6s} one question {mmm([t * 1e3 for t in one[1:]], '{:.0f}')} ms   batches of 64 "
+            f"{mmm(batch[1:], '{:.0f}')} questions/s",
+            flush=True,
+        )
+    extra = proc_status_bytes("VmHWM") - before
+    print(f"  peak memory above the library: +{extra / gib:.2f} GiB (RSS before {before / gib:.2f} GiB)")
+
+    fixtures, root = real_fixtures(), Path(tempfile.mkdtemp(prefix="icl-select-bench-"))
+    vqa = fixtures.build_okvqa_fixture(root / "okvqa", image_size=(640, 480), train_images=pictures)
+    clip = str(fixtures.build_tiny_clip(root / "clip"))
+    times = []
+    for _ in range(2):  # embedded, then read back from its cache
+        t0 = time.perf_counter()
+        size = len(Library.from_vqa("okvqa", vqa, clip, device="cpu").items)
+        times.append(time.perf_counter() - t0)
+    print(
+        f"one-time embedding on the TINY random CLIP (32-px input, not a real CLIP's cost), {size} items on "
+        f"{pictures} 640x480 pictures: {times[0] / size * 1e3:.2f} ms per item; read back from the cache "
+        f"{times[1] / size * 1e3:.3f} ms per item"
+    )
 
 
 @torch.no_grad()
@@ -759,6 +825,8 @@ def main(args: Args) -> None:
         bench_grpo_epoch(args.repeats, shapes, args.reference_queries, args.grpo_epochs)
     if args.only in ("all", "sim"):
         bench_sim(args.repeats)
+    if args.only == "library":
+        bench_library(args.repeats, args.library_rows, args.library_pictures)
     if args.only == "pools":
         bench_pools(args.pool_rows, args.pool_queries, args.pool_samplers, args.repeats, args.pool_whole_rows)
     if args.only == "lvlm":

@@ -94,6 +94,7 @@ class Library:
     meta: dict | None = None  # the meta.json of the dataset folder it comes from
     folder: Path | None = None  # that folder (its train split is this library)
     image_ids: Tensor = field(init=False, repr=False)  # (N,)
+    sorted_image_ids: Tensor = field(init=False, repr=False)  # (N,) the same, ascending: a picture's questions count
 
     def __post_init__(self):
         n = len(self.items)
@@ -106,6 +107,7 @@ class Library:
                     "per item"
                 )
         self.image_ids = torch.tensor([it["image_id"] for it in self.items], dtype=torch.long)
+        self.sorted_image_ids = self.image_ids.sort().values
 
     @property
     def dim(self) -> int:
@@ -302,25 +304,32 @@ class Demonstrations:
         if meta is not None:
             if encoder is not None and encoder != meta["encoder"]:
                 raise ValueError(f"{run} was trained on embeddings of {meta['encoder']} ({data}), not of {encoder}")
-            encoder, revision = meta["encoder"], meta.get("encoder_revision")
+            encoder = meta["encoder"]
         elif library is None or encoder is None:
             raise ValueError(
                 f"{run}: {why}; name the library to pick from and the encoder the selector was trained with "
                 "(Demonstrations.from_run(..., library=..., encoder=...))"
             )
-        else:
+        here = None  # the encoder's revision on this machine, which embeds the queries (None: a folder, the simulator)
+        if encoder != "sim":
             from icl_select.lvlm import resolve_model
 
-            revision = resolve_model(encoder)[1] if encoder != "sim" else None
+            here = resolve_model(encoder)[1]
+        trained = meta.get("encoder_revision") if meta is not None else here
         if library is None:
             library = Library.from_dataset(data)
         elif not isinstance(library, Library):
             library = Library.from_dataset(library, encoder, device)
-        if (library.encoder, library.encoder_revision) != (encoder, revision):
+        if (library.encoder, library.encoder_revision) != (encoder, trained):
             raise ValueError(
                 f"{library.where} was embedded by {library.encoder} (revision {library.encoder_revision}), but {run} "
-                f"was trained on embeddings of {encoder} (revision {revision}); embed the library with that encoder "
+                f"was trained on embeddings of {encoder} (revision {trained}); embed the library with that encoder "
                 "(Library.from_dataset or Library.from_vqa with encoder=...)"
+            )
+        if here != trained:
+            raise ValueError(
+                f"{encoder} is at revision {here} here, but {run} was trained on its revision {trained}; "
+                f"`hf download {encoder} --revision {trained}` first"
             )
         settings = meta or library.meta or {}
         sampler, pool_size = sampler or settings.get("sampler"), pool_size or settings.get("pool_size")
@@ -329,16 +338,7 @@ class Demonstrations:
                 f"{run}: how its pools were built is recorded in its dataset folder, which is not here; name sampler= "
                 "and pool_size= (gen_rl_data.py's defaults are random and 64)"
             )
-        demos = cls(selector, library, sampler, pool_size, settings.get("seed", 0), meta, data, str(run), device)
-        if encoder != "sim":  # the queries are embedded by the encoder as it is now: the same weights as the library's
-            from icl_select.lvlm import resolve_model
-
-            if (now := resolve_model(encoder)[1]) != revision:
-                raise ValueError(
-                    f"{encoder} is at revision {now} here, but {library.where} was embedded at revision {revision}; "
-                    f"`hf download {encoder} --revision {revision}` first"
-                )
-        return demos
+        return cls(selector, library, sampler, pool_size, settings.get("seed", 0), meta, data, str(run), device)
 
     # -- picking -------------------------------------------------------------------------------------------------------
     def pick(self, image, question: str, k: int | None = None) -> list[Demo]:
@@ -425,7 +425,7 @@ class Demonstrations:
     @property
     def no_picture(self) -> int:
         """An image id that no library item has: a query's picture that is none of the library's."""
-        return int(self.library.image_ids.min()) - 1
+        return int(self.library.sorted_image_ids[0]) - 1
 
     def steps(self, k: int | None) -> int:
         picks = self.selector.cfg.picks
@@ -437,8 +437,7 @@ class Demonstrations:
     def pools(self, emb: dict[str, Tensor], image_ids: Tensor, keys: list[int], k: int) -> list[tuple[Tensor, Tensor]]:
         """Each query's pool (`pools.query_pools`), grouped by size: [(query indices (n,), library rows (n, K))]. A
         pool holds pool_size rows, or every row not on the query's picture where the library has fewer."""
-        lib_ids = self.library.image_ids
-        ordered = lib_ids.sort().values  # (N,)
+        lib_ids, ordered = self.library.image_ids, self.library.sorted_image_ids  # (N,) each
         on_picture = torch.searchsorted(ordered, image_ids, right=True) - torch.searchsorted(ordered, image_ids)  # (B,)
         size = (len(lib_ids) - on_picture).clamp(max=self.pool_size)  # (B,)
         if (size < k).any():
@@ -455,10 +454,8 @@ class Demonstrations:
             rows = (size == K).nonzero()[:, 0]  # (n,)
             none = torch.full((len(rows),), -1)  # no query is a library row
             if self.sampler == "random":  # each query's own generator: its pool does not depend on the batch
-                made = [
-                    pools.query_pools("random", K, views, image_ids, "query", rows[i : i + 1], none[:1], g)
-                    for i, g in enumerate(torch.Generator().manual_seed(keys[r]) for r in rows.tolist())
-                ]
+                one = [(torch.tensor([q]), torch.Generator().manual_seed(keys[q])) for q in rows.tolist()]
+                made = [pools.query_pools("random", K, views, image_ids, "query", q, none[:1], g) for q, g in one]
                 out.append((rows, torch.cat(made)))
             else:
                 g = torch.Generator()  # unused: similarity pools draw nothing

@@ -48,8 +48,8 @@ def random_run(small_data, tmp_path_factory):
 def image_run(tmp_path_factory):
     """An RCE run on a simulated dataset whose pools are the most image-similar train rows, evaluated."""
     root = tmp_path_factory.mktemp("lib-image")
-    generate(GenArgs(out=root / "data", num_train=600, num_val=100, num_queries=48, group_size=8, pool_size=24,
-                     sampler="image"))  # fmt: skip
+    small = dict(num_train=600, num_val=100, num_queries=48, group_size=8, pool_size=24)
+    generate(GenArgs(out=root / "data", sampler="image", **small))
     return (root / "data", *train_and_evaluate(root / "data", root / "rce", 100))
 
 
@@ -223,6 +223,8 @@ def test_refusals_on_the_simulator(random_run, small_data, tmp_path):
         Demonstrations.from_run(hub)
     with pytest.raises(ValueError, match=r"^\S+ is a simulator run: the simulated LVLM answers no real question$"):
         demos.lvlm()
+    with pytest.raises(ValueError, match=r"^\S+: a simulated dataset has no pictures for clip-x to embed$"):
+        Library.from_dataset(small_data, encoder="clip-x")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -234,8 +236,8 @@ def real_run(assets, tmp_path_factory):
     """An RCE run on tiny Qwen2.5-VL's scores of the OK-VQA-format fixture, pools by image similarity."""
     root = tmp_path_factory.mktemp("lib-real")
     generate(gen_args(assets, root / "data", sampler="image"))
-    rce.main(rce.Args(data=root / "data", out=root / "rce", hidden=32, num_heads=2, quality="all", epochs=1,
-                      batch_size=4, val_frac=0.25))  # fmt: skip
+    small = dict(hidden=32, num_heads=2, quality="all", epochs=1, batch_size=4, val_frac=0.25)
+    rce.main(rce.Args(data=root / "data", out=root / "rce", **small))
     return root / "data", root / "rce"
 
 
@@ -253,7 +255,7 @@ def clip_of(folder, image: Image.Image, question: str) -> dict[str, torch.Tensor
     return {"image": image_emb, "text": text_emb, "fused": F.normalize(image_emb + text_emb, dim=-1)}
 
 
-def test_a_picture_and_question_get_what_the_kit_would_pick(real_run, assets):
+def test_a_picture_and_question_get_what_the_kit_would_pick(real_run, assets, monkeypatch):
     """A validation picture (as a file or in memory) and its question: the picks of the query embedded by plain CLIP,
     its pool ranked by image similarity and decoded by the selector in the test, and pick_val's for that question."""
     data, run = real_run
@@ -273,6 +275,11 @@ def test_a_picture_and_question_get_what_the_kit_would_pick(real_run, assets):
     assert picked.item == ds.items["train"][picked.row] and picked.image.endswith(".jpg")
     with pytest.raises(ValueError, match=r"^query 1 has no picture: \S+ picks from a picture and its question$"):
         demos.pick_batch([(ds.items["val"][0]["image"], "What?"), (None, "What color is the shape?")])
+    with monkeypatch.context() as m:  # the encoder here is other weights than those the run's embeddings came from
+        m.setattr(lvlm, "resolve_model", lambda model, cache_dir=None: (assets["clip"], "0a1b2c"))
+        here = r"^\S+clip is at revision 0a1b2c here, but \S+rce was trained on its revision None; `hf download "
+        with pytest.raises(ValueError, match=here + r"\S+clip --revision None` first$"):
+            Demonstrations.from_run(run)
 
 
 def test_the_library_is_embedded_once_and_again_when_it_changes(assets, real_run, tmp_path, monkeypatch):
