@@ -1,11 +1,17 @@
-"""grpo.py --online --lvlm-budget: what the LVLM scores is counted independently here, around the backend itself."""
+"""grpo.py --online --lvlm-budget: what the LVLM scores is counted independently here, around the backend itself, in
+this process or, for `grpo.py --online --lvlm-budget N` with nothing else but the data and init, in each torchrun rank
+(tests/test_sharding.py's counting wrapper)."""
 
 import json
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
+from test_sharding import COUNTING, ROOT, torchrun
 
 import grpo
 from icl_select import runs
@@ -107,6 +113,46 @@ def test_budget_run_stops_within_budget_logs_calls_and_resumes_identically(
         assert (part / name).read_bytes() == (full / name).read_bytes(), name
 
 
+def grpo_alone(data, init, out, budget: int, warm: bool, ranks: int) -> list[int]:
+    """`grpo.py --online --lvlm-budget N` (and --no-warm-start where not `warm`) with nothing else but --data, --init
+    and --out, in one process or over two torchrun ranks -> the prompts each rank asked the simulator to score, counted
+    by test_sharding.py's wrapper around the backend."""
+    counts = out.with_name(f"{out.name}-counts")
+    counts.mkdir()
+    (counts / "counting.py").write_text(COUNTING)
+    flags = [f"--data={data}", f"--init={init}", f"--out={out}", "--online", f"--lvlm-budget={budget}"]
+    argv = [str(counts / "counting.py"), str(counts), *flags, *([] if warm else ["--no-warm-start"])]
+    if ranks == 2:
+        torchrun(*argv)
+    else:
+        env = {**os.environ, "RANK": "0", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        done = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    return [sum(map(int, (counts / f"count.{rank}").read_text().split())) for rank in range(ranks)]
+
+
+@pytest.mark.slow  # four grpo.py jobs, two of them over two torchrun ranks
+@pytest.mark.parametrize(("warm", "budget"), [(True, 760), (False, 600)])
+def test_the_budget_alone_stays_within_it_in_one_process_and_over_two_ranks(small_data, init, tmp_path, warm, budget):
+    """Every other flag at its default (batches of 32 queries x 16 sequences, validation on a tenth of the anchors):
+    the simulator is asked for at most N prompts in all, the run's own count agrees (no prompt scored twice, by one
+    rank or two), and two ranks write the one-process run's bytes. Each budget is spent nearly whole, its last step
+    cut to the calls left, so a run that overspends by a step's groups or a validation would pass N."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    asked = {
+        one: grpo_alone(small_data, init, one, budget, warm, 1),
+        two: grpo_alone(small_data, init, two, budget, warm, 2),
+    }
+    for out, per_rank in asked.items():
+        config, spent = json.loads((out / "config.json").read_text()), sum(per_rank)
+        assert min(per_rank) > 0 and spent <= budget and records(out)[-1]["lvlm/calls"] == spent, (out.name, per_rank)
+        assert ("warm_start" in config) == (out / "offline" / "model.safetensors").is_file() == warm
+        assert config["args"]["batch_size"] == 32 and config["args"]["group_size"] == 16
+        assert budget - spent < 2 * 16, (out.name, spent)  # under a group left, and validations the cache answered
+    for name in ("metrics.jsonl", "model.safetensors", *(["offline/model.safetensors"] if warm else [])):
+        assert (two / name).read_bytes() == (one / name).read_bytes(), name
+
+
 @pytest.mark.parametrize("killed", ["offline", "part"])
 def test_a_short_budget_trains_offline_grpo_first_counts_its_calls_and_resumes_identically(
     short, tmp_path, counted, monkeypatch, killed
@@ -135,8 +181,9 @@ def test_a_short_budget_trains_offline_grpo_first_counts_its_calls_and_resumes_i
         assert (part / name).read_bytes() == (full / name).read_bytes(), name
 
 
-def test_no_warm_start_plans_the_whole_budget_for_the_online_run(short, tmp_path):
+def test_no_warm_start_plans_the_whole_budget_for_the_online_run(short, tmp_path, counted):
     grpo.main(grpo.Args(out=tmp_path / "cold", warm_start=False, **short.args))
+    assert 0 < counted[0] <= short.args["lvlm_budget"] and records(tmp_path / "cold")[-1]["lvlm/calls"] == counted[0]
     warm, cold = (json.loads((d / "config.json").read_text()) for d in (short.full, tmp_path / "cold"))
     assert "warm_start" not in cold and not (tmp_path / "cold" / "offline").exists()
     assert cold["budget_plan"]["steps"] > warm["budget_plan"]["steps"]  # the warm start's calls were someone's steps
@@ -152,6 +199,7 @@ def test_budget_too_small_for_one_step_and_its_validations_is_refused(small_data
         grpo.main(grpo.Args(data=small_data, init=init, out=tmp_path / "w", lvlm_budget=300, **FAST))
     assert counted[0] == 0 and not (tmp_path / "w").exists()
     grpo.main(grpo.Args(data=small_data, init=init, out=tmp_path / "w", lvlm_budget=300, warm_start=False, **FAST))
+    assert 0 < counted[0] <= 300
     with pytest.raises(ValueError, match=r"--lvlm-budget.*--online.*\b5000$"):
         grpo.main(grpo.Args(data=small_data, init=init, out=tmp_path / "c", lvlm_budget=5000))
 
@@ -165,11 +213,19 @@ def test_budget_too_small_for_one_step_and_its_validations_is_refused(small_data
     natural=st.integers(1, 40),
 )
 @example(budget=2765, epochs=14, batch=1, group=21, val=1, natural=1)  # 130 steps fill 13 epochs of 10, not 14
+@example(budget=198, epochs=2, batch=8, group=6, val=48, natural=5)  # 2 epochs fit: steps of 48 and 6, 3 validations
+@example(budget=197, epochs=2, batch=8, group=6, val=48, natural=5)  # one call short of them
 def test_budget_plan_fits_its_worst_case_in_the_budget(budget, epochs, batch, group, val, natural):
     try:
         plan = grpo.budget_plan(budget, epochs, batch * group, val, group, natural)
     except ValueError as e:
         assert "too small" in str(e)
+        # Refused only where even the least run does not fit: `epochs` (or one) epochs of one step each, every step
+        # but the last at its most calls, the last one group, and every validation at its most. Without `epochs`,
+        # where one more epoch's validation costs more than a step, budget_plan refuses budgets that fit (see
+        # test_budget_plan_refuses_a_budget_that_fits_one_epoch): not checked there until it is mended.
+        least = ((epochs or 1) - 1) * batch * group + group + ((epochs or 1) + 1) * val
+        assert budget < least or (epochs is None and val > (natural - 1) * batch * group), least
         return
     assert 1 <= plan.epochs <= (epochs or plan.epochs) and plan.steps >= plan.epochs
     assert (plan.epochs - 1) * plan.steps_per_epoch < plan.steps <= plan.epochs * plan.steps_per_epoch
@@ -186,14 +242,25 @@ def test_budget_plan_fits_its_worst_case_in_the_budget(budget, epochs, batch, gr
     assert train - plan.steps * batch * group < group or epochs is None  # no whole step left unused
 
 
-def test_a_budget_that_affords_the_default_run_trains_its_very_bytes(small_data, init, tmp_path):
+@pytest.mark.xfail(strict=True, reason="budget_plan skips the one-epoch plan it needs here (reported; see above)")
+def test_budget_plan_refuses_a_budget_that_fits_one_epoch():
+    """Every training anchor in one batch (natural 1): 2 steps do not fit one epoch, and 2 epochs cannot pay for their
+    3 validations, so budget_plan refuses 14 calls as too small ("19 in all"), while one epoch of one step and its 2
+    validations take 2 + 2 * 5 = 12."""
+    plan = grpo.budget_plan(14, None, 2, 5, 2, 1)
+    assert (plan.epochs, plan.steps) == (1, 1)
+
+
+def test_a_budget_that_affords_the_default_run_trains_its_very_bytes(small_data, init, tmp_path, counted):
     """A budget that affords the run it plans only plans and counts: given enough for --epochs 2, it trains what
     --epochs 2 trains (no warm start: nothing is cut short), both returning their last epoch."""
     common = dict(data=small_data, init=init, select_epoch="last", **FAST)
     grpo.main(grpo.Args(out=tmp_path / "epochs", epochs=2, **common))
     steps, val_calls = 5, 12 * 4  # 36 training anchors in batches of 8; 12 validation anchors at 1..4 shots
     budget = 2 * steps * FAST["batch_size"] * FAST["group_size"] + 3 * val_calls
+    counted[0] = 0
     grpo.main(grpo.Args(out=tmp_path / "budget", lvlm_budget=budget, epochs=2, **common))
+    assert 0 < counted[0] <= budget
     config = json.loads((tmp_path / "budget" / "config.json").read_text())
     assert config["budget_plan"]["epochs"] == 2 and "warm_start" not in config
     for name in ("model.safetensors", "metrics.jsonl", "ckpt/epoch_002.safetensors"):
