@@ -80,7 +80,7 @@ class Demo:
 # The library
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: its fields hold tensors
 class Library:
     """Demonstrations to pick from: items and their embeddings, all (N, d) float32 rows in item order: "fused" (what
     the selector reads), "image" and "text" (what similarity samplers compare)."""
@@ -250,7 +250,7 @@ def stable_seed(*parts: bytes) -> int:
     return int.from_bytes(h.digest()[:8], "little") >> 1
 
 
-@dataclass
+@dataclass(eq=False)
 class Demonstrations:
     """A selector and the library it picks from, with the run's pool settings (`from_run` reads them)."""
 
