@@ -21,6 +21,7 @@ from icl_select.files import DataError
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = ("items.json", "embeddings.safetensors", "rl_data.jsonl", "eval_pools.json")
+SPARE = dict(num_train=300, num_val=40)  # a small simulator for runs of their own
 
 
 def test_folder_contents(small_data):
@@ -252,3 +253,43 @@ def test_bad_sim_set_is_one_line():
     err = cli.stderr.strip()
     assert cli.returncode == 2 and err.startswith("error: ") and "\n" not in err
     assert re.search(r"--sim-set\b.*\bgain_decay\b.*\b1\.5$", err)
+
+
+def test_infoscore_groups_are_lever_lms_beams_and_every_prompt_is_counted(tmp_path, monkeypatch):
+    """--groups infoscore: each anchor's group is what a plain beam search over the simulator finds (every beam grown
+    by every candidate placed first, the W with the highest P(y | c + S, x) - P(y | S, x) kept), and meta.json's
+    lvlm_calls is the number of prompts the simulator was asked about, counted here, not by the kit."""
+    asked = []
+    for name in ("score", "info_prob"):
+        real = getattr(gen_rl_data.SimBackend, name)
+
+        def counted(self, split, queries, icds, *a, real=real, **kw):
+            asked.append(len(queries))
+            return real(self, split, queries, icds, *a, **kw)
+
+        monkeypatch.setattr(gen_rl_data.SimBackend, name, counted)
+    out, W, S, K = tmp_path / "lever", 3, 2, 8
+    generate(Args(out=out, groups="infoscore", group_size=W, seq_len=S, pool_size=K, num_queries=6, **SPARE))
+    ds = load_dataset(out)
+    assert sum(asked) == ds.meta["lvlm_calls"] == 6 * (1 + K + W * (K - 1) + W + 1)
+    simulator = sim_from_meta(ds.meta)
+
+    def p(query: int, pool: list[int], seq: list[int]) -> float:  # one prompt at a time
+        rows = torch.tensor([[pool[c] for c in seq]], dtype=torch.long).view(1, len(seq))
+        return simulator.score("train", torch.tensor([query]), rows)["gt_prob"].item()
+
+    for i, (query, pool) in enumerate(zip(ds.groups.queries.tolist(), ds.groups.pools.tolist())):
+        beams = [[]]
+        for _ in range(S):
+            grown = [
+                ([c, *b], p(query, pool, [c, *b]) - p(query, pool, b)) for b in beams for c in range(K) if c not in b
+            ]
+            grown.sort(key=lambda x: -x[1])
+            beams = [seq for seq, _ in grown[:W]]
+        assert sorted(ds.groups.seqs[i].tolist()) == sorted(beams)
+        assert ds.groups.sources[i] == ["infoscore"] * W
+
+
+def test_sampled_data_counts_each_scored_sequence_and_zero_shot_prompt(small_data):
+    meta = load_dataset(small_data).meta
+    assert meta["groups"] == "sampled" and meta["lvlm_calls"] == SMALL["num_queries"] * (SMALL["group_size"] + 1)

@@ -405,3 +405,38 @@ def test_decoding_in_slices_picks_what_one_call_picks(seed, B, chunk):
     short = [s for s in sizes if s < model.MIN_SLICE]
     assert sum(sizes) == 2 * B and all(s < chunk + model.MIN_SLICE for s in sizes)
     assert not short or B < model.MIN_SLICE
+
+
+@given(batches())
+def test_without_state_update_the_picks_are_the_top_k_and_every_step_scores_alike(batch):
+    """A bi-encoder (no cross-attention, no state update): each step's distribution is the first one renormalised over
+    what is left, so greedy decoding is the top k of the first step's scores, in order."""
+    query, pool, pool_mask, seqs, seq_mask, seed = batch
+    S = seqs.shape[2]
+    model = make_model(seed, replace(CFG, num_layers=0, state_update=False))
+    dists = model(query, pool, pool_mask, seqs, seq_mask, with_dists=True).log_dist  # (B, G, S, K)
+    first = dists[:, :, 0]  # (B, G, K)
+    for t in range(1, S):
+        left = torch.isfinite(dists[:, :, t])  # (B, G, K)
+        again = first.masked_fill(~left, float("-inf")).log_softmax(-1)
+        live = seq_mask[..., None] & left
+        assert torch.allclose(dists[:, :, t][live], again[live], atol=1e-5)
+    picks, _ = model.greedy(query, pool, pool_mask, S)
+    top = first[:, 0].masked_fill(~pool_mask, float("-inf")).topk(S, -1).indices  # (B, S)
+    assert torch.equal(picks, top)
+    state = replace(CFG, num_layers=0)  # the same network with the state update: its later steps do move
+    moving = make_model(seed, state)(query, pool, pool_mask, seqs, seq_mask, with_dists=True).log_dist
+    choice = (torch.isfinite(dists).sum(-1) > 1) & seq_mask[..., None]  # (B, G, S) steps with a choice left
+    choice[:, :, 0] = False
+    if choice.any():
+        assert not torch.allclose(moving[choice].exp(), dists[choice].exp(), atol=1e-4)
+
+
+def test_model_json_reads_true_and_false_and_refuses_a_number_for_a_switch(tmp_path):
+    model = make_model(0, replace(CFG, state_update=False))
+    model.save(tmp_path)
+    assert load_selector(tmp_path).cfg.state_update is False
+    raw = json.loads((tmp_path / "model.json").read_text())
+    (tmp_path / "model.json").write_text(json.dumps(raw | {"state_update": 0}))
+    with pytest.raises(ValueError, match=r"^\S+model\.json: field 'state_update' must be true or false, got 0$"):
+        load_selector(tmp_path)

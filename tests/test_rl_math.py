@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from strategies import group_batches, rng, seeds
 
-from model import exact_kl, group_advantages, k3_kl, ppo_clip_loss, rce_weights, reward_spread
+from model import demo_credits, exact_kl, group_advantages, k3_kl, ppo_clip_loss, rce_weights, reward_spread
 
 SCALES = st.sampled_from(["group", "batch", "none"])
 
@@ -278,3 +278,31 @@ def test_rce_weights_tend_to_one_hot(batch):
 def test_rce_weights_reject_nonpositive_temperature():
     with pytest.raises(ValueError, match="temperature"):
         rce_weights(torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool), 0.0)
+
+
+# ---------------------------------------------------------------------------------------------- demo_credits
+@given(
+    seeds, st.integers(1, 4), st.integers(1, 6), st.integers(1, 3), st.integers(0, 4), st.sampled_from(["mean", "best"])
+)
+def test_demo_credits_by_a_loop_over_candidates(seed, B, G, S, spare, how):
+    """mean: a candidate's credit is the mean reward of the valid sequences holding it minus the group's mean; best:
+    1 for the demonstrations of the first best valid sequence; 0 for candidates in no valid sequence."""
+    g = rng(seed)
+    K = S + spare
+    seqs = torch.rand(B, G, K, generator=g).argsort(-1)[..., :S]  # distinct picks per sequence
+    mask = torch.rand(B, G, generator=g) < 0.7
+    mask[:, 0] = True
+    rewards = torch.randint(0, 4, (B, G), generator=g).double()  # coarse: ties happen
+    credit, seen = demo_credits(seqs.masked_fill(~mask[..., None], -1), mask, rewards, K, how)
+    for b in range(B):
+        valid = [j for j in range(G) if mask[b, j]]
+        mean = sum(rewards[b, j].item() for j in valid) / len(valid)
+        best = max(valid, key=lambda j: (rewards[b, j].item(), -j))
+        for c in range(K):
+            holding = [j for j in valid if c in seqs[b, j].tolist()]
+            assert bool(seen[b, c]) == bool(holding)
+            if how == "mean":
+                want = sum(rewards[b, j].item() for j in holding) / len(holding) - mean if holding else 0.0
+            else:
+                want = float(c in seqs[b, best].tolist())
+            assert credit[b, c].item() == pytest.approx(want, abs=1e-12)
