@@ -115,8 +115,9 @@ class Library:
 
     @functools.cached_property
     def picture_ids(self) -> dict[str, int]:
-        """Picture file (resolved) -> its image id, so that a query on one of the library's pictures is recognised."""
-        return {str(Path(it["image"]).resolve()): it["image_id"] for it in self.items if "image" in it}
+        """Picture file (absolute path) -> its image id, so that a query on one of the library's pictures is
+        recognised."""
+        return {os.path.abspath(it["image"]): it["image_id"] for it in self.items if "image" in it}
 
     @classmethod
     def from_dataset(cls, folder: str | Path, encoder: str | None = None, device: str = "auto") -> Library:
@@ -186,11 +187,8 @@ def library_digest(items: list[dict], pictures: dict[str, str], encoder: str, re
     so a moved library keeps its embeddings)."""
     h = hashlib.sha256(json.dumps([encoder, revision]).encode())
     for it in items:
-        h.update(
-            json.dumps(
-                [it["question_id"], it["image_id"], it["question"], it["answers"], pictures[it["image"]]]
-            ).encode()
-        )
+        made_of = [it["question_id"], it["image_id"], it["question"], it["answers"], pictures[it["image"]]]
+        h.update(json.dumps(made_of).encode())
     return h.hexdigest()[:16]
 
 
@@ -229,15 +227,14 @@ def run_data(config: dict, library) -> tuple[Path | None, str]:
     folder, digest = recorded.get("folder"), recorded.get("digest")
     if not folder or not digest:
         return None, "it does not name the dataset it was trained on (no config.json field 'data.folder')"
-    whole = [f for f in (library, folder) if isinstance(f, str | os.PathLike)]
-    for candidate in (Path(f) for f in whole):
-        if (
-            all((candidate / name).is_file() for name in ("meta.json", *DATA_FILES))
-            and data_digest(candidate) == digest
-        ):
-            return candidate, ""
-    if all((Path(folder) / name).is_file() for name in ("meta.json", *DATA_FILES)):
-        now = data_digest(Path(folder))
+    here = {
+        Path(f): data_digest(Path(f))
+        for f in (library, folder)
+        if isinstance(f, str | os.PathLike) and all((Path(f) / n).is_file() for n in ("meta.json", *DATA_FILES))
+    }
+    if found := [f for f, d in here.items() if d == digest]:
+        return found[0], ""
+    if (now := here.get(Path(folder))) is not None:
         return None, f"its dataset folder {folder} changed since training (digest {digest} in config.json, {now} now)"
     return None, f"its dataset folder {folder} (config.json field 'data.folder') is not here"
 
@@ -366,7 +363,7 @@ class Demonstrations:
             path, pixels = self.picture(image)
             items.append({"image": path, "question": question})
             keys.append(stable_seed(str(self.seed).encode(), pixels, question.encode()))
-            given = None if isinstance(image, Image.Image) else str(Path(image).resolve())
+            given = None if isinstance(image, Image.Image) else os.path.abspath(image)
             same_picture.append(self.library.picture_ids.get(given, self.no_picture))
         if not items:
             return []
@@ -387,7 +384,9 @@ class Demonstrations:
         n = fused.shape[0]
         for name, t in emb.items():
             if t.shape != (n, self.library.dim) or not torch.isfinite(t).all():
-                raise ValueError(f"query embeddings {name!r}: expected finite ({n}, {self.library.dim}), got {t.shape}")
+                raise ValueError(
+                    f"query embeddings {name!r}: expected finite ({n}, {self.library.dim}), got {tuple(t.shape)}"
+                )
         if missing := [v for v in VIEWS[self.sampler] if v not in emb]:
             raise ValueError(f"query embeddings: the {self.sampler} sampler needs {missing[0]!r} embeddings too")
         ids = torch.full((n,), self.no_picture) if image_ids is None else image_ids
@@ -402,22 +401,13 @@ class Demonstrations:
     def pick_val(self, rows: Sequence[int] | Tensor, k: int | None = None) -> list[list[Demo]]:
         """Demonstrations for validation questions of the run's own dataset, from their pools in eval_pools.json:
         exactly what evaluate.py picks for them (its k-shot prompt)."""
-        own = (
-            self.library.folder is not None
-            and self.data is not None
-            and self.library.folder.resolve() == self.data.resolve()
-        )
-        if not own or self.library.encoder != self.meta["encoder"]:
-            raise ValueError(
-                f"pick_val picks from the evaluation pools of {self.source}'s own dataset folder's train split"
-            )
+        if self.data is None or self.library.folder != self.data or self.library.encoder != self.meta["encoder"]:
+            raise ValueError(f"pick_val picks from the evaluation pools of {self.source}'s own dataset folder")
         if self.val is None:
             items = read_items(self.data / "items.json")
             emb = read_embeddings(self.data / "embeddings.safetensors", {s: len(v) for s, v in items.items()})
-            self.val = (
-                emb["val"],
-                read_eval_pools(self.data / "eval_pools.json", len(items["val"]), len(items["train"])),
-            )
+            val_pools = read_eval_pools(self.data / "eval_pools.json", len(items["val"]), len(items["train"]))
+            self.val = emb["val"], val_pools
         rows = torch.as_tensor(rows, dtype=torch.long)
         return self.decode(self.val[0], rows, self.val[1][rows], self.steps(k))
 

@@ -146,6 +146,8 @@ def test_a_library_smaller_than_the_pool(random_demos):
         )
         want = allowed[in_prompt_order(demos, picks)].tolist()
         assert rows(small.pick_embedded({"fused": query[None]}, image_ids=torch.tensor([image]))) == want
+    with pytest.raises(ValueError, match=r"^pick_val picks from the evaluation pools of \S+'s own dataset folder$"):
+        small.pick_val([0])  # its pools are rows of the run's train split, not of this library
     tiny = Demonstrations(
         demos.selector, Library(ds.items["train"][:3], {"fused": ds.emb["train"][:3]}, "sim"), "random", 24
     )
