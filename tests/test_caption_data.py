@@ -72,7 +72,7 @@ def write_karpathy(root: Path) -> Path:
                 "split": split,
                 "sentences": sentences,
                 "cocoid": image_id,
-            }  # fmt: skip
+            }
         )
     path = root / "dataset_coco.json"
     path.write_text(json.dumps({"images": records, "dataset": "coco"}))
@@ -147,12 +147,18 @@ def test_parquet_exports_read_as_the_official_files(tmp_path, monkeypatch, schem
             "cocoid": ids,
             "sentences": [[{"raw": c, "tokens": c.split()} for c in CAPTIONS[i]] for i in ids],
         }
-        features = {"image": datasets.Image(), "cocoid": datasets.Value("int64"),
-                    "sentences": [{"raw": string, "tokens": datasets.Sequence(string)}]}  # fmt: skip
+        features = {
+            "image": datasets.Image(),
+            "cocoid": datasets.Value("int64"),
+            "sentences": [{"raw": string, "tokens": datasets.Sequence(string)}],
+        }
     elif schema == "caption_per_row":
         pairs = [(i, c) for k in range(2) for i in ids for c in CAPTIONS[i][k : k + 1]]
-        rows = {"image": [image[ids.index(i)] for i, _ in pairs], "image_id": [i for i, _ in pairs],
-                "caption": [c for _, c in pairs]}  # fmt: skip
+        rows = {
+            "image": [image[ids.index(i)] for i, _ in pairs],
+            "image_id": [i for i, _ in pairs],
+            "caption": [c for _, c in pairs],
+        }
         features = {"image": datasets.Image(), "image_id": datasets.Value("int64"), "caption": string}
     else:
         rows = {
