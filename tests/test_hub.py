@@ -1,6 +1,7 @@
-"""PointerSelector on the Hugging Face Hub: from_pretrained of a run folder or a Hub id (offline, from a local cache),
-push_to_hub with the upload intercepted (no network): the kit's files and the run's config.json and metrics.jsonl
-byte for byte, and a model card with the run's accuracy table."""
+"""PointerSelector on the Hugging Face Hub: from_pretrained of a run folder or a Hub id (offline, from a local cache,
+at a revision), push_to_hub with the upload intercepted (no network): to the repository asked for, the kit's files and
+the run's config.json and metrics.jsonl byte for byte, and a model card with the run's accuracy table. What loads is
+compared with the selector that was saved, held in memory, not with another read of the same files."""
 
 import json
 import shutil
@@ -19,10 +20,15 @@ CFG = SelectorConfig(dim=12, hidden=16, num_layers=1, num_heads=2, picks=2)
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
+def selector(seed: int = 0) -> PointerSelector:
+    """The selector a run folder of `make_run` holds, built afresh (deterministic initialisation)."""
+    torch.manual_seed(seed)
+    return PointerSelector(CFG)
+
+
 def make_run(folder):
     """A run folder as rce.py and evaluate.py leave it: the selector, config.json, metrics.jsonl, eval/val.json."""
-    torch.manual_seed(0)
-    PointerSelector(CFG).save(folder)
+    selector().save(folder)
     config = {
         "args": {"epochs": 3, "lr": 1e-4, "data": "data/sim", "out": str(folder)},
         "argv": ["/home/me/icl-select/rce.py", "--data", "data/sim", "--out", "runs/my rce"],
@@ -40,19 +46,23 @@ def make_run(folder):
 
 
 def push(model, repo_id, monkeypatch):
-    """push_to_hub with HfApi's two calls intercepted: -> {file name: bytes} of the folder it would upload."""
-    uploaded = {}
+    """push_to_hub with HfApi's two calls intercepted: -> {file name: bytes} of the folder it would upload, once, to
+    `repo_id` (the repository created and the one uploaded to)."""
+    uploaded, created, targets = {}, [], []
 
     def create_repo(self, repo_id, **kwargs):
+        created.append(repo_id)
         return type("RepoUrl", (), {"repo_id": repo_id})()
 
     def upload_folder(self, *, repo_id, folder_path, **kwargs):
+        targets.append(repo_id)
         uploaded.update({p.name: p.read_bytes() for p in folder_path.iterdir()})
         return f"https://huggingface.co/{repo_id}/commit/{COMMIT}"
 
     monkeypatch.setattr(HfApi, "create_repo", create_repo)
     monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
     assert model.push_to_hub(repo_id).endswith(COMMIT)
+    assert created == targets == [repo_id], (created, targets)
     return uploaded
 
 
@@ -62,10 +72,22 @@ def assert_same_selector(a: PointerSelector, b: PointerSelector):
         assert k == k2 and torch.equal(x, y)
 
 
-def test_a_run_folder_loads_as_load_selector_loads_it(tmp_path):
+def cache_snapshot(cache, repo: str, commit: str, files: dict[str, bytes], *refs: str):
+    """`files` laid out as huggingface_hub caches a download of `repo` at `commit`, which each of `refs` points at."""
+    folder = cache / f"models--{repo.replace('/', '--')}"
+    (folder / "snapshots" / commit).mkdir(parents=True)
+    (folder / "refs").mkdir(exist_ok=True)
+    for ref in refs:
+        (folder / "refs" / ref).write_text(commit)
+    for name, data in files.items():
+        (folder / "snapshots" / commit / name).write_bytes(data)
+    return folder / "snapshots" / commit
+
+
+def test_a_run_folder_loads_the_selector_it_holds(tmp_path):
     run = make_run(tmp_path / "rce")
     model = PointerSelector.from_pretrained(run)
-    assert_same_selector(model, load_selector(run))
+    assert_same_selector(model, selector())
     assert model.cfg == CFG and not model.training
     assert model.run_files == {name: (run / name).read_bytes() for name in ("config.json", "metrics.jsonl")}
     assert model.run_eval["summary"]["4"] == pytest.approx({"1": 65.0, "2": 57.5})
@@ -93,25 +115,41 @@ def test_a_hub_id_loads_offline_from_the_cache(tmp_path, monkeypatch):
     """What a push uploads, laid out as huggingface_hub caches a download, loads with no network."""
     run = make_run(tmp_path / "rce")
     files = push(PointerSelector.from_pretrained(run), "me/selector", monkeypatch)
-    repo = tmp_path / "cache" / "models--me--selector"
-    (repo / "snapshots" / COMMIT).mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(COMMIT)
-    for name, data in files.items():
-        (repo / "snapshots" / COMMIT / name).write_bytes(data)
+    snapshot = cache_snapshot(tmp_path / "cache", "me/selector", COMMIT, files, "main")
     offline = dict(cache_dir=tmp_path / "cache", local_files_only=True)
     model = PointerSelector.from_pretrained("me/selector", **offline)
-    assert_same_selector(model, load_selector(run))
+    assert_same_selector(model, selector())
     assert model.run_files == {name: files[name] for name in ("config.json", "metrics.jsonl")}
     # the downloaded folder is the run's to compare.py (its flags and history travelled), not an unfinished run
-    assert read_run(repo / "snapshots" / COMMIT, "val").kind() == "RCE, 3 epochs"
+    assert read_run(snapshot, "val").kind() == "RCE, 3 epochs"
     assert model.run_eval is None  # no evaluation travels: pushed again, its card says how to make one
     again = push(model, "you/selector", monkeypatch)
-    assert again["model.safetensors"] == files["model.safetensors"] and again["config.json"] == files["config.json"]
+    assert sorted(again) == sorted(files)
+    for name in ("model.safetensors", "model.json", "config.json", "metrics.jsonl"):
+        assert again[name] == files[name], name
     assert "## Accuracy" not in again["README.md"].decode() and "you/selector" in again["README.md"].decode()
     with pytest.raises(FileNotFoundError, match=r"^me/other: no such run folder, nor a selector on the Hub \(") as e:
         PointerSelector.from_pretrained("me/other", **offline)
     assert "\n" not in str(e.value)
+
+
+def test_a_revision_loads_that_snapshot(tmp_path, monkeypatch):
+    """revision= picks the snapshot: a commit hash or a branch; none is main."""
+    files = push(PointerSelector.from_pretrained(make_run(tmp_path / "rce")), "me/selector", monkeypatch)
+    later = tmp_path / "later"
+    shutil.copytree(tmp_path / "rce", later)
+    selector(1).save(later)  # the same run trained on: other weights
+    other = {name: (later / name).read_bytes() for name in files if name != "README.md"}
+    commit = "fedcba9876543210fedcba9876543210fedcba98"
+    cache_snapshot(tmp_path / "cache", "me/selector", COMMIT, files, "main")
+    cache_snapshot(tmp_path / "cache", "me/selector", commit, other, "v2")
+    offline = dict(cache_dir=tmp_path / "cache", local_files_only=True)
+    assert_same_selector(PointerSelector.from_pretrained("me/selector", **offline), selector(0))
+    for revision in (commit, "v2"):
+        assert_same_selector(PointerSelector.from_pretrained("me/selector", revision=revision, **offline), selector(1))
+    assert_same_selector(PointerSelector.from_pretrained("me/selector", revision=COMMIT, **offline), selector(0))
+    with pytest.raises(FileNotFoundError, match=r"^me/selector: no such run folder, nor a selector on the Hub \("):
+        PointerSelector.from_pretrained("me/selector", revision="v3", **offline)
 
 
 def test_an_evaluation_of_other_weights_stays_off_the_card(tmp_path, monkeypatch, capsys):
