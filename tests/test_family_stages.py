@@ -1,7 +1,8 @@
 """Every model family through every stage, its LVLM at one prompt per forward pass and at four.
 
 For each family's tiny checkpoint (tests/real_fixtures.py) on the OK-VQA-format folder with mixed picture shapes:
-gen_rl_data.py, evaluate.py with every baseline and an RCE selector trained on that data, and one online GRPO step.
+gen_rl_data.py (sampled groups, and InfoScore beams), evaluate.py with every baseline and an RCE selector and a
+retriever trained on that data, and one online GRPO step.
 Each LVLM-bound stage runs with --lvlm-batch-size 1 and 4 and must write the same answers and accuracies, and the same
 gt_prob within float32 rounding: a left-padded batch is a different computation only in its rounding.
 
@@ -32,7 +33,8 @@ from icl_select.data import SEQ_FIELDS, load_dataset
 pytestmark = pytest.mark.filterwarnings("ignore:invalid escape sequence:DeprecationWarning")  # llava-v1.6's template
 
 BATCHES = (1, 4)
-BASELINES = ("zero-shot", "random", "image-sim", "text-sim")
+BASELINES = ("zero-shot", "random", "image-sim", "text-sim", "mmices", "mmr", "coreset")
+RUNS = ("rce", "retriever", *BASELINES)
 RTOL = 1e-4  # gt_prob, float32
 TRAIN = dict(epochs=1, val_frac=0.25)
 # 8 anchors, 6 of them for training: a batch of 8 is one GRPO step.
@@ -65,13 +67,18 @@ def stages(model: Path, okvqa: Path, clip: Path, root: Path) -> None:
     for b in BATCHES:
         gen = dict(lvlm=str(model), dataset="okvqa", data_root=okvqa, encoder=str(clip), skip_self_check=b == 1)
         generate(Args(out=root / f"data-b{b}", lvlm_batch_size=b, **gen, **GEN))
+    infoscore = dict(groups="infoscore", num_queries=2, pool_size=4, group_size=2, seq_len=2)
+    generate(Args(out=root / "data-infoscore", **gen | {"skip_self_check": True}, **infoscore))
     data = root / f"data-b{BATCHES[-1]}"
     # a random LVLM's rewards tie whole groups: quality "all" keeps them
-    rce.main(rce.Args(data=data, out=root / "rce", hidden=32, num_heads=2, batch_size=4, quality="all", **TRAIN))
+    small = dict(hidden=32, num_heads=2, batch_size=4, quality="all", **TRAIN)
+    rce.main(rce.Args(data=data, out=root / "rce", **small))
+    rce.main(rce.Args(data=data, out=root / "retriever", retriever=True, **small))
     for b in BATCHES:
         lvlm_args = dict(data=data, lvlm_batch_size=b, skip_self_check=True)
-        shutil.copytree(root / "rce", root / f"b{b}" / "rce")  # evaluate.py writes into the run folder
-        evaluate.main(evaluate.Args(runs=[root / f"b{b}" / "rce"], **lvlm_args, **EVAL))
+        for run in ("rce", "retriever"):
+            shutil.copytree(root / run, root / f"b{b}" / run)  # evaluate.py writes into the run folder
+        evaluate.main(evaluate.Args(runs=[root / f"b{b}" / r for r in ("rce", "retriever")], **lvlm_args, **EVAL))
         for name in BASELINES:
             evaluate.main(evaluate.Args(baseline=name, out=root / f"b{b}" / name, **lvlm_args, **EVAL))
         online = dict(online=True, group_size=2, batch_size=8, val_lvlm=True, val_max_queries=2, **TRAIN)
@@ -106,7 +113,11 @@ def test_every_stage_batched_equals_one_prompt_at_a_time(
     assert len({s["prediction"] for line in rl_data[0] for s in line["seqs"]}) > 2  # the answers say something
     assert_same_scores(*rl_data, "rl_data.jsonl")
 
-    for run in ("rce", *BASELINES):
+    lever = load_dataset(tmp_path / "data-infoscore")  # Lever-LM's beams, asked of this family
+    assert lever.meta["lvlm_calls"] == 2 * (1 + 4 + 2 * 3 + 2 + 1) and {tuple(s) for s in lever.groups.sources} == {
+        ("infoscore", "infoscore")
+    }
+    for run in RUNS:
         a, b = (json.loads((top / run / "eval" / "val.json").read_text()) for top in (one, four))
         assert a["results"] == b["results"] and a["summary"] == b["summary"], run
         assert len(a["results"]) == len(ds.items["val"]) * len(EVAL["shots"]), run

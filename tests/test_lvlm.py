@@ -353,6 +353,29 @@ def test_gt_prob_single_answer_is_product_of_answer_token_probs(backend, items):
     assert backend.gt_prob(batch)[1].item() == pytest.approx(expected, rel=1e-4)
 
 
+def test_info_prob_is_the_geometric_mean_of_the_most_common_answers_tokens(backend, items):
+    """InfoScore's P(y | ICDs, x), Lever-LM's: exp of the mean log-probability of the reply tokens of the query's most
+    common answer (its stop token included), from one plain forward pass per prompt; with 0 and 1 demonstrations, and
+    for three prompts of 2 demonstrations each asked together (one left-padded batch)."""
+    tok = backend.tokenizer
+
+    def by_hand(q: int, icds: list[int]) -> float:
+        query, demos = items["val"][q], [items["train"][j] for j in icds]
+        y = Counter(query["answers"]).most_common(1)[0][0]
+        tokens = len(tok(y, add_special_tokens=False)["input_ids"]) + 1  # + <|im_end|>
+        return reply_prob_by_hand(backend, query, demos, y) ** (1 / tokens)
+
+    for q, icds in ((0, []), (1, [3])):
+        got = backend.info_prob("val", torch.tensor([q]), torch.tensor([icds], dtype=torch.long).view(1, len(icds)))
+        assert got.item() == pytest.approx(by_hand(q, icds), rel=1e-4)
+    shots = [[4, 5], [6, 0], [1, 7]]
+    want = [by_hand(q, icds) for q, icds in zip((0, 1, 2), shots)]
+    assert backend.info_prob("val", torch.tensor([0, 1, 2]), torch.tensor(shots)).tolist() == pytest.approx(
+        want, rel=1e-4
+    )
+    assert 0 < min(want) < max(want) < 1
+
+
 def test_gt_prob_weights_distinct_answers_by_vqa_credit(backend, items):
     # Single-character answers are single byte-level tokens, so their probabilities under the random model are of
     # similar size and a wrong weight or grouping changes the sum visibly. "X" normalises to "x": one answer given 4
