@@ -40,8 +40,8 @@ references of all evaluated images in one call, the candidates in another.
 
 Known departures from the Java tokenizer: a caption holding a line break other than "\\n" (\\r, U+2028, U+2029, U+000B,
 U+000C, U+0085) makes Java emit an extra line, which shifts every later caption of the call onto the wrong image in
-pycocoevalcap; here those characters separate words and the captions stay aligned. Java lower-cases a Greek capital
-sigma after a hyphen to the final form (ς), Python to σ.
+pycocoevalcap; here those characters separate words and the captions stay aligned. A capital sigma between digits or
+punctuation and letters (e.g. "ß-1Σ") may lower-case to the other form of σ/ς than Java's word-break rules give.
 """
 
 from __future__ import annotations
@@ -451,13 +451,19 @@ _RULES_SRC = [
     ([(_NEWLINE, None)], _skip),
     ([(_ci("&nbsp;"), None)], _skip),
 ]
-_RULES = [
-    ([re.compile(main if trail is None else f"(?:{main})(?=(?P<t>{trail}))") for main, trail in alts], action)
-    for alts, action in _RULES_SRC
-]
-# A run of ASCII letters before white space or the end is one word token for every rule of the lexer (no rule that
-# could match longer crosses white space after letters alone), except the words it splits: the common case, fast.
-_PLAIN_WORD = re.compile(f"[A-Za-z]+(?={_SPACENL}|$)")
+# One regex tries every alternative at a position in a single call: each sits in an optional lookahead whose groups
+# record its match (m<i>) and trailing context (t<i>), so the longest can be picked as JFlex does.
+_ALTERNATIVES = [(main, trail, action) for alts, action in _RULES_SRC for main, trail in alts]
+_ALL_RULES = re.compile(
+    "".join(
+        f"(?:(?=(?P<m{i}>{main}){'' if trail is None else f'(?=(?P<t{i}>{trail}))'})|)"
+        for i, (main, trail, _) in enumerate(_ALTERNATIVES)
+    )
+)
+# The common cases, fast: white space is skipped (no rule that starts with it matches longer), and a run of ASCII
+# letters before white space or the end is one word token for every rule (none that could match longer crosses white
+# space after letters alone), except the words the lexer splits.
+_PLAIN_WORD = re.compile(f"(?P<space>{_SPACE}+|{_NEWLINE})|[A-Za-z]+(?={_SPACENL}|$)")
 _SPLIT_WORDS = {"cannot", "gonna", "gotta", "lemme", "gimme", "wanna"}
 # pycocoevalcap drops these tokens after tokenizing (the bracket names upper-case, so the lower-cased ones stay).
 PUNCTUATIONS = {
@@ -487,17 +493,18 @@ def _lex(text: str) -> list[tuple[int, str]]:
     while pos < end:
         m = _PLAIN_WORD.match(text, pos)
         if m and m.group().lower() not in _SPLIT_WORDS:
-            out.append((pos, m.group()))
+            if m.group("space") is None:
+                out.append((pos, m.group()))
             pos = m.end()
             continue
-        best_total, best = 0, None
-        for alternatives, action in _RULES:
-            for rx in alternatives:
-                m = rx.match(text, pos)
-                if m is not None:
-                    total = m.end() - pos + (len(m.group("t")) if rx.groupindex else 0)
-                    if total > best_total:
-                        best_total, best = total, (m.group(), action)
+        groups = _ALL_RULES.match(text, pos).groups()  # (m0, t0?, m1, ...) in _ALTERNATIVES order
+        best_total, best, g = 0, None, 0
+        for _, trail, action in _ALTERNATIVES:
+            matched, context = groups[g], "" if trail is None else groups[g + 1]
+            g += 1 if trail is None else 2
+            # the longest match, trailing context included, wins; the earlier rule on a tie
+            if matched is not None and len(matched) + len(context) > best_total:
+                best_total, best = len(matched) + len(context), (matched, action)
         if best is None:  # untokenizable: the Java lexer deletes the character
             pos += 1
             continue
@@ -508,6 +515,24 @@ def _lex(text: str) -> list[tuple[int, str]]:
     return out
 
 
+def _cased(c: str) -> bool:
+    return c.islower() or c.isupper() or c.istitle()
+
+
+def _java_lower(token: str) -> str:
+    """Java's toLowerCase, near enough: a capital sigma becomes final (ς) when a cased letter comes anywhere before it
+    in the token and none after (Python's lower() looks only at its neighbours; Java uses its word-break rules, which
+    this follows except around digits and punctuation, e.g. "ß-1Σ"); the rest as Python's."""
+    if "\u03a3" not in token:
+        return token.lower()
+    return "".join(
+        ("\u03c2" if any(map(_cased, token[:i])) and not any(map(_cased, token[i + 1 :])) else "\u03c3")
+        if c == "\u03a3"
+        else c.lower()
+        for i, c in enumerate(token)
+    )
+
+
 def ptb_tokenize(captions: Sequence[str]) -> list[str]:
     """Each caption as pycocoevalcap's PTBTokenizer returns it: tokens lower-cased, punctuation dropped, joined by
     single spaces. Pass the captions of one pycocoevalcap call together (its tokenizer reads them as the lines of one
@@ -516,7 +541,7 @@ def ptb_tokenize(captions: Sequence[str]) -> list[str]:
     starts = np.cumsum([0] + [len(line) + 1 for line in lines])
     tokens: list[list[str]] = [[] for _ in lines]
     for pos, token in _lex("\n".join(lines)):
-        token = token.lower()
+        token = _java_lower(token)
         if token not in PUNCTUATIONS:
             tokens[int(np.searchsorted(starts, pos, side="right")) - 1].append(token)
     return [" ".join(t) for t in tokens]
