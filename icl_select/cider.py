@@ -235,7 +235,7 @@ def _soft(t: str):  # soft hyphens are line-breaking hints: removed, and a token
     return t.replace("\u00ad", "") or "-", len(t)
 
 
-def _push(k: int):
+def _push(k: int):  # the lexer pushes the last k characters back to be read again and returns the rest
     return lambda t: (t[:-k], len(t) - k)
 
 
@@ -465,26 +465,9 @@ _ALL_RULES = re.compile(
 # space after letters alone), except the words the lexer splits.
 _PLAIN_WORD = re.compile(f"(?P<space>{_SPACE}+|{_NEWLINE})|[A-Za-z]+(?={_SPACENL}|$)")
 _SPLIT_WORDS = {"cannot", "gonna", "gotta", "lemme", "gimme", "wanna"}
-# pycocoevalcap drops these tokens after tokenizing (the bracket names upper-case, so the lower-cased ones stay).
-PUNCTUATIONS = {
-    "''",
-    "'",
-    "``",
-    "`",
-    "-LRB-",
-    "-RRB-",
-    "-LCB-",
-    "-RCB-",
-    ".",
-    "?",
-    "!",
-    ",",
-    ":",
-    "-",
-    "--",
-    "...",
-    ";",
-}
+# pycocoevalcap drops these tokens after tokenizing.
+_BRACKETS_LISTED = ("-LRB-", "-RRB-", "-LCB-", "-RCB-")  # upper-case in the filter, so the lower-cased tokens stay
+PUNCTUATIONS = {"''", "'", "``", "`", *_BRACKETS_LISTED, ".", "?", "!", ",", ":", "-", "--", "...", ";"}
 
 
 def _lex(text: str) -> list[tuple[int, str]]:
