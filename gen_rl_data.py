@@ -419,9 +419,9 @@ def score_queries(
     sources: list[list[str]] | None,
     rank: int,
     world: int,
-) -> None:
+) -> float:
     """Score the anchors `todo` (indices into anchors) chunk by chunk, appending one line per query to `path`; groups
-    None: each chunk's InfoScore beams are searched first."""
+    None: each chunk's InfoScore beams are searched first. Returns the sequences scored a second."""
     chunk = args.chunk or (64 if is_sim(args) else 4)
     G, S = args.group_size, args.seq_len
     desc = f"scoring (rank {rank})" if world > 1 else "scoring"
@@ -449,6 +449,7 @@ def score_queries(
             bar.update(len(idx))
             bar.set_postfix(seq_per_s=f"{scored / (time.perf_counter() - start):.1f}", refresh=False)
     bar.close()
+    return scored / (time.perf_counter() - start)
 
 
 def generate(args: Args) -> None:
@@ -531,8 +532,9 @@ def build_folder(args: Args, rank: int, world: int) -> None:
     path = out / ("rl_data.jsonl" if world == 1 else f"rl_data.rank{rank}.jsonl")
     done = scored_queries(out)
     todo = [i for i in sharding.share(len(anchors), rank, world) if int(anchors[i]) not in done]
+    rate = None
     if todo:
-        score_queries(args, src.backend, path, todo, anchors, anchor_pools, groups, sources, rank, world)
+        rate = score_queries(args, src.backend, path, todo, anchors, anchor_pools, groups, sources, rank, world)
 
     sharding.barrier(world)
     if rank == 0:
@@ -547,6 +549,8 @@ def build_folder(args: Args, rank: int, world: int) -> None:
         if not meta["complete"]:
             meta.update(complete=True, counts={"train": n_train, "val": n_val, "anchors": len(anchors)})
             meta["lvlm_calls"] = data_calls(meta)
+            if rate is not None and not is_sim(args):  # this process's LVLM sequences a second, readable after the run
+                meta["lvlm_seq_per_s"] = round(rate, 3)
             if is_sim(args):
                 sim = src.backend.sim
                 meta["calibration"] = calibrate(
