@@ -182,9 +182,9 @@ def score_all(
     todo: list[int],
     path: Path,
     header: dict,
-) -> None:
+) -> tuple[int, float]:
     """Score the questions `todo` at every shot, appending one line per question to this rank's partial file
-    (which starts with `header`, the settings)."""
+    (which starts with `header`, the settings). Returns the LVLM sequences asked and the seconds they took."""
     # the first shot count with the same picks (zero-shot's none at every count): each distinct prompt is asked once
     first = [next(t for t in range(s + 1) if torch.equal(icds_per_shot[t], x)) for s, x in enumerate(icds_per_shot)]
     bar = tqdm(total=len(todo), desc=desc, unit="question", dynamic_ncols=True)
@@ -213,6 +213,7 @@ def score_all(
             bar.set_postfix(seq_per_s=f"{asked / (time.perf_counter() - start):.1f}", refresh=False)
             bar.update(len(idx))
     bar.close()
+    return asked, time.perf_counter() - start
 
 
 def partial_path(target: Path, seed: int, rank: int | str) -> Path:
@@ -349,6 +350,7 @@ def evaluate_job(args: Args, ds: Dataset, digest: str, backend, job: Job, header
     if rank == 0 and job.selector is not None and job.selector.is_dir():
         print(f"{job.selector}: {run_status(job.selector)}", flush=True)
     target.parent.mkdir(parents=True, exist_ok=True)
+    asked, seconds = 0, 0.0  # this process's LVLM sequences and the seconds they took
     for seed in seeds:
         if model is not None:
             picks = greedy_icds(model, ds, split, rows, pool, k)
@@ -362,7 +364,8 @@ def evaluate_job(args: Args, ds: Dataset, digest: str, backend, job: Job, header
         path = partial_path(target, seed, rank)
         todo = [i for i in sharding.share(n, rank, world) if i not in done]
         bar = f"{job.desc} seed {seed}" if len(seeds) > 1 else job.desc
-        score_all(backend, split, rows, icds, args.batch_size, bar, todo, path, h)
+        n_asked, took = score_all(backend, split, rows, icds, args.batch_size, bar, todo, path, h)
+        asked, seconds = asked + n_asked, seconds + took
     sharding.barrier(world)
     if rank != 0:
         return None
@@ -387,6 +390,7 @@ def evaluate_job(args: Args, ds: Dataset, digest: str, backend, job: Job, header
         "backend_info": backend.describe(),
         "self_check": getattr(backend, "check", None),  # the real backend against plain transformers, before the run
         "lvlm_calls": job.lvlm_calls,  # what it cost to build the selector: data, validation and online scoring
+        **({"lvlm_seq_per_s": round(asked / seconds, 3)} if asked and not ds.is_sim else {}),  # rank 0's speed
         **{k: v for k, v in header.items() if k not in ("data", "lvlm")},
         "num_samples": sorted(args.num_samples),
         "results": results,
