@@ -603,8 +603,11 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
                 rate = f" seq_per_s={(lvlm.calls - calls) / (time.perf_counter() - start):.1f}" if args.online else ""
                 bar.set_postfix_str(log_line(metrics, SHOWN) + rate, refresh=False)  # drawn at the bar's next redraw
             bar.close()
+            per_s = (lvlm.calls - calls) / (time.perf_counter() - start) if args.online else None  # before validation
 
             record = epoch_record(epoch, loop, means.result(), lr.policy, ds, split, backend, cap, lvlm, ref_greedy)
+            if per_s is not None and not ds.is_sim:  # the epoch's LVLM sequences a second, readable after the run
+                record["lvlm/seq_per_s"] = round(per_s, 3)
             if warnings := warnings_for(record, S):
                 record["warnings"] = warnings
             # epoch 0 is no candidate: see validation.selection_metric
