@@ -3,13 +3,13 @@ included) learn from what a real LVLM would give them, the dataset folder and th
 nothing else.
 
 Every part of `sim.Simulator` that holds or reads the planted truth is guarded: the latents and the answer tables
-(instance state), the answer model (helpfulness, the logit, the features and reply behind `score`), the oracle and its
-search, and the probes behind the observable ceiling (they read the latents to fit; evaluation only). A guarded part may
-be read only while a simulator is being built, or inside `Simulator.score` called by a method of
-`backends.SimBackend`, the scoring path (behind the score cache, the one the budget counts). Anything else, such as
+(instance state), and every method and cached property but OPEN, which read only what the dataset folder holds (so a
+method added later is guarded too): the answer model (helpfulness, the logit, the features and reply behind `score`),
+the oracle and its search, and the probes behind the observable ceiling (they read the latents to fit; evaluation
+only). A guarded part may be read only while a simulator is being built, or inside `Simulator.score` called by a method
+of `backends.SimBackend`, the scoring path (behind the score cache, the one the budget counts). Anything else, such as
 grpo.py reading `sim.latents` or calling `sim.oracle`, or scoring through the simulator behind the backend's back,
-fails the test. Not guarded: `cfg` (meta.json records it), `emb` and `items` (the dataset folder's embeddings and
-items.json).
+fails the test. Not guarded: `cfg` (meta.json records it), `emb` and `items` (the folder's embeddings and items.json).
 """
 
 from __future__ import annotations
@@ -29,18 +29,14 @@ from icl_select.backends import SimBackend, sim_from_meta
 from icl_select.data import read_meta
 
 STATE = ("latents", "_acc", "_rel", "_predictions")  # instance attributes set by __init__
-CACHED = ("probes", "_answers")  # functools.cached_property
-METHODS = (
-    "helpfulness",
-    "expected_helpfulness",
-    "logit",
-    "oracle",
-    "_search",
-    "_features",
-    "_effect",
-    "_reply",
-    "_query",
-)
+OPEN = ("position_weights", "redundancy", "_pair_penalty")  # of cfg and the train embeddings alone
+# Every other method and cached property, whatever its name (__init__ and score open the guard instead).
+METHODS = [
+    name
+    for name, f in vars(sim.Simulator).items()
+    if inspect.isfunction(f) and not name.startswith("__") and name not in (*OPEN, "score")
+]
+CACHED = [name for name, f in vars(sim.Simulator).items() if isinstance(f, functools.cached_property)]
 FAST = dict(batch_size=8, val_frac=0.25)
 
 
@@ -125,18 +121,15 @@ def test_the_guard_stops_every_read_but_the_scoring_path(small_data, guard):
     s = backend.sim
     reads = [
         lambda: s.score("train", queries, icds),
-        *(lambda name=name: getattr(s, name) for name in (*STATE, *CACHED)),
-        lambda: s.helpfulness("train", queries, icds),
-        lambda: s.expected_helpfulness("train", queries, icds),
-        lambda: s.logit("train", queries, icds),
         lambda: s.oracle("train", queries, icds, 1),
-        lambda: s._features("train", queries, icds),
-        lambda: s._query("train", queries),
+        *(lambda name=name: getattr(s, name) for name in (*STATE, *CACHED)),
+        *(lambda name=name: getattr(s, name)() for name in METHODS),  # refused before its arguments are looked at
     ]
     for read in reads:
         with pytest.raises(AssertionError, match=r"^Simulator\.\w+ read outside scoring"):
             read()
     assert len(guard.reads) == len(reads) and guard.scored == 2
+    assert {"helpfulness", "logit", "oracle", "_features", "_reply"} <= set(METHODS) and "probes" in CACHED
 
 
 def test_training_reads_nothing_of_the_simulator_but_its_scores(small_data, tmp_path, guard):
