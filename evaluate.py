@@ -28,17 +28,18 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Literal
 
 import torch
+import torch.nn.functional as F
 import tyro
 from torch import Tensor
 from tqdm import tqdm
 
 from icl_select import pools, sharding
-from icl_select.backends import LVLMRun, check_lvlm_run, open_backend
+from icl_select.backends import LVLMRun, by_length, check_lvlm_run, open_backend
 from icl_select.cli import CpuArgs, default_is, help_first, run_cli
 from icl_select.data import DEFAULT_DATA, Dataset, data_digest, load_dataset
 from icl_select.files import DataError, atomic_write_text, full_disk_names, read_json, sha256
@@ -57,7 +58,7 @@ from icl_select.runs import (
 from icl_select.tables import accuracy_table
 from icl_select.validation import greedy_icds
 from icl_select.vqa_data import check_images
-from model import PointerSelector
+from model import PointerSelector, reverse_picks
 
 Baseline = Literal["zero-shot", "random", "image-sim", "text-sim", "mmices", "mmr", "coreset", "oracle", "observable"]
 # Baselines that rank demonstrations by relevance to the query: the most relevant goes next to it (RICES' order).
@@ -139,9 +140,10 @@ def questions(ds: Dataset, split: str, n: int) -> tuple[Tensor, Tensor, list[dic
 
 
 def baseline_icds(
-    args: Args, ds: Dataset, backend, split: str, rows: Tensor, pool: Tensor, k: int, seed: int
+    args: Args, ds: Dataset, backend, split: str, rows: Tensor, pool: Tensor, k: int, seed: int, upto: bool = False
 ) -> list[Tensor]:
-    """ICDs per shot (list over shots of (n, shot) train rows, selection order) for a baseline."""
+    """ICDs per shot (list over shots of (n, shot) train rows, selection order, -1 after the last of fewer) for a
+    baseline; `upto`: a ceiling's best of 0..shot demonstrations."""
     shots = args.shots
     if args.baseline == "zero-shot":
         return [pool[:, :0] for _ in shots]
@@ -150,7 +152,19 @@ def baseline_icds(
             raise ValueError(f"--baseline {args.baseline} needs the simulator (it searches the known answer model)")
         # searched per shot count (the best 2 ICDs need not be a prefix of the best 4), already in prompt order; the
         # simulator rebuilt from meta.json searches its own world (a beam search where it is not additive)
-        return [backend.sim.oracle(split, rows, pool, s, observable=args.baseline == "observable") for s in shots]
+        observable = args.baseline == "observable"
+        lengths = range(k + 1) if upto else shots
+        best = {j: backend.sim.oracle(split, rows, pool, j, observable=observable) for j in lengths}  # (n, j) each
+        if not upto:
+            return [best[s] for s in shots]
+        # the best of 0..shot: by the search's own value of each length's best sequence (fewer on a tie)
+        value = torch.stack([backend.sim.oracle_value(split, rows, best[j], observable) for j in lengths])  # (k+1, n)
+        out = []
+        for s in shots:
+            j = value[: s + 1].argmax(0)  # (n,) the first maximum: the fewest demonstrations
+            padded = torch.stack([F.pad(best[i], (0, s - i), value=-1) for i in range(s + 1)])  # (s+1, n, s)
+            out.append(padded[j, torch.arange(len(rows))])  # (n, s)
+        return out
     if args.baseline == "random":
         g = torch.Generator().manual_seed(seed)
         order = pools.random_sequences(pool >= 0, 1, k, g)[:, 0]  # (n, k)
@@ -195,14 +209,13 @@ def score_all(
             per_shot = []
             for s, icds in enumerate(icds_per_shot):
                 reuse = first[s] < s
-                per_shot.append(
-                    per_shot[first[s]] if reuse else backend.score(split, rows[idx], icds[idx], gt_prob=False)
-                )
+                ask = by_length(backend.score, split, rows[idx], icds[idx], gt_prob=False) if not reuse else None
+                per_shot.append(per_shot[first[s]] if reuse else ask)
                 asked += 0 if reuse else len(idx)
             for j, i in enumerate(idx.tolist()):
                 shots = [
                     {
-                        "icds": icds[i].tolist(),
+                        "icds": [c for c in icds[i].tolist() if c >= 0],  # a selector that stopped: fewer
                         "prediction": res["prediction"][j],
                         "score": round(float(res["acc"][j]), 6),
                     }
@@ -287,6 +300,7 @@ class Job:
     epoch: int | None = None
     sha256: str | None = None
     lvlm_calls: int | None = 0  # LVLM prompts that built it (runs.lvlm_spent): 0 for a training-free baseline
+    upto: bool = False  # up to k demonstrations: a selector that can stop, or a ceiling's best of 0..k
 
 
 def plan(args: Args, ds: Dataset) -> list[Job]:
@@ -295,8 +309,12 @@ def plan(args: Args, ds: Dataset) -> list[Job]:
         out = args.out or Path("runs") / f"baseline-{args.baseline}"
         if out.exists() and (out / "model.safetensors").exists():
             raise ValueError(f"{out} holds a trained selector; choose another --out for the baseline")
-        calls = None if args.baseline in ("oracle", "observable") else 0  # the ceilings read the hidden truth
-        return [Job(out / "eval" / f"{args.split}.json", None, None, args.baseline, lvlm_calls=calls)]
+        ceiling = args.baseline in ("oracle", "observable")
+        calls = None if ceiling else 0  # the ceilings read the hidden truth
+        jobs = [Job(out / "eval" / f"{args.split}.json", None, None, args.baseline, lvlm_calls=calls)]
+        if ceiling:  # and may choose fewer than k: the best of 0..k
+            jobs.append(replace(jobs[0], target=out / "eval" / f"{args.split}-upto.json", upto=True))
+        return jobs
     jobs = []
     for run in args.runs:
         # the epoch model.safetensors holds, as the run's last epoch record says (None without one)
@@ -305,6 +323,9 @@ def plan(args: Args, ds: Dataset) -> list[Job]:
         weights = run / "model.safetensors"
         target, model, calls = run / "eval" / f"{args.split}.json", load_selector(run), lvlm_total(lvlm_spent(run))
         jobs.append(Job(target, run, model, str(run), selected, sha256(weights), calls))
+        if model.cfg.can_stop:  # its own choice of how many, beside exactly k
+            upto = run / "eval" / f"{args.split}-upto.json"
+            jobs.append(replace(jobs[-1], target=upto, desc=f"{run} (up to k)", upto=True))
         for e in args.epochs:
             ckpt = run / "ckpt" / f"epoch_{e:03d}.safetensors"
             target = run / "eval" / f"{args.split}-epoch{e:03d}.json"
@@ -327,6 +348,7 @@ def job_header(args: Args, ds: Dataset, job: Job, lvlm: str) -> dict:
         "selector_epoch": job.epoch,
         "selector_sha256": job.sha256,
         "baseline": args.baseline,
+        "upto": job.upto,
         "baseline_settings": {"mmices": {"prefilter": args.prefilter}, "mmr": {"lambda": args.mmr_lambda}}.get(
             args.baseline
         ),
@@ -352,13 +374,13 @@ def evaluate_job(args: Args, ds: Dataset, digest: str, backend, job: Job, header
     target.parent.mkdir(parents=True, exist_ok=True)
     asked, seconds = 0, 0.0  # this process's LVLM sequences and the seconds they took
     for seed in seeds:
-        if model is not None:
-            picks = greedy_icds(model, ds, split, rows, pool, k)
+        if model is not None:  # "up to k": a selector that can stop may use fewer; else exactly k
+            picks = greedy_icds(model, ds, split, rows, pool, k, stop=job.upto)
             icds = [picks[:, :s] for s in args.shots]
         else:
-            icds = baseline_icds(args, ds, backend, split, rows, pool, k, seed)
+            icds = baseline_icds(args, ds, backend, split, rows, pool, k, seed, job.upto)
         if order == "reversed":
-            icds = [x.flip(1) for x in icds]
+            icds = [reverse_picks(x) for x in icds]
         h = {**header, "seed": seed}
         done = read_partials(target, seed, h)
         path = partial_path(target, seed, rank)
@@ -395,6 +417,7 @@ def evaluate_job(args: Args, ds: Dataset, digest: str, backend, job: Job, header
         "num_samples": sorted(args.num_samples),
         "results": results,
         "summary": summarise(results, args.shots, args.num_samples),
+        "demonstrations": demonstrations_used(results, args.shots, args.num_samples),
     }
     atomic_write_text(target, json.dumps(doc) + "\n")
     for seed in seeds:
@@ -407,6 +430,13 @@ def summarise(results: list[dict], shots: list[int], num_samples: list[int]) -> 
     """{"n": {"shot": 100 * mean score over the first n questions}}."""
     by_shot = {s: [r["score"] for r in results if r["shot"] == s] for s in shots}
     return {str(n): {str(s): round(100 * sum(v[:n]) / n, 4) for s, v in by_shot.items()} for n in sorted(num_samples)}
+
+
+def demonstrations_used(results: list[dict], shots: list[int], num_samples: list[int]) -> dict:
+    """{"n": {"shot": mean demonstrations in the prompts of the first n questions}}: the shot count itself, unless a
+    selector may stop (up to k) or the ceiling takes the best of 0..k."""
+    used = {s: [len((r.get("per_seed") or [r])[0]["icds"]) for r in results if r["shot"] == s] for s in shots}
+    return {str(n): {str(s): round(sum(v[:n]) / n, 4) for s, v in used.items()} for n in sorted(num_samples)}
 
 
 def reroot_images(ds: Dataset, root: Path) -> None:

@@ -43,7 +43,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from icl_select import pools, sharding
-from icl_select.backends import LVLMOptions, SimBackend, check_lvlm_run, lvlm_backend
+from icl_select.backends import LVLMOptions, SimBackend, by_length, check_lvlm_run, lvlm_backend
 from icl_select.cli import CpuArgs, default_is, help_first, run_cli
 from icl_select.data import (
     DEFAULT_DATA,
@@ -83,6 +83,9 @@ class Args(RewardArgs, LVLMOptions, CpuArgs):
     """Distinct scored sequences per anchor query (G)."""
     seq_len: int = 4
     """Demonstrations per sequence (S), i.e. the largest shot count."""
+    min_shots: Annotated[int | None, default_is("--seq-len")] = None
+    """Fewest demonstrations in a sampled sequence: random ones get lengths from here to S, 0 adds the zero-shot prompt
+    to every group (data for a selector that may stop, rce.py --can-stop)."""
     sampler: Literal["random", "image", "text", "mix"] = "random"
     """How pools are built: random, most image-similar, most text-similar, or half of each."""
     groups: Literal["sampled", "infoscore"] = "sampled"
@@ -141,6 +144,10 @@ def rng(seed: int, stream: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + stream)
 
 
+def min_shots(args: Args) -> int:
+    return args.seq_len if args.min_shots is None else args.min_shots
+
+
 def make_sim(args: Args) -> Simulator:
     try:
         overrides = parse_settings(args.sim_set)
@@ -172,6 +179,8 @@ def check_args(args: Args) -> None:
             f"--group-size {args.group_size} cannot be drawn: a pool of {args.pool_size} holds only "
             f"{math.perm(args.pool_size, args.seq_len)} distinct sequences of {args.seq_len}"
         )
+    if not 0 <= min_shots(args) <= args.seq_len or (args.groups == "infoscore" and min_shots(args) != args.seq_len):
+        raise ValueError(f"--min-shots must be in 0..{args.seq_len} (sampled groups only), got {args.min_shots}")
     if args.init_beams < 1 or args.init_samples < 0:
         raise ValueError(
             f"--init-beams must be >= 1 and --init-samples >= 0, got {args.init_beams}, {args.init_samples}"
@@ -256,6 +265,7 @@ def settings(args: Args, src: Source) -> dict:
         "pool_size": args.pool_size,
         "group_size": args.group_size,
         "seq_len": args.seq_len,
+        "min_shots": min_shots(args),
         "seed": args.seed,
         "num_queries": args.num_queries,
         "init": init,
@@ -306,7 +316,7 @@ def anchor_groups(
         prefix, prefix_sources = init_candidates(args, train, anchors, anchor_pools)
     ranking = pools.pool_ranking(train[anchors], train, anchor_pools)  # (Q, K)
     groups, sources = pools.candidate_groups(
-        ranking, args.group_size, args.seq_len, rng(args.seed, 3), prefix, prefix_sources
+        ranking, args.group_size, args.seq_len, rng(args.seed, 3), prefix, prefix_sources, min_shots(args)
     )
     return anchor_pools, groups, sources
 
@@ -402,6 +412,7 @@ def merge_shards(out: Path, anchors: Tensor, done: dict[int, dict]) -> None:
 
 
 def seq_record(icds: list[int], source: str, res: dict, i: int) -> dict:
+    icds = [c for c in icds if c >= 0]
     # gt_prob unrounded: log-space rewards need every probability, however small (acc and rel are coarse anyway)
     scores = {k: int(res[k][i]) if k == "correct" else round(float(res[k][i]), 6) for k in SEQ_FIELDS}
     scores["gt_prob"] = float(res["gt_prob"][i])
@@ -435,8 +446,9 @@ def score_queries(
                 origin = [["infoscore"] * G] * len(idx)
             else:
                 seqs, origin = groups[idx], [sources[i] for i in idx.tolist()]
-            icds = anchor_pools[idx].gather(1, seqs.flatten(1)).view(-1, S)  # (C*G, S) train rows
-            res = backend.score("train", anchors[idx].repeat_interleave(G), icds)
+            at = seqs.flatten(1)  # (C, G*S) pool positions, -1 after the last of a shorter sequence
+            icds = anchor_pools[idx].gather(1, at.clamp_min(0)).where(at >= 0, -1).view(-1, S)  # (C*G, S) train rows
+            res = by_length(backend.score, "train", anchors[idx].repeat_interleave(G), icds)
             no_icds = torch.zeros(len(idx), 0, dtype=torch.long)  # (C, 0)
             zero_shot = backend.score("train", anchors[idx], no_icds)["gt_prob"]  # (C,)
             for j, i in enumerate(idx.tolist()):
@@ -573,6 +585,9 @@ def calibration_table(cal: dict, seq_len: int) -> str:
     names = (("random", "random"), ("similar", "most similar"), ("oracle", "oracle"), ("observable", "observable"))
     for name, label in names:
         rows.append(f"| {label} | " + " | ".join(f"{cal[f'{name}_{k}']:.2f}" for k in range(1, seq_len + 1)) + " |")
+    for name in ("oracle", "observable"):  # the best of 0..k (in brackets: the demonstrations it uses on average)
+        cells = [f"{cal[f'{name}_upto_{k}']:.2f} ({cal[f'{name}_shots_{k}']:.2f})" for k in range(1, seq_len + 1)]
+        rows.append(f"| {name}, up to k (shots used) | " + " | ".join(cells) + " |")
     rows.append(
         f"\nzero-shot: {cal['zero_shot']:.2f}; anchors whose sequences differ in reward: "
         f"{100 * cal['varying_reward_frac']:.1f}%"

@@ -283,7 +283,7 @@ def reference_dists(ref: PointerSelector, ds: Dataset, split: Split, batch_size:
 
     They are computed in fixed `slices` of the training queries, so a resumed run recomputes the very same bits."""
     g = ds.groups
-    out = torch.zeros(len(g), g.seqs.shape[1], ds.seq_len, g.pools.shape[1])  # (Q, G, S, K)
+    out = torch.zeros(len(g), g.seqs.shape[1], ds.seq_len, g.pools.shape[1] + ref.cfg.can_stop)  # (Q, G, S, K [+ 1])
     for part in slices(len(split.train), batch_size):
         idx = split.train[part]
         b = make_batch(ds, idx, split.reward, ref.cfg)
@@ -302,8 +302,8 @@ def sample_and_score(
     cand, _ = policy.sample(query, pool_emb, pool_mask, S, 2 * G, gen, args.temperature)  # (B, 2G, S)
     order, ok = first_distinct(cand, G)  # (B, G) the first G distinct of 2G samples
     seqs = cand.gather(1, order[..., None].expand(-1, -1, S)).masked_fill(~ok[..., None], -1)  # (B, G, S)
-    prompt = policy.cfg.to_prompt(seqs.clamp_min(0))  # (B, G, S)
-    icds = pool.gather(1, prompt.flatten(1)).view(-1, S)  # (B*G, S) train rows, prompt order
+    prompt = policy.cfg.to_prompt(seqs).flatten(1)  # (B, G*S) -1 after a stop and in padded sequences
+    icds = pool.gather(1, prompt.clamp_min(0)).where(prompt >= 0, -1).view(-1, S)  # (B*G, S) train rows, prompt order
     flat = ok.flatten()  # (B*G,) a padded sequence is never scored: its reward is 0 anyway
     scored = scorer.score("train", rows.repeat_interleave(G)[flat], icds[flat])
     fields = {k: v.new_zeros(len(flat)).masked_scatter(flat, v).view(len(rows), G) for k, v in scored.items()}
@@ -377,8 +377,7 @@ def update(lr: Learner, b: Batch, adv: Tensor, t: Batch, t_adv: Tensor, sampled,
     """--num-iterations PPO-clipped updates with beta * exact KL to the reference, on the groups `t` (the batch `b`,
     then any replayed groups, `sampled` their sampling log-probs) against the policy as it was before them; then the
     adaptive beta, if asked for. Returns the step's metrics and the log-probs the batch was sampled with, (B, G)."""
-    S, m, tm = b.seqs.shape[-1], b.seq_mask, t.seq_mask  # (B, G), (B', G)
-    step_mask = tm[..., None].expand(-1, -1, S)  # (B', G, S)
+    m, tm = b.seq_mask, t.seq_mask  # (B, G), (B', G)
     temp = args.temperature if args.online else 1.0
     beta = loop["state"]["beta"]
     old, extra = None, {}
@@ -388,7 +387,7 @@ def update(lr: Learner, b: Batch, adv: Tensor, t: Batch, t_adv: Tensor, sampled,
         if old is None:  # a replayed group's ratio is to the policy that sampled it
             old = logp.detach() if sampled is None else replay_old(logp, sampled)
         ppo, st = ppo_clip_loss(logp, old, t_adv, tm, args.epsilon, args.epsilon_high)
-        kl = exact_kl(cur.log_dist, ref_dist, step_mask)[tm].mean()
+        kl = exact_kl(cur.log_dist, ref_dist, cur.taken)[tm].mean()  # over each step taken, a stop included
         loss = ppo + beta * kl
         lr.opt.zero_grad(set_to_none=True)
         if last:  # once per epoch, where the policy has left the reference
@@ -414,7 +413,7 @@ def update(lr: Learner, b: Batch, adv: Tensor, t: Batch, t_adv: Tensor, sampled,
         "grpo/clip_frac_low": float(st["clip_frac_low"]),
         "grpo/clip_frac_high": float(st["clip_frac_high"]),
         "grpo/ratio_mean": float(st["ratio_mean"]),
-        "grpo/entropy": cur.entropy[step_mask].mean().item(),
+        "grpo/entropy": cur.entropy[cur.taken].mean().item(),
         "train/grad_norm": norm,
         "grpo/beta": beta,
         "grpo/reward_mean": r.mean().item(),

@@ -59,6 +59,8 @@ class SelectorConfig:
     state_update: bool = True
     """Whether a pick moves the query state (the gated update); off, every step scores the pool against the query
     alone, so greedy decoding is the top k by score: a bi-encoder retriever (rce.py --retriever)."""
+    can_stop: bool = False
+    """Whether it may end a sequence before its last pick (a stop choice at every step, none picked included)."""
     pick_order: PickOrder = "nearest_first"
     """How picks become a prompt: nearest_first (first pick next to the query) or prompt (Lever-Plus)."""
     # Decoders return picks in pick order; to_prompt / from_prompt convert wherever picks meet scored data or the LVLM.
@@ -76,12 +78,21 @@ class SelectorConfig:
             )
 
     def to_prompt(self, picks: Tensor) -> Tensor:
-        """Picks (..., S) in pick order -> the same demonstrations in prompt order (the query comes after the last)."""
-        return picks.flip(-1) if self.pick_order == "nearest_first" else picks
+        """Picks (..., S) in pick order, -1 after a stop -> the same demonstrations in prompt order (the query comes
+        after the last), -1 still at the end."""
+        return reverse_picks(picks) if self.pick_order == "nearest_first" else picks
 
     def from_prompt(self, seqs: Tensor) -> Tensor:
         """Sequences (..., S) in prompt order (as scored data stores them) -> pick order; the inverse of to_prompt."""
         return self.to_prompt(seqs)  # a reversal is its own inverse
+
+
+def reverse_picks(seqs: Tensor) -> Tensor:
+    """Each sequence's demonstrations (..., S) in reverse order, the -1 after the last of a shorter one left at the
+    end (a reversal of the whole row would move them to the front)."""
+    n = (seqs >= 0).sum(-1, keepdim=True)  # (..., 1) demonstrations in each sequence
+    t = torch.arange(seqs.shape[-1], device=seqs.device)  # (S,)
+    return seqs.gather(-1, (n - 1 - t).where(t < n, t))
 
 
 def selector_config(raw: object, where: str) -> SelectorConfig:
@@ -127,11 +138,12 @@ def load_state_strict(model: PointerSelector, tensors: dict[str, Tensor], source
 
 
 class Steps(NamedTuple):
-    """Teacher-forced outputs of `PointerSelector.forward` (entries of masked sequences are 0)."""
+    """Teacher-forced outputs of `PointerSelector.forward` (entries of masked sequences and steps are 0)."""
 
-    logp: Tensor  # (B, G, S) log-probability of each step's pick
+    logp: Tensor  # (B, G, S) log-probability of each step's choice (a pick, or the stop)
     entropy: Tensor  # (B, G, S) entropy of each step's distribution
-    log_dist: Tensor | None  # (B, G, S, K) full per-step log-distribution (-inf on unavailable), if asked
+    log_dist: Tensor | None  # (B, G, S, K [+ 1]) per-step log-distribution (-inf on unavailable; stop last), if asked
+    taken: Tensor  # (B, G, S) bool: the steps a sequence took (its picks, and its stop if it stopped early)
 
 
 class CrossAttention(nn.Module):
@@ -219,6 +231,9 @@ class PointerSelector(
         self.query_proj = _near_identity(cfg.hidden)
         self.cand_proj = _near_identity(cfg.hidden)
         self.gate = nn.Linear(2 * cfg.hidden, cfg.hidden)
+        if cfg.can_stop:  # stopping scores cos(state, stop_key) + stop_bias[t], like a candidate's cosine
+            self.stop_key = nn.Parameter(torch.randn(cfg.hidden) / cfg.hidden**0.5)
+            self.stop_bias = nn.Parameter(torch.zeros(cfg.picks))
         self.items: ItemMemory | None = None  # remember_items, or a loaded selector that has one
 
     def remember_items(self, train: Tensor) -> None:
@@ -247,16 +262,20 @@ class PointerSelector(
         return s, keys, None if self.items is None else self.items(pool)
 
     def step_log_dist(
-        self, s: Tensor, keys: Tensor, prior: Tensor | None, avail: Tensor, temperature: float = 1.0
+        self, s: Tensor, keys: Tensor, prior: Tensor | None, avail: Tensor, temperature: float = 1.0, t: int = 0
     ) -> Tensor:
         """State (B, M, H), keys (B, K, H), remembered scores (B, K) or None, available (B, M, K) -> log-distribution
-        (B, M, K); -inf = unavailable. A remembered score adds to the cosine, before the temperature.
+        (B, M, K); -inf = unavailable. A remembered score adds to the cosine, before the temperature. A selector that
+        can stop takes avail (B, M, K + 1) and gives (B, M, K + 1): the last column stops after `t` picks.
 
         `temperature` scales the configured one (sampling at temperature T is the policy at temperature T)."""
         scores = torch.einsum("bmh,bkh->bmk", s, keys)  # (B, M, K)
         if prior is not None:
             scores = scores + prior[:, None, :]
-        scores = scores / (self.cfg.temperature * temperature)  # (B, M, K)
+        if self.cfg.can_stop:
+            stop = s @ F.normalize(self.stop_key, dim=0) + self.stop_bias[min(t, len(self.stop_bias) - 1)]  # (B, M)
+            scores = torch.cat([scores, stop[..., None]], -1)  # (B, M, K + 1)
+        scores = scores / (self.cfg.temperature * temperature)
         return scores.masked_fill(~avail, float("-inf")).log_softmax(-1)
 
     def advance(self, s: Tensor, keys: Tensor, pick: Tensor) -> Tensor:
@@ -283,32 +302,41 @@ class PointerSelector(
 
         query (B, d), pool (B, K, d), pool_mask (B, K) bool, seqs (B, G, S) long pool positions, seq_mask (B, G) bool.
         Masked sequences may hold anything (e.g. -1 padding); their outputs are exactly 0. `temperature` gives the
-        distributions of `sample(..., temperature)`, whose samples online GRPO scores.
+        distributions of `sample(..., temperature)`, whose samples online GRPO scores. A selector that can stop reads
+        a sequence's -1 after its last pick as its stop: the step after its last pick chooses the stop (column K of
+        the distributions), and the steps after that are not taken.
         """
         check_shapes(query, pool, pool_mask, seqs, seq_mask)
         B, G, S = seqs.shape
+        K, stops = pool.shape[1], self.cfg.can_stop
         # Masked sequences get a harmless stand-in (the first S valid candidates) so no garbage index is touched.
         filler = pool_mask.float().argsort(dim=-1, descending=True, stable=True)[:, :S]  # (B, S)
         seqs = torch.where(seq_mask[..., None], seqs, filler[:, None, :])  # (B, G, S)
+        t = torch.arange(S, device=seqs.device)  # (S,)
+        n = (seqs >= 0).sum(-1, keepdim=True) if stops else torch.full_like(seqs[..., :1], S)  # (B, G, 1) picks
+        taken = seq_mask[..., None] & (t <= n)  # (B, G, S) the picks, and the stop of a sequence that stopped
+        act = seqs.where(t < n, K)  # (B, G, S) each step's choice: a pick, or the stop (K)
         s, keys, prior = self.encode(query, pool, pool_mask)
         s = s[:, None, :].expand(B, G, -1)  # (B, G, H): one encoding shared by the whole group
         avail = pool_mask[:, None, :].expand(B, G, -1).clone()  # (B, G, K)
+        can = torch.ones_like(avail[..., :1])  # (B, G, 1) stopping is open at every step
         logps, ents, dists = [], [], []
-        for t in range(S):
-            log_dist = self.step_log_dist(s, keys, prior, avail, temperature)  # (B, G, K)
-            pick = seqs[:, :, t]  # (B, G)
-            logps.append(log_dist.gather(-1, pick[..., None])[..., 0])
-            ents.append(_entropy(log_dist, avail))
+        for step in range(S):
+            a = torch.cat([avail, can], -1) if stops else avail  # (B, G, K [+ 1])
+            log_dist = self.step_log_dist(s, keys, prior, a, temperature, step)
+            choice = act[:, :, step]  # (B, G)
+            logps.append(log_dist.gather(-1, choice[..., None])[..., 0])
+            ents.append(_entropy(log_dist, a))
             if with_dists:
                 dists.append(log_dist)
+            pick = choice.clamp(max=K - 1)  # a stopped sequence's later steps are not taken: any pick will do
             avail = avail.scatter(-1, pick[..., None], False)
-            if t + 1 < S:
+            if step + 1 < S:
                 s = self.advance(s, keys, pick)
-        m = seq_mask[..., None]  # (B, G, 1)
-        logp = torch.stack(logps, -1).where(m, 0.0)  # (B, G, S)
-        entropy = torch.stack(ents, -1).where(m, 0.0)  # (B, G, S)
-        log_dist = torch.stack(dists, 2).where(m[..., None], 0.0) if with_dists else None  # (B, G, S, K)
-        return Steps(logp, entropy, log_dist)
+        logp = torch.stack(logps, -1).where(taken, 0.0)  # (B, G, S)
+        entropy = torch.stack(ents, -1).where(taken, 0.0)  # (B, G, S)
+        log_dist = torch.stack(dists, 2).where(taken[..., None], 0.0) if with_dists else None  # (B, G, S, K [+ 1])
+        return Steps(logp, entropy, log_dist, taken)
 
     def log_probs(self, query: Tensor, pool: Tensor, pool_mask: Tensor, seqs: Tensor, seq_mask: Tensor) -> Tensor:
         """(B, G, S) teacher-forced per-step log-probabilities (0 for masked sequences)."""
@@ -316,10 +344,13 @@ class PointerSelector(
 
     # -- decoding ------------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def greedy(self, query: Tensor, pool: Tensor, pool_mask: Tensor, steps: int) -> tuple[Tensor, Tensor]:
-        """Argmax decoding: -> picks (B, S) and their summed log-prob (B,)."""
+    def greedy(
+        self, query: Tensor, pool: Tensor, pool_mask: Tensor, steps: int, stop: bool | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Argmax decoding: -> picks (B, S) and their summed log-prob (B,). `stop` (default: whether the selector can)
+        lets it end before `steps` picks, -1 after its last; stop=False fills all `steps`."""
         check_shapes(query, pool, pool_mask)
-        seqs, logp = in_chunks(lambda *b: self._decode(*b, steps, 1, argmax), query, pool, pool_mask)
+        seqs, logp = in_chunks(lambda *b: self._decode(*b, steps, 1, argmax, stop), query, pool, pool_mask)
         return seqs[:, 0], logp[:, 0]
 
     @torch.no_grad()
@@ -332,8 +363,10 @@ class PointerSelector(
         num_samples: int,
         generator: torch.Generator | None = None,
         temperature: float = 1.0,
+        stop: bool | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """Ancestral sampling at `temperature`: -> picks (B, N, S) and their log-prob under the policy (B, N).
+        """Ancestral sampling at `temperature`: -> picks (B, N, S) and their log-prob under the policy (B, N); `stop`
+        as in `greedy`.
 
         Samples are independent, so they may repeat; callers that need distinct sequences deduplicate.
         """
@@ -341,24 +374,37 @@ class PointerSelector(
             raise ValueError(f"sample: temperature must be > 0, got {temperature}")
         check_shapes(query, pool, pool_mask)
 
-        def draw(log_dist: Tensor) -> Tensor:  # (B, N, K) -> (B, N)
-            probs = (log_dist / temperature).softmax(-1).flatten(0, 1)  # (B*N, K)
+        def draw(log_dist: Tensor) -> Tensor:  # (B, N, A) -> (B, N)
+            probs = (log_dist / temperature).softmax(-1).flatten(0, 1)  # (B*N, A)
             return torch.multinomial(probs, 1, generator=generator).view(log_dist.shape[:2])
 
-        return self._decode(query, pool, pool_mask, steps, num_samples, draw)
+        return self._decode(query, pool, pool_mask, steps, num_samples, draw, stop)
 
-    def _decode(self, query, pool, pool_mask, steps: int, num: int, choose: Callable[[Tensor], Tensor]):
-        """`num` sequences per query, each step's pick chosen by `choose(log_dist (B, N, K)) -> (B, N)`."""
-        B = query.shape[0]
+    def choices(self, avail: Tensor, done: Tensor, stop: bool | None) -> Tensor:
+        """What a decoding step may choose: the candidates left (B, N, K), and for a selector that can stop the stop
+        column too, open where `stop` (default: always) or where the sequence is done (B, N) -- its only choice then,
+        at log-probability 0, so a finished sequence stays finished and its score stays as it was."""
+        if not self.cfg.can_stop:
+            return avail
+        open_ = done | (True if stop is None else stop)  # (B, N)
+        return torch.cat([avail & ~done[..., None], open_[..., None]], -1)  # (B, N, K + 1)
+
+    def _decode(self, query, pool, pool_mask, steps: int, num: int, choose: Callable[[Tensor], Tensor], stop=None):
+        """`num` sequences per query, each step's choice made by `choose(log_dist (B, N, A)) -> (B, N)` (A = K, plus
+        the stop for a selector that can stop); picks after a stop are -1."""
+        B, K = pool_mask.shape
         s, keys, prior = self.encode(query, pool, pool_mask)
         s = s[:, None, :].expand(B, num, -1)  # (B, N, H)
         avail = pool_mask[:, None, :].expand(B, num, -1).clone()  # (B, N, K)
+        done = torch.zeros(B, num, dtype=torch.bool, device=query.device)  # (B, N) stopped
         picks, total = [], torch.zeros(B, num, device=query.device)
         for t in range(steps):
-            log_dist = self.step_log_dist(s, keys, prior, avail)  # (B, N, K)
-            pick = choose(log_dist)  # (B, N)
-            total = total + log_dist.gather(-1, pick[..., None])[..., 0]
-            picks.append(pick)
+            log_dist = self.step_log_dist(s, keys, prior, self.choices(avail, done, stop), t=t)  # (B, N, A)
+            choice = choose(log_dist)  # (B, N)
+            total = total + log_dist.gather(-1, choice[..., None])[..., 0]
+            done = done | (choice == K)
+            picks.append(choice.masked_fill(done, -1))
+            pick = choice.clamp(max=K - 1)  # a stopped sequence's state no longer matters
             avail = avail.scatter(-1, pick[..., None], False)
             if t + 1 < steps:
                 s = self.advance(s, keys, pick)
@@ -366,30 +412,35 @@ class PointerSelector(
 
     @torch.no_grad()
     def beam_search(
-        self, query: Tensor, pool: Tensor, pool_mask: Tensor, steps: int, width: int
+        self, query: Tensor, pool: Tensor, pool_mask: Tensor, steps: int, width: int, stop: bool | None = None
     ) -> tuple[Tensor, Tensor]:
-        """Beam search: -> the `width` best sequences (B, W, S) with their summed log-probs (B, W), best first.
+        """Beam search: -> the `width` best sequences (B, W, S) with their summed log-probs (B, W), best first; `stop`
+        as in `greedy` (a finished beam keeps its score).
 
         Beams beyond the number of distinct sequences a pool allows come back with score -inf.
         """
         check_shapes(query, pool, pool_mask)
-        return in_chunks(lambda *b: self._beam(*b, steps, width), query, pool, pool_mask)
+        return in_chunks(lambda *b: self._beam(*b, steps, width, stop), query, pool, pool_mask)
 
-    def _beam(self, query: Tensor, pool: Tensor, pool_mask: Tensor, steps: int, width: int) -> tuple[Tensor, Tensor]:
+    def _beam(self, query: Tensor, pool: Tensor, pool_mask: Tensor, steps: int, width: int, stop=None):
         B, K = pool_mask.shape
         s, keys, prior = self.encode(query, pool, pool_mask)
         s = s[:, None, :].expand(B, width, -1)  # (B, W, H)
         avail = pool_mask[:, None, :].expand(B, width, -1).clone()  # (B, W, K)
+        done = torch.zeros(B, width, dtype=torch.bool, device=query.device)  # (B, W) stopped
         # All beams start identical: only beam 0 is live, so step 0 cannot produce duplicates.
         score = torch.full((B, width), float("-inf"), device=query.device)
         score[:, 0] = 0.0
         seqs = torch.zeros(B, width, 0, dtype=torch.long, device=query.device)
         rows = torch.arange(B, device=query.device)[:, None]
         for t in range(steps):
-            cand = score[..., None] + self.step_log_dist(s, keys, prior, avail)  # (B, W, K)
-            score, flat = cand.flatten(1).topk(width, -1)  # (B, W) best first
-            beam, pick = flat // K, flat % K  # (B, W) parent beam and its new pick
-            seqs = torch.cat([seqs[rows, beam], pick[..., None]], -1)  # (B, W, t+1)
+            step = self.step_log_dist(s, keys, prior, self.choices(avail, done, stop), t=t)  # (B, W, A)
+            A = step.shape[-1]
+            score, flat = (score[..., None] + step).flatten(1).topk(width, -1)  # (B, W) best first
+            beam, choice = flat // A, flat % A  # (B, W) parent beam and its new choice
+            done = done[rows, beam] | (choice == K)
+            seqs = torch.cat([seqs[rows, beam], choice.masked_fill(done, -1)[..., None]], -1)  # (B, W, t+1)
+            pick = choice.clamp(max=K - 1)
             avail = avail[rows, beam].scatter(-1, pick[..., None], False)
             if t + 1 < steps:
                 s = self.advance(s[rows, beam], keys, pick)

@@ -85,6 +85,27 @@ class LVLMOptions(LVLMRun):
     """Greedy generation length."""
 
 
+def by_length(score, split: str, queries: Tensor, icds: Tensor, **kw) -> dict:
+    """`score(split, queries, icds)` for prompts of different lengths: icds (N, S) train rows, -1 after the last
+    demonstration of a shorter prompt (none at all included). Each length is asked in one call; the results come
+    back in the rows' order."""
+    n = (icds >= 0).sum(-1)  # (N,)
+    if bool((n == icds.shape[1]).all()):
+        return score(split, queries, icds, **kw)
+    out: dict = {}
+    for length in n.unique().tolist():
+        rows = (n == length).nonzero()[:, 0]
+        res = score(split, queries[rows], icds[rows, :length], **kw)
+        for key, value in res.items():
+            if isinstance(value, list):
+                out.setdefault(key, [""] * len(n))
+                for i, v in zip(rows.tolist(), value):
+                    out[key][i] = v
+            else:
+                out.setdefault(key, value.new_zeros(len(n)))[rows] = value
+    return out
+
+
 class ScoreCache:
     """A backend's scores by (split, query, ICD train rows): only unseen ones go to the backend, in one batch, since
     online GRPO and validation ask for the same prompts again and again. `calls` counts the misses; `state` / `restore`
@@ -102,8 +123,9 @@ class ScoreCache:
         return self.backend.describe()
 
     def score(self, split: str, queries: Tensor, icds: Tensor) -> dict[str, Tensor]:
-        """queries (N,), icds (N, k) train rows -> acc, correct, gt_prob, rel as (N,) float64 (no predictions)."""
-        keys = [(split, q, tuple(s)) for q, s in zip(queries.tolist(), icds.tolist())]
+        """queries (N,), icds (N, k) train rows (-1 after the last of a shorter prompt) -> acc, correct, gt_prob, rel
+        as (N,) float64 (no predictions)."""
+        keys = [(split, q, tuple(r for r in s if r >= 0)) for q, s in zip(queries.tolist(), icds.tolist())]
         first = {k: i for i, k in reversed(list(enumerate(keys))) if k not in self.memo}  # unseen, once each
         new = sorted(first.values())
         if new:
@@ -122,7 +144,7 @@ class ScoreCache:
         mine = sharding.chunk(len(queries), rank, world)
         vals = torch.zeros(0, len(SEQ_FIELDS), dtype=torch.float64)
         if len(mine):
-            res = self.backend.score(split, queries[mine.start : mine.stop], icds[mine.start : mine.stop])
+            res = by_length(self.backend.score, split, queries[mine.start : mine.stop], icds[mine.start : mine.stop])
             vals = torch.stack([res[f].double() for f in SEQ_FIELDS], -1)
         return sharding.gather(vals, len(queries), world)
 

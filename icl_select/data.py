@@ -97,6 +97,7 @@ META_FIELDS = {
     "pool_size": int,
     "group_size": int,
     "seq_len": int,
+    "min_shots": int,
     "num_queries": int,
     "seed": int,
     "complete": bool,
@@ -158,6 +159,8 @@ def read_meta(folder: Path) -> dict:
     for key in ("pool_size", "group_size", "seq_len", "num_queries"):
         if meta[key] < 1:
             raise DataError(f"{path}: field '{key}' is {meta[key]}, expected an integer >= 1")
+    if not 0 <= meta["min_shots"] <= meta["seq_len"]:
+        raise DataError(f"{path}: field 'min_shots' is {meta['min_shots']}, expected 0 to seq_len {meta['seq_len']}")
     for name, value in meta.get("calibration", {}).items():
         _typed(value, float, f"{path}: field 'calibration.{name}'")
     if meta["source"] != "sim":  # what backends.open_backend rebuilds the real LVLM's prompts from
@@ -233,8 +236,9 @@ class Groups:
         return len(self.queries)
 
 
-def parse_groups(path: Path, records: list[tuple[int, dict]], num_train: int, seq_len: int) -> Groups:
-    """Validate rl_data.jsonl records and pad them into tensors."""
+def parse_groups(path: Path, records: list[tuple[int, dict]], num_train: int, seq_len: int, min_shots: int) -> Groups:
+    """Validate rl_data.jsonl records and pad them into tensors; sequences hold min_shots..seq_len demonstrations,
+    -1 after the last of a shorter one."""
     queries, pools, seqs, sources, zero_shot = [], [], [], [], []
     fields = {k: [] for k in SEQ_FIELDS}
     seen: dict[int, int] = {}
@@ -269,8 +273,9 @@ def parse_groups(path: Path, records: list[tuple[int, dict]], num_train: int, se
                 if key not in s:
                     raise DataError(f"{where}.{key}' is missing")
             icds = _ids(s["icds"], f"{where}.icds'", len(pool))
-            if len(icds) != seq_len:
-                raise DataError(f"{where}.icds' has {len(icds)} picks, expected the sequence length {seq_len}")
+            if not min_shots <= len(icds) <= seq_len:
+                span = f"{min_shots} to {seq_len}" if min_shots < seq_len else f"the sequence length {seq_len}"
+                raise DataError(f"{where}.icds' has {len(icds)} picks, expected {span}")
             if tuple(icds) in codes:
                 raise DataError(f"{where}.icds' repeats an earlier sequence of this group: {icds}")
             codes.add(tuple(icds))
@@ -288,16 +293,18 @@ def parse_groups(path: Path, records: list[tuple[int, dict]], num_train: int, se
     Q, K, G = len(queries), max(map(len, pools)), max(map(len, seqs))
     pool_t = torch.full((Q, K), -1, dtype=torch.long)
     seq_t = torch.full((Q, G, seq_len), -1, dtype=torch.long)
+    seq_mask = torch.zeros(Q, G, dtype=torch.bool)
     for i, (p, g) in enumerate(zip(pools, seqs)):
         pool_t[i, : len(p)] = torch.tensor(p)
-        seq_t[i, : len(g)] = torch.tensor(g)
+        seq_mask[i, : len(g)] = True
+        for j, icds in enumerate(g):
+            seq_t[i, j, : len(icds)] = torch.tensor(icds, dtype=torch.long)
     field_t = {}
     for key, entries in fields.items():
         t = torch.zeros(Q, G, dtype=torch.float64)
         i, j, v = zip(*entries)
         t[list(i), list(j)] = torch.tensor(v, dtype=torch.float64)
         field_t[key] = t
-    seq_mask = seq_t[..., 0] >= 0
     field_t[ZERO_SHOT] = torch.tensor(zero_shot, dtype=torch.float64)[:, None].expand(Q, G) * seq_mask  # (Q, G)
     return Groups(torch.tensor(queries), pool_t, pool_t >= 0, seq_t, seq_mask, field_t, sources)
 
@@ -329,9 +336,8 @@ def load_dataset(folder: str | Path, allow_truncated: bool = False) -> Dataset:
     items = read_items(folder / "items.json")
     emb = read_embeddings(folder / "embeddings.safetensors", {k: len(v) for k, v in items.items()})
     n_train = len(items["train"])
-    groups = parse_groups(
-        folder / "rl_data.jsonl", read_rl_data(folder / "rl_data.jsonl", allow_truncated), n_train, meta["seq_len"]
-    )
+    records = read_rl_data(folder / "rl_data.jsonl", allow_truncated)
+    groups = parse_groups(folder / "rl_data.jsonl", records, n_train, meta["seq_len"], meta["min_shots"])
     eval_pools = read_eval_pools(folder / "eval_pools.json", len(items["val"]), n_train)
     return Dataset(folder, meta, items, emb, groups, eval_pools)
 

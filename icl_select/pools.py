@@ -249,15 +249,28 @@ def candidate_groups(
     generator: torch.Generator,
     prefix: Tensor | None = None,
     prefix_sources: list[str] | None = None,
+    min_len: int | None = None,
 ) -> tuple[Tensor, list[list[str]]]:
     """The G distinct sequences scored per anchor query, with their sources: `prefix` (Q, C, S) first (a trained
     selector's picks), then one retrieval sequence (the S most similar, most similar last), then random ones; duplicates
-    dropped. ranking (Q, K) from `pool_ranking` -> (Q, G, S) pool positions."""
+    dropped. ranking (Q, K) from `pool_ranking` -> (Q, G, S) pool positions. With min_len < seq_len the random ones are
+    cut to lengths drawn uniformly from max(min_len, 1)..seq_len (-1 after the last), and min_len 0 adds the empty
+    sequence (the zero-shot prompt) after the retrieval one."""
     mask = torch.ones(ranking.shape, dtype=torch.bool)
     parts = [] if prefix is None else [prefix]
     sources = list(prefix_sources or [])
-    parts += [ranking[:, None, :seq_len].flip(-1), random_sequences(mask, group_size, seq_len, generator)]
-    sources += ["retrieval"] + ["random"] * group_size
+    parts.append(ranking[:, None, :seq_len].flip(-1))
+    sources.append("retrieval")
+    if min_len is None or min_len == seq_len:
+        parts.append(random_sequences(mask, group_size, seq_len, generator))
+    else:  # twice as many, since cut ones may coincide
+        if min_len == 0:
+            parts.append(torch.full_like(parts[-1], -1))
+            sources.append("zero-shot")
+        rand = random_sequences(mask, 2 * group_size, seq_len, generator)  # (Q, 2G, S)
+        lengths = torch.randint(max(min_len, 1), seq_len + 1, rand.shape[:2], generator=generator)  # (Q, 2G)
+        parts.append(rand.masked_fill(torch.arange(seq_len) >= lengths[..., None], -1))
+    sources += ["random"] * parts[-1].shape[1]
     cand = torch.cat(parts, 1)  # (Q, C, S)
     order, ok = first_distinct(cand, group_size)  # (Q, G)
     if not ok.all():

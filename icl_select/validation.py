@@ -15,18 +15,22 @@ from model import DECODE_CHUNK, PointerSelector, slices
 
 
 @torch.no_grad()
-def greedy_icds(model: PointerSelector, ds: Dataset, split: str, rows: Tensor, pool: Tensor, k: int) -> Tensor:
+def greedy_icds(
+    model: PointerSelector, ds: Dataset, split: str, rows: Tensor, pool: Tensor, k: int, stop: bool | None = None
+) -> Tensor:
     """The selector's greedy demonstrations for the questions `rows` (n,) of `split` from their pools (n, K) of train
-    rows (-1 = padding) -> (n, k) train rows in pick order. Gathered slice by slice (`model.slices`), never for all n at
-    once, each question decoded in the slice one whole call would put it in."""
+    rows (-1 = padding) -> (n, k) train rows in pick order, -1 after a stop (`stop` as in `PointerSelector.greedy`).
+    Gathered slice by slice (`model.slices`), never for all n at once, each question decoded in the slice one whole call
+    would put it in."""
     emb, (n, K) = ds.emb, pool.shape
     part = DECODE_CHUNK * max(1, CHUNK_ELEMENTS // (DECODE_CHUNK * K * emb["train"].shape[1]))
     model.eval()
     picks = []
     for s in slices(n, part):
         query, pool_emb = emb[split][rows[s]], emb["train"][pool[s].clamp_min(0)]  # (P, d), (P, K, d)
-        picks.append(model.greedy(query, pool_emb, pool[s] >= 0, k)[0])  # (P, k)
-    return pool.gather(1, torch.cat(picks))
+        picks.append(model.greedy(query, pool_emb, pool[s] >= 0, k, stop)[0])  # (P, k)
+    picks = torch.cat(picks)  # (n, k) pool positions, -1 after a stop
+    return pool.gather(1, picks.clamp_min(0)).where(picks >= 0, -1)
 
 
 @torch.no_grad()

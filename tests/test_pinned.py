@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 PINNED = {
-    "rce": "08770f833d282638",
-    "offline": "517a7fc21602acb9",
-    "online": "407ce1bd0e550066",
+    "rce": "8198cd714926ec52",
+    "offline": "1ded03deae296c83",
+    "online": "efbd3c05c6d43fad",
 }
 AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1"}
 
