@@ -264,6 +264,7 @@ WORLDS: dict[str, dict[str, float]] = {
     "saturating": {"gain_decay": 0.3, "help_pair": 0.6, "help_type": 0.05, "help_topic": 0.3},
     "strong": {"difficulty_mean": 1.0, "help_base": -0.15, "help_topic": 0.1, "help_quality": 0.2},
     "order": {"primacy": 0.6, "neighbour": 0.3},
+    "harmful": {"difficulty_mean": 1.0, "help_base": -0.22, "help_topic": 0.25, "help_quality": 0.0, "copy_weight": 2.2},
 }
 
 
@@ -780,12 +781,7 @@ class Simulator:
         feats = {name: F.pad(v, (0, 1)) for name, v in feats.items()}  # (B, K+1)
         e = self.emb["train"][ids]  # (B, K, d)
         pair = self._pair_penalty(e @ e.transpose(1, 2))  # (B, K, K)
-        if observable:
-            cfg = self.cfg
-            median = (cfg.difficulty_mean, math.exp(cfg.sensitivity_log_mean), 0.0)
-            query = {key: torch.full((num,), v) for key, v in zip(("difficulty", "sensitivity", "threshold"), median)}
-        else:
-            query = self._query(split, queries)
+        query = self._median_query(num) if observable else self._query(split, queries)
 
         def value(slots: Tensor, redundancy: Tensor) -> Tensor:
             """Sequences (B, S, k) of pool indices (`empty` where none) and their redundancy (B, S) -> (B, S)."""
@@ -830,6 +826,23 @@ class Simulator:
                 break
             best = cand[torch.arange(num), top]  # (B, k)
         return ids.gather(1, best)  # (B, k)
+
+    def _median_query(self, num: int) -> dict[str, Tensor]:
+        """The latents `_reply` reads, at their population medians, for `num` queries: what the observable ceiling
+        assumes of a query whose difficulty, sensitivity and threshold no embedding reveals."""
+        cfg = self.cfg
+        median = (cfg.difficulty_mean, math.exp(cfg.sensitivity_log_mean), 0.0)
+        return {key: torch.full((num,), v) for key, v in zip(("difficulty", "sensitivity", "threshold"), median)}
+
+    def oracle_value(self, split: str, queries: Tensor, icds: Tensor, observable: bool = False) -> Tensor:
+        """What the oracle's search ranks whole sequences by, comparable across their lengths: (B,), (B, k) train rows
+        in prompt order (k may be 0) -> (B,) float64, VQA accuracy with ties broken by gt_prob; observable=True: the
+        gt_prob that the probes' latents and a median query give (the observable ceiling's own estimate)."""
+        f = self._features(split, queries, icds, observable)
+        f.pop("answer", None)
+        query = self._median_query(len(queries)) if observable else self._query(split, queries)
+        r = self._reply(f, self.redundancy(icds), icds.shape[1], query)
+        return r["gt_prob"] if observable else 10 * r["acc"].double() + r["gt_prob"]
 
     @functools.cached_property
     def _answers(self) -> dict:
@@ -949,11 +962,20 @@ def calibrate(
         return 100 * sim.score("val", queries, icds)["acc"].mean().item()
 
     out = {"zero_shot": pct(val_pools[:, :0])}
+    best = {name: [val_pools[:, :0]] for name in ("oracle", "observable")}  # each one's best of k, k = 0, 1, ...
     for k in range(1, seq_len + 1):
         out[f"random_{k}"] = pct(rand_seq[:, :k])
         out[f"similar_{k}"] = pct(similar[:, :k].flip(1))
-        out[f"oracle_{k}"] = pct(sim.oracle("val", queries, val_pools, k))
-        out[f"observable_{k}"] = pct(sim.oracle("val", queries, val_pools, k, observable=True))
+        for name, seqs in best.items():
+            seqs.append(sim.oracle("val", queries, val_pools, k, observable=name == "observable"))
+            out[f"{name}_{k}"] = pct(seqs[-1])
+    for name, seqs in best.items():  # the best of 0..k, by the search's own value (fewer demonstrations on a tie)
+        value = torch.stack([sim.oracle_value("val", queries, s, name == "observable") for s in seqs])  # (S+1, V)
+        scores = torch.stack([sim.score("val", queries, s)["acc"] for s in seqs])  # (S+1, V)
+        for k in range(1, seq_len + 1):
+            j = value[: k + 1].argmax(0)  # (V,)
+            out[f"{name}_upto_{k}"] = 100 * scores[j, queries].mean().item()
+            out[f"{name}_shots_{k}"] = j.double().mean().item()
 
     anchors = torch.randperm(len(train_img), generator=gen)[:num_anchors]  # (A,)
     anchor_pools = pools.query_pools("random", pool_size, {}, ids, "train", anchors, anchors, gen)  # (A, K)
