@@ -76,13 +76,18 @@ def no_replay(**flags) -> tuple[str, dict, str]:
     return "grpo", BUDGET | {"replay_steps": 0} | flags, "online, budget 35k, no replay"
 
 
-# Lever-LM's data (docs/rivals.md): InfoScore beams over each anchor's pool, as published (5,000 anchors, beam 5,
-# 2-shot sequences) and cut to about 35k LVLM calls (90 anchors of 386 calls each).
+# Datasets of other recipes than the seed's own: Lever-LM's InfoScore beams over each anchor's pool as published
+# (5,000 anchors, beam 5, 2-shot sequences; docs/rivals.md) and cut to about 35k LVLM calls (90 anchors of 386 calls
+# each); and groups with shorter sequences and the zero-shot prompt, for a selector that may stop.
 DATASETS = {
     "infoscore": {"groups": "infoscore", "group_size": 5, "seq_len": 2, "num_queries": 5000},
     "infoscore, 35k calls": {"groups": "infoscore", "group_size": 5, "seq_len": 2, "num_queries": 90},
+    "min-shots 0": {"min_shots": 0},
 }
-LEVER_LM = {"data": "infoscore", "weights": "uniform", "quality": "all", "pick_order": "prompt", "picks": 4}
+# ICD-LM's cross-entropy on Lever-LM's data, asked for 4 picks; its first pick next to the query (weighed on seeds 0-1
+# against the prompt order ICD-LM generates in: "lever-lm, as published")
+LEVER_LM = {"data": "infoscore", "weights": "uniform", "quality": "all", "pick_order": "nearest_first", "picks": 4}
+STOPS = {"data": "min-shots 0", "init": "rce, can stop"}  # GRPO of a selector that may stop
 
 
 def rival(baseline: str, **flags) -> tuple[str, dict, str]:
@@ -96,14 +101,15 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
     "rce": ("rce", {}, None),
     "retriever": ("rce", {"retriever": True}, "rce"),
     "retriever, best-sequence credit": ("rce", {"retriever": True, "credit": "best"}, "retriever"),
-    "lever-lm": ("rce", LEVER_LM, "rce"),  # ICD-LM's cross-entropy on the published data
-    "lever-lm, picks nearest first": ("rce", LEVER_LM | {"pick_order": "nearest_first"}, "lever-lm"),
+    "lever-lm": ("rce", LEVER_LM, "rce"),
+    "lever-lm, as published": ("rce", LEVER_LM | {"pick_order": "prompt"}, "lever-lm"),
     "lever-lm, 35k calls": ("rce", LEVER_LM | {"data": "infoscore, 35k calls"}, "lever-lm"),
+    "rce, can stop": ("rce", {"data": "min-shots 0", "can_stop": True}, "rce"),
     "mmices, prefilter 8": rival("mmices", prefilter=8),
-    "mmices, prefilter 32": rival("mmices", prefilter=32),
+    "mmices, prefilter 16": rival("mmices", prefilter=16),
     "mmr, lambda 0.25": rival("mmr", mmr_lambda=0.25),
+    "mmr, lambda 0.5": rival("mmr", mmr_lambda=0.5),
     "mmr, lambda 0.75": rival("mmr", mmr_lambda=0.75),
-    "mmr, lambda 0.9": rival("mmr", mmr_lambda=0.9),
     "rce, all groups (Lever-Plus)": ("rce", {"quality": "all"}, "rce"),
     "rce, picks in prompt order": ("rce", {"pick_order": "prompt"}, "rce"),
     "online": ("grpo", {"online": True}, None),
@@ -122,6 +128,9 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
     "online, group size 32": plain(group_size=32),
     "online, picks in prompt order": plain(init="rce, picks in prompt order"),
     "offline": ("grpo", {}, "online"),
+    "online, can stop": ("grpo", {"online": True, **STOPS}, "online"),
+    "online, budget 35k, can stop": ("grpo", {"online": True, "lvlm_budget": 35_000, **STOPS}, "online, budget 35k"),
+    "online, budget 35k, from the retriever": on_budget(init="retriever"),
     "online, budget 35k, no replay": (*no_replay()[:2], "online"),
     "online, budget 35k, replay 4 steps": (*cold()[:2], "online, budget 35k, no replay"),
     # what `grpo.py --online --lvlm-budget 35000` ran before the item scores: replay, and the warm start
@@ -245,9 +254,15 @@ def order(names: list[str]) -> list[str]:
     return [n for n in VARIANTS if n in need]
 
 
-def scores(args: Args, world: str, seed: int, name: str) -> dict | None:
-    path = args.out / world / f"seed{seed}" / slug(name) / "eval" / "val.json"
-    return per_question(read_eval(path), 800) if path.is_file() else None
+UPTO = " (up to k)"  # a run's "up to k" evaluation, as compare.py names it
+
+
+def scores(args: Args, world: str, seed: int, name: str, shots: list[int] | None = None) -> dict | None:
+    """Each question's accuracy averaged over `shots` (default 1-4) in a run's evaluation; "<run> (up to k)" reads its
+    eval/val-upto.json."""
+    run, upto = (name.removesuffix(UPTO), True) if name.endswith(UPTO) else (name, False)
+    path = args.out / world / f"seed{seed}" / slug(run) / "eval" / ("val-upto.json" if upto else "val.json")
+    return per_question(read_eval(path), 800, shots) if path.is_file() else None
 
 
 def figure_rng(*key) -> np.random.Generator:
@@ -418,6 +433,61 @@ def budget_table(args: Args) -> str:
     return "\n".join([f"## What a budget buys, seeds {seeds} pooled", "", md_table(head, rows), ""])
 
 
+# Selectors that fill every slot, against which one that may stop is judged (baselines included)
+FIXED = ("random", "image-sim", "text-sim", "mmices", "mmr", "coreset", "rce", "retriever", "lever-lm", "offline")
+FIXED += ("online", "online, budget 35k")
+
+
+def stop_table(args: Args) -> str:
+    """One row per world: what a selector that may stop takes up to k, against zero-shot and against the best run
+    that fills every slot (mean over 1-4 shots, and at 4 shots alone), pooled over the seeds with paired bootstrap 95%
+    CIs, and the demonstrations it uses at 4; empty until a run that may stop has finished."""
+    runs = [n for n in ("online, can stop", "online, budget 35k, can stop") if started(args, [n])]
+    rows = []
+    for world in args.worlds:
+        for run in runs:
+            stop = f"{run}{UPTO}"
+            got, pooled = over_seeds(args, world, {stop, "zero-shot", *FIXED})
+            at4 = {
+                n: {(s, q): v for s in args.seeds for q, v in (scores(args, world, s, n, [4]) or {}).items()}
+                for n in (stop, *FIXED)
+            }
+            if not all(got[stop]) or not all(got["zero-shot"]):
+                continue
+            fixed = [n for n in FIXED if all(got[n])]
+            best = max(fixed, key=lambda n: np.mean(list(pooled[n].values())))
+            best4 = max(fixed, key=lambda n: np.mean(list(at4[n].values())))
+            used = np.mean([demos(args, world, s, run) for s in args.seeds])
+            rows.append(
+                [
+                    world,
+                    run,
+                    f"{100 * np.mean(list(pooled[stop].values())):.2f} ({used:.2f})",
+                    delta([(pooled["zero-shot"], pooled[stop])], args.bootstrap, world, stop, "zero-shot", *args.seeds),
+                    f"{best}: " + delta([(pooled[best], pooled[stop])], args.bootstrap, world, stop, best, *args.seeds),
+                    f"{best4}: " + delta([(at4[best4], at4[stop])], args.bootstrap, world, stop, best4, 4, *args.seeds),
+                ]
+            )
+    if not rows:
+        return ""
+    head = [
+        "world",
+        "run",
+        "up to k: accuracy (demonstrations at 4)",
+        "- zero-shot",
+        "- best fixed k, avg 1-4",
+        "- best fixed k, at 4",
+    ]
+    seeds = " ".join(map(str, args.seeds))
+    return "\n".join([f"## A selector that may stop, seeds {seeds} pooled", "", md_table(head, rows), ""])
+
+
+def demos(args: Args, world: str, seed: int, name: str) -> float:
+    """Demonstrations per question a run's "up to k" evaluation used at 4 shots, on the first 800 questions."""
+    doc = read_eval(args.out / world / f"seed{seed}" / slug(name) / "eval" / "val-upto.json")
+    return doc["demonstrations"]["800"]["4"]
+
+
 def main(args: Args) -> None:
     if unknown := [n for n in args.only if n not in VARIANTS]:
         raise ValueError(f"--only: unknown variants {unknown}; known: {list(VARIANTS)}")
@@ -426,7 +496,9 @@ def main(args: Args) -> None:
     for world in args.worlds:
         for seed in args.seeds:
             build(args, world, seed, names)
-    print("\n".join([*[tables(args, w) for w in args.worlds], worlds_table(args), budget_table(args)]))
+    print(
+        "\n".join([*[tables(args, w) for w in args.worlds], worlds_table(args), budget_table(args), stop_table(args)])
+    )
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import combinations
 from pathlib import Path
 from typing import Annotated, Literal
@@ -110,6 +110,7 @@ class Run:
     epoch_evals: dict[int, dict]
     args: dict | None  # config.json "args" (None without config.json)
     weights: str | None = None  # SHA-256 of the run's model.safetensors now (None without one)
+    upto: bool = False  # its "up to k" evaluation (eval/<split>-upto.json): it chose how many, k at most
 
     @property
     def phase(self) -> str | None:
@@ -160,14 +161,18 @@ class Run:
         flags += [f"--num-samples {' '.join(sorted(doc['summary'], key=int))}"]
         return f"python evaluate.py {self.path} {' '.join(flags)}"
 
+    def used(self, n: int, shot: int) -> float:
+        """Demonstrations per prompt on the first n questions at `shot` (fewer where it stopped early)."""
+        return self.eval.get("demonstrations", {}).get(str(n), {}).get(str(shot), shot)
+
     def kind(self) -> str:
         if self.eval is not None and self.eval.get("baseline"):
-            return "simulator ceiling" if self.ceiling else "baseline"
+            return ("simulator ceiling" if self.ceiling else "baseline") + ", best of 0..k" * self.upto
         args = self.args or {}
         weights = args.get("weights", "reward")
         rce = "retriever" if args.get("retriever") else "RCE" + f", {weights} weights" * (weights != "reward")
         stage = {"rce": rce, "grpo": "GRPO " + ("online" if args.get("online") else "offline")}
-        what = stage.get(self.phase, "selector")
+        what = stage.get(self.phase, "selector") + ", up to k" * self.upto
         if self.unfinished:
             return f"{what}, UNFINISHED: {self.unfinished}"
         done = self.epochs[-1]["epoch"] if self.epochs else 0
@@ -254,7 +259,7 @@ def reference(evaluated: list[Run], want: str | None) -> Run:
         if not match:
             raise ValueError(f"--baseline {want}: not among the evaluated runs {[r.name for r in evaluated]}")
         return match[0]
-    rce = [r for r in evaluated if r.phase == "rce" and not r.rival]
+    rce = [r for r in evaluated if r.phase == "rce" and not r.rival and not r.upto]
     random = [r for r in evaluated if r.eval.get("baseline") == "random"]
     return (rce or random or evaluated)[0]
 
@@ -477,6 +482,14 @@ def verdict_section(c: Comparison, args: Args) -> str:
             f"**{best.name} beats {', '.join(b.name for b in beaten) or 'no baseline'}** and not "
             f"{', '.join(b.name for b in baselines if b not in beaten)}."
         )
+    k = max(c.shots)
+    if best.upto:  # it chose how many: say how many, and what choosing bought against the best that filled k slots
+        fixed = [r for r in selectors if not r.upto]
+        line = f"{best.name} chose how many: {best.used(c.n, k):.2f} demonstrations per question at up to {k}"
+        if fixed and not not_comparable((top := max(fixed, key=lambda r: c.acc[r.name]["avg"])).eval, best.eval):
+            x = pair_cells(top.eval, best.eval, c.shots, c.n, args.bootstrap, rng)["avg"]
+            line += f"; against the best selector that fills every slot, {top.name}: {words(x)}"
+        lines.append(line + ".")
     if rivals:  # the strongest rival, whichever it is, against the best of the kit's selectors
         top = max(rivals, key=lambda r: c.acc[r.name]["avg"])
         if not not_comparable(top.eval, best.eval):
@@ -515,6 +528,8 @@ def glance_section(c: Comparison) -> str:
         name = f"**{r.name}** (best)" if r in best else r.name
         name += " (reference)" if r is c.base else ""
         what = r.kind() + (f", answered by {Path(r.eval['backend']).name}" if several_lvlms else "")
+        k = max(c.shots)
+        what += f", {r.used(c.n, k):.2f} demonstrations at {k}" if r.used(c.n, k) != k else ""
         what += ", STALE evaluation" * r.stale
         rows.append([name, what, r.calls, *row])
     header = ["run", "what", "LVLM calls", *[f"{s}-shot" for s in c.shots], "avg"]
@@ -612,7 +627,7 @@ def gap_section(c: Comparison, args: Args) -> list[str]:
     bootstrap over questions (the three runs answer the same questions). Baselines below RCE are left out: a share
     of a room they are under says nothing."""
     ceilings = {r.eval["baseline"]: r for r in c.evaluated if r.ceiling}
-    start = next((r for r in c.evaluated if r.phase == "rce"), None)
+    start = next((r for r in c.evaluated if r.phase == "rce" and not r.rival and not r.upto), None)
     runs = [r for r in c.evaluated if r.phase is not None and r is not start]
     if start is None or not ceilings or not runs:
         return []
@@ -736,10 +751,10 @@ def report_parts(runs: list[Run], c: Comparison | None, args: Args) -> tuple[str
         glance = f"No run has eval/{args.split}.json: training only."
     else:
         glance = "\n".join(x for x in (verdict_section(c, args), glance_section(c)) if x)
-    rest = trained_section(runs)
+    rest = trained_section([r for r in runs if not r.upto])  # an "up to k" row is its run's training again
     if c is not None:
         rest += deltas_section(c) + gap_section(c, args) + selection_section(c)
-    rest += curve_section([r for r in runs if r.epochs])
+    rest += curve_section([r for r in runs if r.epochs and not r.upto])
     for r in runs:
         if r.epoch_evals:
             rest += epoch_section(r)
@@ -751,10 +766,16 @@ def report_parts(runs: list[Run], c: Comparison | None, args: Args) -> tuple[str
 
 
 def read_runs(args: Args) -> list[Run]:
-    """Every run folder once (a folder named twice, as by `runs/* runs/rce`, is read once); two folders of one name
-    are refused, since every table names runs by folder name."""
+    """Every run folder once (a folder named twice, as by `runs/* runs/rce`, is read once), and beside each run that
+    chose how many demonstrations (a selector that can stop, a ceiling's best of 0..k) its "up to k" evaluation as a
+    row of its own; two folders of one name are refused, since every table names runs by folder name."""
     paths = list({p.resolve(): p for p in args.runs}.values())
-    runs = [r for r in (read_run(p, args.split) for p in paths) if r is not None]
+    runs = []
+    for r in (read_run(p, args.split) for p in paths):
+        upto = None if r is None else r.path / "eval" / f"{args.split}-upto.json"
+        runs += [] if r is None else [r]
+        if upto is not None and upto.is_file():
+            runs.append(replace(r, name=f"{r.name} (up to k)", eval=read_eval(upto), epoch_evals={}, upto=True))
     if not runs:
         raise ValueError("no run folders to compare")
     for a, b in combinations(runs, 2):

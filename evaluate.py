@@ -86,9 +86,9 @@ class Args(LVLMRun, CpuArgs):
     """ICD order in the prompt: selected (first pick first), reversed, or auto (docs/flags.md)."""
     epochs: list[int] = field(default_factory=list)
     """Also evaluate these epoch checkpoints of each run (eval/<split>-epochNNN.json)."""
-    prefilter: int = 16
+    prefilter: int = 32
     """MMICES: the most image-similar candidates kept before the question reranks them."""
-    mmr_lambda: float = 0.5
+    mmr_lambda: float = 0.9
     """MMR: weight of relevance against redundancy (1 = RICES)."""
     seeds: int = 1
     """Random baseline: average over this many seeds."""
