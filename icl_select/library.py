@@ -65,7 +65,7 @@ class Demo:
     @property
     def answer(self) -> str:
         """The answer the kit's prompt shows: the annotators' most common one."""
-        from icl_select.lvlm import answer_counts
+        from icl_select.vqa import answer_counts
 
         return answer_counts(self.answers)[0][0]
 

@@ -10,7 +10,7 @@ import functools
 import re
 from collections import Counter
 
-__all__ = ["answer_rel", "normalize_answer", "postprocess", "vqa_score"]
+__all__ = ["answer_counts", "answer_rel", "normalize_answer", "postprocess", "vqa_score"]
 
 # The official contraction table, verbatim, quirks included: the capitalised keys ("Im", "Ive", ...) can never
 # match because words are lower-cased first, and "somebody'd" maps to "somebodyd". Kept as-is so scores stay
@@ -206,6 +206,16 @@ def vqa_score(prediction: str, answers: list[str]) -> float:
 _ANSWER_PREFIX = re.compile(r"^\s*(?:(?:short|final)\s+answer|answer|a)\s*:\s*", re.IGNORECASE)
 _QUOTE_PAIRS: dict[str, str] = {'"': '"', "'": "'", "`": "`", "\u201c": "\u201d", "\u2018": "\u2019"}
 _TRAILING_PUNCT = ".!?,;:"
+
+
+def answer_counts(answers: list[str]) -> list[tuple[str, int]]:
+    """Distinct annotator answers, most frequent first (ties in first-occurrence order): (most common raw spelling,
+    count) per answer under the official VQA normalisation ("Red" and "red" are one)."""
+    groups: dict[str, Counter] = {}
+    for a in answers:
+        groups.setdefault(normalize_answer(a), Counter())[a] += 1
+    counted = [(spellings.most_common(1)[0][0], spellings.total()) for spellings in groups.values()]
+    return sorted(counted, key=lambda sc: -sc[1])
 
 
 def _clean_line(line: str) -> str:
