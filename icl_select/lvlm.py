@@ -23,6 +23,7 @@ import functools
 import importlib.util
 import json
 import math
+import multiprocessing
 import os
 import queue
 import random
@@ -31,9 +32,9 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -52,16 +53,17 @@ from transformers import (
     AutoModelForImageTextToText,
     AutoProcessor,
     BatchFeature,
+    CompileConfig,
     GenerationConfig,
     PretrainedConfig,
     ProcessorMixin,
 )
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, StaticCache
 from transformers.image_utils import make_flat_list_of_images
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
 
-from icl_select.vqa import answer_rel, normalize_answer, postprocess, vqa_score
+from icl_select.vqa import answer_counts, answer_rel, normalize_answer, postprocess, vqa_score
 
 PromptStyle = Literal["single-turn", "turn-per-demo"]
 
@@ -70,7 +72,6 @@ __all__ = [
     "ByteLRU",
     "LVLMBackend",
     "PromptTemplate",
-    "answer_counts",
     "credited_replies",
     "clip_embed",
     "image_only",
@@ -103,7 +104,7 @@ class PromptTemplate:
     and `query` filled with its question) answered by an assistant turn (its answer), then the query's user turn."""
 
 
-IMAGE_KEY = "icl_select_path"  # set in each loaded image's .info, so preprocessing results can be cached by path
+IMAGE_KEY = "icl_select_picture"  # each loaded image's picture_key, in its .info: what its cached results are kept by
 
 
 class ByteLRU:
@@ -120,6 +121,11 @@ class ByteLRU:
         if (value := self.lookup(key)) is not None:
             return value
         return self.put(key, make())
+
+    def __contains__(self, key) -> bool:
+        """Whether a value is held under `key` (its recency unchanged)."""
+        with self.lock:
+            return key in self.entries
 
     def lookup(self, key):
         """The value held under `key`, now the most recently used, or None."""
@@ -152,16 +158,29 @@ class ByteLRU:
 MIB = 2**20
 DEFAULT_IMAGE_CACHE_MIB = 4096
 DEFAULT_ENCODER_CACHE_MIB = 4096
-# Decoded RGB images by path, shared by every backend of the process (half of the image cache budget; an LVLMBackend
-# sets it). A 640x480 COCO image is 0.9 MiB decoded.
+# Decoded RGB images by picture_key, shared by every backend of the process (half of the image cache budget; an
+# LVLMBackend sets it). A 640x480 COCO image is 0.9 MiB decoded.
 DECODED_IMAGES = ByteLRU(DEFAULT_IMAGE_CACHE_MIB * MIB // 2, lambda img: img.width * img.height * 3)
 
+PictureKey = tuple[str, int, int, int]
 
-def _decode(path: str) -> Image.Image:
+
+def picture_key(path: str) -> PictureKey:
+    """What the picture caches know a file by: its path, size, modification time (ns) and inode, so that a file
+    rewritten or replaced in place is read again, not served from a cache (as make and git tell changed files)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: image file not found") from None
+    return path, st.st_size, st.st_mtime_ns, st.st_ino
+
+
+def _decode(key: PictureKey) -> Image.Image:
+    path = key[0]
     try:
         with Image.open(path) as img:
             rgb = img.convert("RGB")
-            rgb.info[IMAGE_KEY] = path
+            rgb.info[IMAGE_KEY] = key
             return rgb
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: image file not found") from None
@@ -170,40 +189,85 @@ def _decode(path: str) -> Image.Image:
 
 
 def load_image(path: str) -> Image.Image:
-    """The RGB image at `path`, decoded once while it stays in DECODED_IMAGES and shared: callers must not modify it."""
-    return DECODED_IMAGES.get(path, lambda: _decode(path))
+    """The RGB image at `path`, decoded once while it stays in DECODED_IMAGES (and the file is unchanged) and shared:
+    callers must not modify it."""
+    key = picture_key(path)
+    return DECODED_IMAGES.get(key, lambda: _decode(key))
 
 
 def decode_ahead(paths: list[str], pool: ThreadPoolExecutor | None) -> None:
     """Decode the pictures of `paths` not in DECODED_IMAGES yet, in the pool's threads (PIL releases the GIL)."""
-    missing = [p for p in dict.fromkeys(paths) if DECODED_IMAGES.lookup(p) is None]
-    if pool is None or len(missing) < 2:
+    if pool is None:
         return
-    for path, image in zip(missing, pool.map(_decode, missing)):
-        DECODED_IMAGES.put(path, image)
+    missing = [k for k in dict.fromkeys(map(picture_key, paths)) if k not in DECODED_IMAGES]
+    if len(missing) < 2:
+        return
+    for key, image in zip(missing, pool.map(_decode, missing)):
+        DECODED_IMAGES.put(key, image)
 
 
 @functools.cache
-def picture_pixels(path: str) -> int:
-    """Width x height of the picture at `path`, from its header alone (no decoding): a prompt's length key."""
+def _header_pixels(key: PictureKey) -> int:
     try:
-        with Image.open(path) as img:
+        with Image.open(key[0]) as img:
             return img.width * img.height
     except (OSError, SyntaxError, ValueError):
         return 0  # decoding it later says what is wrong
+
+
+def picture_pixels(path: str) -> int:
+    """Width x height of the picture at `path`, from its header alone (no decoding): a prompt's length key."""
+    try:
+        return _header_pixels(picture_key(path))
+    except FileNotFoundError:
+        return 0  # as above
 
 
 def _feature_bytes(feature: BatchFeature) -> int:
     return sum(v.nbytes for v in feature.values() if torch.is_tensor(v) or isinstance(v, np.ndarray))
 
 
-class CachedImageProcessor:
-    """A processor's image processor that preprocesses each image (by path) once while it stays in a ByteLRU of `budget`
-    bytes: ICD images recur across thousands of prompts. Misses run in `pool`'s threads when one is given."""
+def _preprocess(inner, image: Image.Image, kwargs: dict) -> BatchFeature:
+    """One picture through the image processor `inner` (a worker's task: top-level, so a process can run it)."""
+    return inner([image], **kwargs)
 
-    def __init__(self, inner, budget: int = DEFAULT_IMAGE_CACHE_MIB * MIB // 2, pool: ThreadPoolExecutor | None = None):
+
+def _owned(feature: BatchFeature) -> BatchFeature:
+    """A feature received from a worker process with its tensors copied out of the shared memory they came in (each
+    shared block holds a file descriptor open while it lives, and a cache holds thousands of them)."""
+    return BatchFeature({k: v.clone() if torch.is_tensor(v) else v for k, v in feature.items()})
+
+
+def worker_count(workers: int) -> int:
+    """The picture workers of this process: `workers`, or 0 = one per core this process may use, shared among the
+    torchrun ranks of the machine."""
+    if workers:
+        return workers
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+
+
+@functools.cache
+def picture_processes(workers: int) -> ProcessPoolExecutor:
+    """The process's pool of `workers` picture-preprocessing processes, shared by every backend as the picture caches
+    are. They are forked (as DataLoader's workers are: a spawned process would import the caller's main script again)
+    at once, from the thread that builds the backend, before its batch threads exist; they never touch CUDA."""
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+    pool.submit(int).result()  # a fork pool starts all its processes at the first task
+    return pool
+
+
+class CachedImageProcessor:
+    """A processor's image processor that preprocesses each picture (by picture_key) once while it stays in a ByteLRU
+    of `budget` bytes: ICD pictures recur across thousands of prompts. Misses run in `pool` when one is given: worker
+    processes (their results are the same function's on the same inputs, so the same bits) or threads."""
+
+    def __init__(
+        self, inner, budget: int = DEFAULT_IMAGE_CACHE_MIB * MIB // 2, pool: ProcessPoolExecutor | None = None
+    ):
         self.inner, self.pool = inner, pool
         self.cache = ByteLRU(budget, _feature_bytes)
+        self.local = threading.local()  # .apart: see pictures_apart
 
     @property
     def misses(self) -> int:
@@ -211,6 +275,16 @@ class CachedImageProcessor:
 
     def __getattr__(self, name: str):  # merge_size, patch_size, ... as the processor expects
         return getattr(self.inner, name)
+
+    @contextmanager
+    def pictures_apart(self) -> Iterator[list[BatchFeature]]:
+        """Within the block, this thread's calls return an empty pixel_values and put each picture's own features in
+        the list yielded: a caller that needs only some pictures' pixels takes them without copying the others."""
+        self.local.apart = apart = []
+        try:
+            yield apart
+        finally:
+            self.local.apart = None
 
     def one(self, image: Image.Image, kwargs: dict) -> BatchFeature:
         key = (image.info.get(IMAGE_KEY), repr(sorted(kwargs.items())))  # the same key as __call__'s
@@ -223,19 +297,26 @@ class CachedImageProcessor:
         if self.pool is not None:  # the misses in parallel, so that one() finds them all cached
             settings = repr(sorted(kwargs.items()))
             missing = {
-                path: image
+                key: image
                 for image in images
-                if (path := image.info.get(IMAGE_KEY)) is not None and self.cache.lookup((path, settings)) is None
+                if (key := image.info.get(IMAGE_KEY)) is not None and (key, settings) not in self.cache
             }
             if len(missing) > 1:
-                made = self.pool.map(lambda image: self.inner([image], **kwargs), missing.values())
-                for path, feature in zip(missing, made):
-                    self.cache.put((path, settings), feature)
+                n = len(missing)
+                made = self.pool.map(_preprocess, [self.inner] * n, missing.values(), [kwargs] * n)
+                owned = _owned if isinstance(self.pool, ProcessPoolExecutor) else lambda feature: feature
+                for key, feature in zip(missing, made):
+                    self.cache.put((key, settings), owned(feature))
         parts = [self.one(image, kwargs) for image in images]
+        apart = getattr(self.local, "apart", None)
+        if apart is not None:
+            apart += parts
         merged = {}
         for key in parts[0]:
             values = [p[key] for p in parts]
-            if torch.is_tensor(values[0]):
+            if apart is not None and key == "pixel_values":
+                merged[key] = values[0][:0]  # (0, D): the caller takes the pixels it needs from `apart`
+            elif torch.is_tensor(values[0]):
                 merged[key] = torch.cat(values)
             elif isinstance(values[0], np.ndarray):
                 merged[key] = np.concatenate(values)
@@ -245,47 +326,45 @@ class CachedImageProcessor:
 
 
 class EncoderCache:
-    """Each picture's vision-encoder output by path, on the model's device, for the families whose encoder sees every
-    picture alone (Qwen2/2.5/3-VL): a picture that recurs across prompts is encoded once while cached, and the model
-    takes the outputs through its own `mm_encoder_outputs` input in place of the pixels."""
+    """Each picture's vision-encoder output by picture_key, on the model's device, for the families whose encoder sees
+    every picture alone (Qwen2/2.5/3-VL): a picture that recurs across prompts is encoded once while cached, and the
+    model takes the outputs through its own `mm_encoder_outputs` input in place of the pixels. Only the pixels of the
+    pictures it lacks go to the device."""
 
     def __init__(self, model, budget: int, counts: Counter):
         self.model, self.counts = model, counts
         self.cache = ByteLRU(budget, lambda parts: sum(t.nbytes for t in parts))
         self.output_type = None  # the model's encoder output class (Qwen3-VL's carries its deepstack features)
 
-    def __call__(self, paths: list[str], inputs: BatchFeature, grid: Tensor) -> dict:
-        """The model's inputs for a batch whose pictures are `paths` in processor order, the pixels replaced by the
-        encoder's outputs: the cached ones, and the others from one encoder pass over their patch rows. `grid` is
-        the batch's image_grid_thw on the CPU, so that nothing here waits for the GPU."""
-        found = {p: v for p in dict.fromkeys(paths) if (v := self.cache.lookup(p)) is not None}
-        new = list({p: i for i, p in enumerate(paths) if p not in found}.items())  # (path, first index)
+    def __call__(self, prep: Prepared, inputs: BatchFeature) -> dict:
+        """The model's inputs for the batch `prep`, the pixels replaced by the encoder's outputs: the cached ones, and
+        the others from one encoder pass over their patch rows, which `inputs["pixel_values"]` holds for the pictures
+        `prep.ahead` (those the cache lacked when the batch was prepared) and `prep.pixels` on the CPU for any evicted
+        since. Nothing here waits for the GPU: the grids it splits by are the CPU's."""
+        keys, grid = prep.keys, prep.grid
+        found = {k: v for k in dict.fromkeys(keys) if (v := self.cache.lookup(k)) is not None}
+        first: dict[PictureKey, int] = {}
+        for i, k in enumerate(keys):
+            first.setdefault(k, i)
+        new = [k for k in first if k not in found]
         if new:
-            rows = inputs["pixel_values"].split(grid.prod(-1).tolist())  # (N,) blocks of patch rows, one per picture
-            index = [i for _, i in new]
+            index = [first[k] for k in new]
             self.counts["vision_patches"] += int(grid[index].prod(-1).sum())
-            on_device = inputs["image_grid_thw"]
-            pixels, new_grid = torch.cat([rows[i] for i in index]), torch.cat([on_device[i : i + 1] for i in index])
+            sizes = [int(grid[first[k]].prod()) for k in prep.ahead]
+            sent = dict(zip(prep.ahead, inputs["pixel_values"].split(sizes)))  # patch rows on the device
+            device, dtype = inputs["image_grid_thw"].device, self.model.dtype
+            pixels = torch.cat([sent[k] if k in sent else prep.pixels[k].to(device, dtype) for k in new])
+            new_grid = torch.cat([inputs["image_grid_thw"][i : i + 1] for i in index])
             out = self.model.get_image_features(pixels, new_grid, return_dict=True)
             self.output_type = type(out)
             deep = getattr(out, "deepstack_features", None) or []  # per layer, per picture
-            for j, (path, _) in enumerate(new):
-                found[path] = (out.pooler_output[j], *(layer[j] for layer in deep))
-                self.cache.put(path, found[path])
-        parts = [found[p] for p in paths]
+            for j, key in enumerate(new):
+                found[key] = (out.pooler_output[j], *(layer[j] for layer in deep))
+                self.cache.put(key, found[key])
+        parts = [found[k] for k in keys]
         deep = {"deepstack_features": [tuple(x[k] for x in parts) for k in range(1, len(parts[0]))]}
         out = self.output_type(pooler_output=tuple(x[0] for x in parts), **(deep if len(parts[0]) > 1 else {}))
         return {**{k: v for k, v in inputs.items() if k != "pixel_values"}, "mm_encoder_outputs": {"image": out}}
-
-
-def answer_counts(answers: list[str]) -> list[tuple[str, int]]:
-    """Distinct annotator answers, most frequent first (ties in first-occurrence order): (most common raw spelling,
-    count) per answer under the official VQA normalisation ("Red" and "red" are one)."""
-    groups: dict[str, Counter] = {}
-    for a in answers:
-        groups.setdefault(normalize_answer(a), Counter())[a] += 1
-    counted = [(spellings.most_common(1)[0][0], spellings.total()) for spellings in groups.values()]
-    return sorted(counted, key=lambda sc: -sc[1])
 
 
 def credited_replies(answers: list[str]) -> list[tuple[str, float]]:
@@ -513,15 +592,19 @@ class Replies:
 @dataclass
 class Prepared:
     """One batch made ready on the CPU for the model: which examples, the processor's inputs, generate()'s
-    positions, the pictures in processor order, Qwen's image grids, the replies, and the unpadded prompt tokens."""
+    positions, the pictures in processor order, Qwen's image grids, the replies, and the unpadded prompt tokens. With an
+    encoder cache, inputs["pixel_values"] holds only the patch rows of the pictures `ahead` (those it lacked when the
+    batch was prepared), and `pixels` every picture's own rows (kept in the picture cache anyway: no copy)."""
 
     rows: list[int]
     inputs: BatchFeature
     positions: Tensor  # (B, T) | (4, B, T)
-    paths: list[str]
+    keys: list[PictureKey]
     grid: Tensor | None  # (N, 3)
     replies: Replies | None
     tokens: int
+    ahead: list[PictureKey] = field(default_factory=list)
+    pixels: dict[PictureKey, Tensor] = field(default_factory=dict)  # (rows, D) each
 
 
 def prefetched(items: Iterator, depth: int) -> Iterator:
@@ -597,6 +680,12 @@ def is_per_token(value, inputs: BatchFeature) -> bool:
     return torch.is_tensor(value) and value.shape == inputs["input_ids"].shape
 
 
+# Decoding over a static cache (LVLMBackend's static_decode): off, or on CUDA compiled by inductor (CUDA graphs:
+# "reduce-overhead") or replayed as CUDA graphs of the eager kernels ("cudagraphs"); on the CPU a static cache alone.
+StaticDecode = Literal["off", "inductor", "cudagraphs"]
+STATIC_BUCKET = 512  # a static cache's length is rounded up to this: one shape (one graph) serves many prompt lengths
+
+
 def croppable(cache) -> bool:
     """Whether cache.crop() gives back exactly the states it held before: plain layers only. A sliding-window layer
     has already dropped the states that cutting back past its window would need."""
@@ -620,16 +709,23 @@ class LVLMBackend:
         batch_tokens: int = 0,
         workers: int = 0,
         compile: bool = True,
+        worker_processes: bool = False,
+        static_decode: StaticDecode = "off",
     ):
         self.model, self.processor, self.info = load_lvlm(model, device=device)
-        # Threads that decode and preprocess pictures in parallel, for the batch the model runs next (0 = one per
-        # core, at most 8).
-        workers = workers or min(8, os.cpu_count() or 1)
+        # Pictures for the batch the model runs next, in parallel (0 = one worker per core): decoded in threads (PIL
+        # releases the GIL) and preprocessed in the same threads or, with worker_processes, in processes, which leave
+        # the GIL to the thread that drives the GPU but copy each picture there and its patches back
+        # (docs/real-models.md has what each costs).
+        workers = worker_count(workers)
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="icl-select-images") if workers > 1 else None
+        self.picture_pool = picture_processes(workers) if worker_processes and workers > 1 else self.pool
         self.compiled = compile_regions(self.model) if compile and cuda_half(self.model) else []
         self.counts: Counter = Counter()  # tokens and patches run through the model so far (bench.py's FLOP counts)
         self.phases: dict[str, float] | None = None  # bench.py: seconds per phase of run(), when it profiles
         self.prefetch = 2  # batches prepared ahead of the model in a background thread (0 = in line)
+        self.static_decode = static_decode  # decoding over a StaticCache, on CUDA compiled with this backend
+        self.static_caches: dict[tuple[int, int], StaticCache] = {}
         # The process's image memory: half for decoded images, half for their preprocessed patches.
         DECODED_IMAGES.budget = image_cache_mib * MIB // 2
         probe = self.processor.image_processor([Image.new("RGB", (64, 48))], return_tensors="pt")
@@ -640,7 +736,7 @@ class LVLMBackend:
             # processors (Idefics3, LLaVA-NeXT/OneVision) shape an image by the prompt it is in: they always see the
             # whole prompt.
             self.processor.image_processor = CachedImageProcessor(
-                self.processor.image_processor, image_cache_mib * MIB // 2, self.pool
+                self.processor.image_processor, image_cache_mib * MIB // 2, self.picture_pool
             )
             if encoder_cache_mib > 0:
                 self.encoder_cache = EncoderCache(self.model, encoder_cache_mib * MIB, self.counts)
@@ -718,15 +814,20 @@ class LVLMBackend:
         """Processor inputs for a batch of prompts, left-padded, on the CPU. Each prompt's images go in as that prompt's
         list, as the stock apply_chat_template passes them: multi-image processors shape an image by how many share its
         prompt."""
+        return self._process(examples)[0]
+
+    def _process(self, examples: list[Example]) -> tuple[BatchFeature, list[PictureKey]]:
+        """process(), and the batch's pictures (their picture_key) in processor order: ICDs, then query, per prompt."""
         decode_ahead([it["image"] for query, icds in examples for it in (*icds, query)], self.pool)
         texts, images = zip(*(self.render(query, icds) for query, icds in examples))
-        return self.processor(
+        inputs = self.processor(
             text=list(texts),
             images=list(images),
             padding=True,
             return_tensors="pt",
             add_special_tokens=self._special(texts[0]),
         )
+        return inputs, [image.info[IMAGE_KEY] for prompt in images for image in prompt]
 
     def encode(self, examples: list[Example]) -> BatchFeature:
         """process() on the model's device (pixels in the model's dtype)."""
@@ -774,8 +875,17 @@ class LVLMBackend:
         generate()'s positions for the prompt (left padding skipped, Qwen's 3-d rope from the image grids) and every
         reply's tokens; bound for a GPU, in page-locked memory, so that copying them does not make the host wait."""
         batch, device = [examples[i] for i in rows], self.model.device
+        ahead, pixels = [], {}
         with self.phase("preprocess"):
-            inputs = self.process(batch)
+            if self.encoder_cache is None:
+                inputs, keys = self._process(batch)
+            else:  # only the pixels of pictures the encoder has not seen are copied and sent
+                with self.processor.image_processor.pictures_apart() as apart:
+                    inputs, keys = self._process(batch)
+                pixels = {k: part["pixel_values"] for k, part in zip(keys, apart)}
+                ahead = [k for k in pixels if k not in self.encoder_cache.cache]
+                if ahead:
+                    inputs["pixel_values"] = torch.cat([pixels[k] for k in ahead])
             pos = generation_positions(self.model, inputs)
             wanted = None
             if replies is not None:
@@ -786,9 +896,10 @@ class LVLMBackend:
                 owner = torch.tensor([i for i, rs in enumerate(ids) for _ in rs], dtype=torch.long)  # (R,)
                 lengths = torch.tensor([len(r) for rs in ids for r in rs], dtype=torch.long)  # (R,)
                 wanted = Replies([len(rs) for rs in ids], *(pinned(t, device) for t in (owner, tokens, lengths)))
-        paths = [it["image"] for query, icds in batch for it in (*icds, query)]  # processor order: ICDs, then query
         real_tokens, grid = int(inputs["attention_mask"].sum()), inputs.get("image_grid_thw")
-        return Prepared(rows, pinned(inputs, device), pinned(pos, device), paths, grid, wanted, real_tokens)
+        return Prepared(
+            rows, pinned(inputs, device), pinned(pos, device), keys, grid, wanted, real_tokens, ahead, pixels
+        )
 
     def batches(self, examples: list[Example], replies: list[list[str]] | None) -> Iterator[Prepared]:
         """The examples in batches of similar length (longest first, less padding), each at most batch_size prompts
@@ -852,26 +963,20 @@ class LVLMBackend:
                 pos = prep.positions.to(device, non_blocking=True)
             if self.encoder_cache is not None:
                 with self.phase("vision"):
-                    inputs = self.encoder_cache(prep.paths, inputs, prep.grid)
+                    inputs = self.encoder_cache(prep, inputs)
             else:  # the encoder runs inside the prompt pass, over every picture of the batch
                 self.counts["vision_patches"] += self._patches(prep)
             with self.phase("prefill"):
                 out = self.model(**inputs, position_ids=pos, use_cache=True, logits_to_keep=1)
             cache, last, mask = out.past_key_values, out.logits[:, -1], inputs["attention_mask"]  # last: (B, V)
             after = pos[..., -1:] + 1  # the next token's position: (B, 1) | (4, B, 1)
-            # Decoding extends the cache, and the replies need it as the prompt left it: plain layers are cut back
-            # afterwards, others (sliding windows drop old states) are copied before.
-            wanted = prep.replies
-            kept = copy.deepcopy(cache) if answer and wanted is not None and not croppable(cache) else cache
-            new = p = None
+            wanted, new, p = prep.replies, None, None
             if answer:
                 with self.phase("decode"):
-                    new = self._greedy(last, cache, mask, after)
-                    if wanted is not None and kept is cache and new.shape[1] > 1:  # the replies reuse the prompt's
-                        cache.crop(-(new.shape[1] - 1))  # cache: the last token was never fed, so it holds new - 1
+                    new = self._greedy(last, cache, mask, after, keep=wanted is not None)
             if wanted is not None:
                 with self.phase("gt_prob"):
-                    p = self._replies(wanted, last, kept, mask, after)
+                    p = self._replies(wanted, last, cache, mask, after)
             made.append((prep.rows, new, p, None if wanted is None else wanted.per_row))
         texts, probs = [""] * len(examples), [torch.zeros(0)] * len(examples)
         for rows, new, p, per_row in made:
@@ -891,11 +996,22 @@ class LVLMBackend:
         pixels, patch = prep.inputs.get("pixel_values"), getattr(self.model.config.vision_config, "patch_size", 0)
         return pixels.numel() // (pixels.shape[-3] * patch * patch) if torch.is_tensor(pixels) and patch else 0
 
-    def _greedy(self, last: Tensor, cache, mask: Tensor, pos: Tensor) -> Tensor:
+    def _greedy(self, last: Tensor, cache, mask: Tensor, pos: Tensor, keep: bool) -> Tensor:
         """Greedy tokens (B, new) from a prompt's last logits and cache, padded after each row's stop token; it stops
         once every row has, read on a GPU a step late through `Watch`, so the host never waits (at most one padding step
-        more)."""
-        done = torch.zeros(last.shape[0], dtype=torch.bool, device=last.device)  # (B,)
+        more). With `keep`, `cache` is left as the prompt left it, for the replies: decoding runs in a static copy
+        (static_decode), or in the cache itself cut back afterwards, or, where layers cannot be cut back (a sliding
+        window has dropped what cutting back would need), in a copy."""
+        B, T = mask.shape
+        forward, work, static = self.model, cache, self.static_decode != "off" and croppable(cache)
+        if static:  # fixed shapes at every step: what CUDA graphs replay
+            length = -(-(T + self.max_new_tokens) // STATIC_BUCKET) * STATIC_BUCKET  # few shapes: few graphs
+            work = self._static_cache(cache, B, length)
+            mask = torch.cat([mask, mask.new_zeros(B, length - T)], dim=1)  # (B, L)
+            forward = self._decode_call()
+        elif keep and not croppable(cache):
+            work = copy.deepcopy(cache)
+        done = torch.zeros(B, dtype=torch.bool, device=last.device)  # (B,)
         stop = self.stop_tensor
         watch = Watch(last.device)
         tokens, nxt = [], last.argmax(-1)  # (B,)
@@ -905,13 +1021,43 @@ class LVLMBackend:
             done |= torch.isin(nxt, stop)
             if step + 1 == self.max_new_tokens or watch.all(done):
                 break
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # (B, T + step + 1)
-            out = self.model(
-                input_ids=nxt[:, None], attention_mask=mask, position_ids=pos + step, past_key_values=cache
-            )
+            if static:
+                mask[:, T + step] = 1  # in place: the graph's input keeps its address
+            else:
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # (B, T + step + 1)
+            out = forward(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos + step, past_key_values=work)
             nxt = out.logits[:, -1].argmax(-1)
-        self.counts["new_tokens"] += last.shape[0] * len(tokens)
+        if keep and work is cache and len(tokens) > 1:
+            cache.crop(-(len(tokens) - 1))  # the last token was never fed, so the cache holds len(tokens) - 1 more
+        self.counts["new_tokens"] += B * len(tokens)
         return torch.stack(tokens, dim=1)  # (B, new)
+
+    def _static_cache(self, cache, batch: int, length: int) -> StaticCache:
+        """A StaticCache of `batch` rows and `length` positions holding the prompt states of `cache` (copied). One is
+        kept per shape and reused, so that a CUDA graph recorded over it stays valid."""
+        static = self.static_caches.get((batch, length))
+        if static is None:
+            static = self.static_caches[batch, length] = StaticCache(config=self.model.config, max_cache_len=length)
+        for layer, prompt in zip(static.layers, cache.layers):
+            if not layer.is_initialized:
+                layer.lazy_initialization(prompt.keys, prompt.values)
+            T = prompt.keys.shape[-2]
+            layer.keys[:, :, :T].copy_(prompt.keys)
+            layer.values[:, :, :T].copy_(prompt.values)
+            layer.keys[:, :, T:].zero_()
+            layer.values[:, :, T:].zero_()
+            layer.cumulative_length.fill_(T)
+        return static
+
+    def _decode_call(self) -> Callable:
+        """The model's forward for decoding steps over a static cache: on CUDA compiled by transformers' own
+        get_compiled_call (CUDA graphs: "reduce-overhead") with the static_decode backend, elsewhere plain."""
+        if self.model.device.type != "cuda":
+            return self.model
+        config = CompileConfig(fullgraph=False, dynamic=False, backend=self.static_decode, mode="reduce-overhead")
+        if self.static_decode == "cudagraphs":  # dynamo's capture replayed as CUDA graphs, no code generation
+            config = CompileConfig(fullgraph=False, dynamic=False, backend="cudagraphs", mode=None)
+        return self.model.get_compiled_call(config)
 
     def _replies(self, wanted: Replies, last: Tensor, cache, mask: Tensor, pos: Tensor) -> Tensor:
         """P(reply) (R,) float64 of every reply of the batch, teacher-forced from the prompt's cache (consumed)."""
@@ -1085,6 +1231,16 @@ class LVLMBackend:
         }
 
 
+@functools.lru_cache(maxsize=2)
+def clip_encoder(folder: Path, device: torch.device) -> tuple[torch.nn.Module, ProcessorMixin]:
+    """The CLIP-style model (float32, eval mode, on `device`) and processor in `folder`, loaded once per process:
+    picking demonstrations for new questions embeds them batch after batch."""
+    model = AutoModel.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+    if not hasattr(model, "get_image_features") or not hasattr(model, "get_text_features"):
+        raise ValueError(f"{folder} holds a {type(model).__name__}, not a CLIP-style image+text encoder")
+    return model, AutoProcessor.from_pretrained(folder)
+
+
 @torch.inference_mode()
 def clip_embed(
     items: list[dict],
@@ -1093,24 +1249,22 @@ def clip_embed(
     device: str = "auto",
     cache_dir: str | Path | None = None,
 ) -> dict[str, Tensor]:
-    """CLIP embeddings of each item's image and question, (N, d) float32 unit norm: "image", "text" and "fused" =
-    normalize(normalize(image) + normalize(text)). Each distinct image is embedded once, in float32 on any device, so
-    embeddings do not depend on the GPU."""
+    """CLIP embeddings of each item's image (a file path or a PIL image) and question, (N, d) float32 unit norm:
+    "image", "text" and "fused" = normalize(normalize(image) + normalize(text)). Each distinct image (file, or PIL
+    object) is embedded once, in float32 on any device, so embeddings do not depend on the GPU."""
     if not items:
         raise ValueError("clip_embed needs at least one item")
     folder, _ = resolve_model(encoder, cache_dir)
     dev, _ = resolve_device(device)
-    model = AutoModel.from_pretrained(folder, dtype=torch.float32).to(dev).eval()
-    if not hasattr(model, "get_image_features") or not hasattr(model, "get_text_features"):
-        raise ValueError(f"{encoder} is a {type(model).__name__}, not a CLIP-style image+text encoder")
-    processor = AutoProcessor.from_pretrained(folder)
+    model, processor = clip_encoder(folder, dev)
     max_length = model.config.text_config.max_position_embeddings
-    paths = list(dict.fromkeys(item["image"] for item in items))
+    pictures = {picture_id(item["image"]): item["image"] for item in items}  # distinct, in order of first use
+    paths = list(pictures)
     image_steps, text_steps = list(range(0, len(paths), batch_size)), list(range(0, len(items), batch_size))
     bar = tqdm(total=len(image_steps) + len(text_steps), desc=f"CLIP {encoder}", unit="batch")
     images, texts = [], []
     for start in image_steps:
-        batch = [load_image(p) for p in paths[start : start + batch_size]]
+        batch = [rgb(pictures[p]) for p in paths[start : start + batch_size]]
         pixels = processor(images=batch, return_tensors="pt")["pixel_values"].to(dev)  # (B, 3, H, W)
         images.append(model.get_image_features(pixel_values=pixels).pooler_output.float().cpu())  # (B, d)
         bar.update()
@@ -1123,6 +1277,18 @@ def clip_embed(
         bar.update()
     bar.close()
     row = {p: i for i, p in enumerate(paths)}
-    image = F.normalize(torch.cat(images)[[row[item["image"]] for item in items]], dim=-1)  # (N, d)
+    image = F.normalize(torch.cat(images)[[row[picture_id(item["image"])] for item in items]], dim=-1)  # (N, d)
     text = F.normalize(torch.cat(texts), dim=-1)  # (N, d)
     return {"image": image, "text": text, "fused": F.normalize(image + text, dim=-1)}
+
+
+def picture_id(image: str | Path | Image.Image) -> str | int:
+    """What tells two pictures of clip_embed apart: a file's path, a PIL image's identity."""
+    return id(image) if isinstance(image, Image.Image) else str(image)
+
+
+def rgb(image: str | Path | Image.Image) -> Image.Image:
+    """A picture given as a file (decoded through load_image's cache) or a PIL image, in RGB."""
+    if isinstance(image, Image.Image):
+        return image if image.mode == "RGB" else image.convert("RGB")
+    return load_image(str(image))

@@ -9,6 +9,7 @@ calls, so they exercise the loading path of a real checkpoint, including Qwen2.5
 without torchvision.
 
     build_tiny_qwen(folder)      random Qwen2.5-VL (hidden 64, 2 layers, 7-pixel patches) + Qwen chat template
+    build_tiny_qwen_3b_pixels(folder)  the same tiny model with Qwen2.5-VL-3B's image processing (COCO-sized cost)
     build_tiny_qwen2_vl(folder)  random Qwen2-VL (Qwen2-VL-2B-Instruct's files; AutoProcessor needs torchvision)
     build_tiny_qwen3_vl(folder)  random Qwen3-VL (Qwen3-VL-2B-Instruct's files and template, video preprocessor config)
     build_tiny_idefics3(folder)  random Idefics3 as SmolVLM-256M-Instruct (2x2 tiles + global view, byte-level BPE)
@@ -17,6 +18,7 @@ without torchvision.
     build_tiny_llava_onevision(folder)  random LLaVA-OneVision as llava-onevision-qwen2-0.5b-ov-hf (anyres_max_9)
     build_tiny_gemma3(folder)    random Gemma3 as gemma-3-4b-it (one sliding-window layer shorter than a prompt)
     build_tiny_clip(folder)      random CLIPModel + CLIP processor
+    build_clip_b32_shape(folder)  random CLIP in clip-vit-base-patch32's shape (what embedding a dataset costs)
     build_tiny_text_lm(folder)   random text-only Qwen2ForCausalLM (not an image-text-to-text model)
     build_okvqa_fixture(root)    pillow-drawn COCO-named images + OKVQA questions/annotations in the official layout
     build_okvqa_fixture(root, mixed=True)  the same with wide, tall, tiny, grayscale, palette and CMYK image files
@@ -215,6 +217,32 @@ def build_tiny_qwen(folder: Path, seed: int = 0) -> Path:
     }
     # 7-pixel patches merged 2x2: one LLM token per 14x14 pixels; the pixel bounds keep every image at 4..16 tokens.
     pixels = {"patch_size": patch, "min_pixels": 28 * 28, "max_pixels": 56 * 56}
+    return _build_qwen2_5_vl(folder, seed, text, vision, pixels, torch.float32)
+
+
+def build_tiny_qwen_3b_pixels(folder: Path, seed: int = 0) -> Path:
+    """build_tiny_qwen's tiny model with Qwen2.5-VL-3B-Instruct's image processing (14-pixel patches merged 2x2, the
+    default pixel bounds): a 640 x 480 picture becomes 391 prompt tokens and its preprocessing costs what the real
+    checkpoint's does, while the model stays small enough for the CPU (the CPU side of scoring, measured there)."""
+    head_dim, patch = 16, 14
+    text = {
+        "hidden_size": 4 * head_dim,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 32768,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    }
+    vision = {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "window_size": 112,
+        "fullatt_block_indexes": [1],
+    }
+    pixels = {"patch_size": patch, "min_pixels": 3136, "max_pixels": 12845056}
     return _build_qwen2_5_vl(folder, seed, text, vision, pixels, torch.float32)
 
 
@@ -923,6 +951,31 @@ def build_tiny_clip(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
+def build_clip_b32_shape(folder: Path, seed: int = 0) -> Path:
+    """Random weights in openai/clip-vit-base-patch32's shape (vision: 12 layers of width 768, 32-pixel patches of
+    224 x 224 crops; text: 12 layers of width 512; 512-d embeddings) with its image processing and this file's tiny
+    vocabulary: what embedding a dataset costs, without the checkpoint."""
+    from transformers import CLIPConfig, CLIPModel, CLIPProcessor, CLIPTokenizer
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    bpe = _train_bpe(CLIPTokenizer().backend_tokenizer, ["<|startoftext|>", "<|endoftext|>"], vocab_size=400)
+    tokenizer = CLIPTokenizer(**bpe)
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224})
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    config = CLIPConfig(
+        text_config={"vocab_size": len(tokenizer), "hidden_size": 512, "intermediate_size": 2048, **ids},
+        vision_config={"image_size": 224, "patch_size": 32, "hidden_size": 768, "intermediate_size": 3072},
+        projection_dim=512,
+    )
+    config.text_config.pad_token_id = tokenizer.pad_token_id
+    torch.manual_seed(seed)
+    CLIPModel(config).save_pretrained(folder)
+    CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(folder)
+    return folder
+
+
 def build_tiny_text_lm(folder: Path, seed: int = 0) -> Path:
     """A random-weight text-only Qwen2ForCausalLM: a valid checkpoint that is not an image-text-to-text model."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -969,10 +1022,11 @@ def build_okvqa_fixture(
     mixed: bool = False,
     image_size: tuple[int, int] | None = None,
     train_images: int = TRAIN_IMAGES,
+    val_images: int = VAL_IMAGES,
 ) -> Path:
     """An OK-VQA-format dataset under `root` with the official file names and JSON layout; returns `root`.
 
-    train: TRAIN_IMAGES images with two questions each (several questions share an image); val: VAL_IMAGES images
+    train: `train_images` images with two questions each (several questions share an image); val: `val_images` images
     with one question each. Question ids follow OK-VQA's image_id * 10 + index convention. `mixed`: the images cycle
     through MIXED_IMAGES' sizes, modes and formats (wide, tall, tiny, grayscale, palette, CMYK) instead of RGB JPEGs
     of IMAGE_SIZES; `image_size` (width, height): every image that size instead (COCO's are about 640 x 480).
@@ -987,9 +1041,9 @@ def build_okvqa_fixture(
         ("What color is the background?", lambda s, c, b: b, list(BACKGROUNDS)),
     ]
     # Every image is a distinct (shape, color, background, size); the sizes differ so image token counts do too.
-    every, n = list(product(SHAPES, COLORS, BACKGROUNDS, IMAGE_SIZES)), train_images + VAL_IMAGES
+    every, n = list(product(SHAPES, COLORS, BACKGROUNDS, IMAGE_SIZES)), train_images + val_images
     scenes = rng.sample(every, n) if n <= len(every) else rng.choices(every, k=n)
-    for split, n_images, per_image, first_id in (("train", train_images, 2, 9000), ("val", VAL_IMAGES, 1, 500)):
+    for split, n_images, per_image, first_id in (("train", train_images, 2, 9000), ("val", val_images, 1, 500)):
         (root / f"{split}2014").mkdir(parents=True, exist_ok=True)
         qs, anns = [], []
         for i in range(n_images):

@@ -10,11 +10,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import random
 import re
 import shutil
+import subprocess
+import sys
 import threading
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -217,6 +221,97 @@ def test_each_picture_is_encoded_once_and_changes_nothing(assets, items, monkeyp
         held = kit.encoder_cache.cache
         assert held.bytes == sum(size for _, size in held.entries.values())  # hits are not counted twice
         assert len(held.entries) == (5 if budget is None else 1)
+
+
+def test_a_picture_changed_in_place_is_read_again(assets, items, tmp_path):
+    """Every picture cache (decoded pictures, preprocessed patches, the encoder's outputs) knows a file by its path,
+    size, modification time and inode: a picture rewritten in place under the same name is decoded, preprocessed and
+    encoded anew, and the prompt scores as it does for a process that never saw the old one."""
+    path = tmp_path / "picture.jpg"
+    Image.new("RGB", (56, 42), (220, 30, 30)).save(path, quality=95)
+    query = dict(items["val"][0], image=str(path))
+    examples, replies = [(query, items["train"][2:4])], [["red", "blue"]]
+    kit = LVLMBackend(str(assets["qwen"]), items, batch_size=4, max_new_tokens=4)
+    before = kit.run(examples, replies)
+    old = path.stat()
+    Image.new("RGB", (56, 42), (30, 60, 220)).save(path, quality=95)  # the same name and pixel size
+    os.utime(path, ns=(old.st_atime_ns, old.st_mtime_ns + 10**9))  # a later time, whatever the clock's resolution
+    with Image.open(path) as img:
+        drawn = img.convert("RGB")
+    assert load_image(str(path)).tobytes() == drawn.tobytes()
+    stock = kit.processor.image_processor.inner(images=[drawn], return_tensors="pt")
+    assert torch.equal(kit.encode([(query, [])])["pixel_values"], stock["pixel_values"])
+    after = kit.run(examples, replies)
+    lvlm.DECODED_IMAGES.clear()
+    fresh = LVLMBackend(str(assets["qwen"]), items, batch_size=4, max_new_tokens=4).run(examples, replies)
+    assert after[0] == fresh[0] and torch.equal(after[1][0], fresh[1][0])
+    assert not torch.equal(before[1][0], after[1][0])  # the picture matters to the model: a stale one would show
+
+
+def test_pictures_preprocessed_in_worker_processes_are_the_same_bits(assets, items):
+    """Picture workers are processes (the GIL stays with the thread that drives the model); what they return is the
+    image processor's output on the same picture, bit for bit."""
+    kit = LVLMBackend(str(assets["qwen"]), items, batch_size=4, max_new_tokens=4, workers=2, worker_processes=True)
+    assert isinstance(kit.picture_pool, ProcessPoolExecutor)
+    cached = kit.processor.image_processor
+    cached.cache.clear()
+    examples = [(items["val"][q], items["train"][4 * q : 4 * q + 3]) for q in range(4)]
+    got = kit.encode(examples)
+    assert cached.misses >= len({it["image"] for query, icds in examples for it in (*icds, query)})
+    pictures = []
+    for query, icds in examples:
+        for it in (*icds, query):
+            with Image.open(it["image"]) as img:
+                pictures.append(img.convert("RGB"))
+    stock = cached.inner(images=pictures, return_tensors="pt")
+    assert torch.equal(got["pixel_values"], stock["pixel_values"])
+    assert torch.equal(got["image_grid_thw"], stock["image_grid_thw"])
+
+
+def test_the_encoder_gets_only_unseen_pictures_and_one_evicted_meanwhile(assets, items):
+    """A prepared batch carries the pixels of the pictures the encoder cache lacks, not the others; a picture evicted
+    between preparing and running a batch is encoded from its own patch rows, as the stock processor makes them."""
+    kit = LVLMBackend(str(assets["qwen"]), items, batch_size=4, max_new_tokens=4)
+    kit.run([(items["val"][0], [items["train"][0], items["train"][2]])])  # three pictures encoded
+    batch = [(items["val"][0], [items["train"][2], items["train"][4]])]  # two of them, and a new one
+    prep = kit.prepare([0], batch, None)
+    new = items["train"][4]["image"]
+    assert [key[0] for key in prep.ahead] == [new]
+    with Image.open(new) as img:
+        rows = kit.processor.image_processor.inner(images=[img.convert("RGB")], return_tensors="pt")["pixel_values"]
+    assert torch.equal(prep.inputs["pixel_values"], rows)  # only the unseen picture's patch rows
+    kit.encoder_cache.cache.clear()  # every picture evicted before the batch runs
+    encoded = kit.encoder_cache(prep, prep.inputs)["mm_encoder_outputs"]["image"].pooler_output
+    pictures = []
+    for it in (items["train"][2], items["train"][4], items["val"][0]):
+        with Image.open(it["image"]) as img:
+            pictures.append(img.convert("RGB"))
+    stock = kit.processor.image_processor.inner(images=pictures, return_tensors="pt")
+    with torch.no_grad():
+        want = kit.model.get_image_features(**stock).pooler_output
+    torch.testing.assert_close(torch.cat(encoded), torch.cat(want), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "idefics3", "llava_next", "gemma3"])
+def test_decoding_over_a_static_cache_answers_as_generate(name, family_models, mixed_items):
+    """static_decode: decoding runs over a StaticCache (fixed shapes: what CUDA graphs replay; compiled on CUDA only),
+    giving generate()'s answers on each prompt alone and P(reply) from the prompt's own cache, untouched; a family
+    with a sliding window decodes as before."""
+    from test_families import MAX_NEW, Reference, rgb_images
+
+    train, val = mixed_items["train"], mixed_items["val"]
+    examples = [(val[i % len(val)], [train[(3 * i + j) % len(train)] for j in range(i % 5)]) for i in range(10)]
+    replies = [[query["answers"][0], "Yes"] for query, _ in examples]
+    folder = str(family_models[name])
+    static = LVLMBackend(folder, mixed_items, batch_size=4, max_new_tokens=MAX_NEW, static_decode="inductor")
+    answers, probs = static.run(examples, replies)
+    assert bool(static.static_caches) == (name != "gemma3")
+    ref = Reference(family_models[name])
+    chats = [static.messages(query, icds) for query, icds in examples]
+    assert answers == [ref.answer(c, rgb_images(*ex)) for c, ex in zip(chats, examples)]
+    for ps, chat, ex, rs in zip(probs, chats, examples, replies):
+        want = [ref.log_prob(chat, rgb_images(*ex), r) for r in rs]
+        assert ps.log().tolist() == pytest.approx(want, abs=1e-4)
 
 
 def test_processor_gets_images_in_prompt_order(backend, items):
@@ -487,10 +582,61 @@ def test_lvlm_bench_shares_prompts_at_least_3x_with_identical_results(assets):
     args = bench.Args(only="lvlm", lvlm=str(assets["qwen"]), vqa_root=assets["okvqa"], device="cpu", queries=2)
     got = bench.bench_lvlm(replace(args, repeats=1))
     assert got["token_ratio"] >= 3 and got["same_answers"] and got["max_diff"] <= 1e-5
-    assert "no encoder cache" in got["rates"]  # Qwen: with and without it
+    assert "no-encoder-cache" in got["rates"]  # Qwen: with and without it
     # every phase of a scoring pass is timed, and the model's FLOPs are counted for the language model and the encoder
     assert set(got["phases"]) == {"preprocess", "copy", "vision", "prefill", "decode", "gt_prob", "other"}
     assert got["flops"]["lm"] > 0 and got["flops"]["vision"] > 0 and got["flops"]["matmul"] > 0
+
+
+def test_lvlm_bench_recurring_pictures_are_encoded_once_per_pass(assets, items):
+    """The recurring-pictures line: online steps whose pools draw from the same train questions, the caches kept from
+    step to step within a pass, so each distinct picture is encoded once a pass: the encoder sees the patch rows of the
+    distinct pictures (counted here with the stock image processor), however often they recur."""
+    import bench
+
+    args = bench.Args(only="lvlm", lvlm=str(assets["qwen"]), vqa_root=assets["okvqa"], device="cpu", repeats=1)
+    args = replace(args, queries=2, group_size=4, shots=2, pool_size=6, lvlm_steps=3, lvlm_reference=False)
+    got = bench.bench_lvlm(replace(args, lvlm_passes=["default"]))
+    pictures = {it["image"] for step in bench.lvlm_steps(items, args) for q, icds in step for it in (*icds, q)}
+    assert got["pictures"] == {"slots": 3 * 2 * 4 * 3, "distinct": len(pictures)} and len(pictures) < 3 * 2 * 4 * 3
+    inner = LVLMBackend(str(assets["qwen"]), items).processor.image_processor.inner
+    patches = 0
+    for path in pictures:
+        with Image.open(path) as img:
+            patches += int(inner(images=[img.convert("RGB")], return_tensors="pt")["image_grid_thw"].prod())
+    assert got["encoded_per_sequence"] * 3 * 2 * 4 == patches
+
+
+@pytest.mark.slow
+def test_the_gpu_report_runs_end_to_end_in_its_smoke_form(tmp_path):
+    """bench.py --only gpu-report --smoke: every step of the GPU run (the bench lines, CLIP, each stage as its own
+    command, the rates they record) with the tiny models on the CPU, and the pipeline's hours from those rates."""
+    import bench
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    argv = [sys.executable, "bench.py", "--only", "gpu-report", "--smoke", "--report-dir", str(tmp_path)]
+    subprocess.run(argv, check=True, cwd=root, env=env, capture_output=True)
+    doc = json.loads((tmp_path / "report.json").read_text())
+    steps = doc["steps"]
+    assert [name for name, r in steps.items() if "error" in r] == []
+    stages = ("gen_rl_data.py", "grpo.py --online", "evaluate.py selector", "evaluate.py zero-shot")
+    assert set(steps) == {"build", "bench", "bench recurring", "clip", *stages}
+    assert all(steps[name]["rate"] > 0 for name in stages)  # each stage's own record, read back
+    assert set(steps["bench"]["rates"]) == {"default", "no-encoder-cache", "picture-processes", "inline"}  # CPU
+    want = 9_009 + 5_046
+    hours = want / steps["clip"]["items_per_s"] + 12_800 / steps["gen_rl_data.py"]["rate"]
+    hours += 35_000 / steps["grpo.py --online"]["rate"] + 12_800 / steps["evaluate.py selector"]["rate"]
+    hours += 800 / steps["evaluate.py zero-shot"]["rate"]
+
+    def start_up(name: str) -> float:  # a process's wall time less its scoring
+        return steps[name]["process_seconds"] - steps[name]["sequences"] / steps[name]["rate"]
+
+    hours += 6 * sorted(start_up(n) for n in ("gen_rl_data.py", "evaluate.py selector", "evaluate.py zero-shot"))[1]
+    assert doc["hours"]["total"] == pytest.approx(hours / 3600, rel=1e-9)
+    text = (tmp_path / "report.md").read_text()
+    assert text.startswith("# Scoring throughput report (SMOKE RUN") and f"**{doc['hours']['total']:.2f}**" in text
+    assert all(f"`{name}`" in text for name in stages) and bench.LVLM_PASSES["picture-processes"][0] in text
 
 
 def test_score_postprocesses_generations(backend, items, monkeypatch):
@@ -544,6 +690,38 @@ def test_clip_embed_matches_the_model(assets, items):
     emb = clip_embed(items["train"], str(assets["clip"]), device="cpu")
     assert torch.allclose(emb["image"][7], F.normalize(image.pooler_output[0], dim=-1), atol=1e-5)
     assert torch.allclose(emb["text"][7], F.normalize(text.pooler_output[0], dim=-1), atol=1e-5)
+
+
+def test_clip_embed_loads_the_encoder_once_and_takes_pil_images(assets, items, monkeypatch):
+    lvlm.clip_encoder.cache_clear()
+    loads, load = [], lvlm.AutoModel.from_pretrained
+    monkeypatch.setattr(lvlm.AutoModel, "from_pretrained", lambda *a, **k: loads.append(a) or load(*a, **k))
+    train = items["train"][:6]
+    by_path = clip_embed(train, str(assets["clip"]), device="cpu")
+    pictures = []  # PIL images: RGB, and every other one grey (mode "L")
+    for it in train:
+        with Image.open(it["image"]) as img:
+            pictures.append(dict(it, image=img.convert("L" if len(pictures) % 2 else "RGB")))
+    by_image = clip_embed(pictures, str(assets["clip"]), device="cpu")
+    assert len(loads) == 1  # the second call reuses the loaded encoder
+    for key in by_path:
+        torch.testing.assert_close(by_image[key][::2], by_path[key][::2], atol=1e-6, rtol=0)
+    grey = [dict(p, image=p["image"].convert("RGB")) for p in pictures[1::2]]  # what a grey picture is embedded as
+    torch.testing.assert_close(
+        by_image["image"][1::2], clip_embed(grey, str(assets["clip"]), device="cpu")["image"], atol=1e-6, rtol=0
+    )
+    assert len(loads) == 1
+
+
+def test_a_demonstrations_answer_needs_no_transformers():
+    """answer_counts lives with the VQA metric: the library's demonstrations show their answer without loading the
+    LVLM backend (and transformers with it)."""
+    code = (
+        "import sys, types; from icl_select.library import Demo; "
+        "got = Demo.answer.fget(types.SimpleNamespace(answers=['red', 'Blue', 'blue', 'blue', 'Red'])); "
+        "assert got == 'blue', got; assert 'transformers' not in sys.modules, 'transformers imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent)
 
 
 # ---------------------------------------------------------------------------------------------------------------
