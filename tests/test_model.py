@@ -440,3 +440,122 @@ def test_model_json_reads_true_and_false_and_refuses_a_number_for_a_switch(tmp_p
     (tmp_path / "model.json").write_text(json.dumps(raw | {"state_update": 0}))
     with pytest.raises(ValueError, match=r"^\S+model\.json: field 'state_update' must be true or false, got 0$"):
         load_selector(tmp_path)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# A selector that may stop: sequences of 0..S demonstrations, -1 after the last
+
+
+STOP = replace(CFG, can_stop=True, picks=4)
+
+
+def stopping(seed: int) -> PointerSelector:
+    """A selector that may stop, its stop scores drawn away from zero so that stopping has a real probability."""
+    model = make_model(seed, STOP)
+    with torch.no_grad():
+        model.stop_bias.copy_(torch.randn(STOP.picks, generator=rng(seed + 2)))
+    return model
+
+
+@st.composite
+def stopped_batches(draw):
+    """`batches()` with every valid sequence cut to a drawn length 0..S (-1 after its last pick)."""
+    query, pool, pool_mask, seqs, seq_mask, seed = draw(batches())
+    lengths = torch.randint(0, seqs.shape[2] + 1, seqs.shape[:2], generator=rng(seed + 3))  # (B, G)
+    cut = seqs.masked_fill(torch.arange(seqs.shape[2]) >= lengths[..., None], -1)
+    return query, pool, pool_mask, torch.where(seq_mask[..., None], cut, seqs), seq_mask, seed
+
+
+@torch.no_grad()
+def by_hand(model: PointerSelector, query, pool, pool_mask, seq: list[int], S: int) -> float:
+    """log pi(seq) of one sequence, one step at a time from the step distributions (`forward` of growing prefixes is
+    not used): each pick's probability among the candidates left and the stop, then the stop if it ended early."""
+    total, picked = 0.0, []
+    K = pool.shape[1]
+    for t in range(S):
+        prefix = torch.tensor(picked + [-1] * (S - len(picked)))[None, None]  # stopped after the picks so far
+        dist = model(query, pool, pool_mask, prefix, torch.ones(1, 1, dtype=torch.bool), with_dists=True).log_dist
+        step = dist[0, 0, t]  # (K + 1,) the distribution after the picks so far
+        choice = seq[t] if t < len(seq) else K
+        total += float(step[choice])
+        if choice == K:
+            break
+        picked.append(choice)
+    return total
+
+
+@given(stopped_batches())
+def test_stopped_sequences_are_scored_pick_by_pick_and_then_the_stop(batch):
+    """log pi of a sequence of n < S picks = its picks' log-probs + the stop's at step n; steps after it are not taken
+    (0, masked); each taken step's distribution covers the candidates left and the stop, and sums to 1."""
+    query, pool, pool_mask, seqs, seq_mask, seed = batch
+    model = stopping(seed)
+    S, K = seqs.shape[2], pool.shape[1]
+    out = model(query, pool, pool_mask, seqs, seq_mask, with_dists=True)
+    assert out.log_dist.shape[-1] == K + 1
+    n = (seqs >= 0).sum(-1)  # (B, G)
+    for b, g in zip(*seq_mask.nonzero(as_tuple=True)):
+        taken = [t <= n[b, g] for t in range(S)]
+        assert out.taken[b, g].tolist() == taken
+        assert (out.logp[b, g][~out.taken[b, g]] == 0).all()
+        for t in range(S):
+            if taken[t]:
+                assert torch.allclose(out.log_dist[b, g, t].exp().sum(), torch.tensor(1.0), atol=1e-5)
+        seq = [c for c in seqs[b, g].tolist() if c >= 0]
+        want = by_hand(model, query[b : b + 1], pool[b : b + 1], pool_mask[b : b + 1], seq, S)
+        assert out.logp[b, g].sum().item() == pytest.approx(want, abs=1e-4)
+    assert not out.taken[~seq_mask].any() and (out.logp[~seq_mask] == 0).all()
+
+
+@given(stopped_batches())
+def test_greedy_and_sampling_may_stop_and_are_scored_as_teacher_forcing_scores_them(batch):
+    query, pool, pool_mask, seqs, _, seed = batch
+    S = seqs.shape[2]
+    model = stopping(seed)
+    picks, logp = model.greedy(query, pool, pool_mask, S)
+    every = torch.ones(len(query), 1, dtype=torch.bool)
+    assert torch.allclose(model.log_probs(query, pool, pool_mask, picks[:, None], every).sum(-1)[:, 0], logp, atol=1e-5)
+    beam, score = model.beam_search(query, pool, pool_mask, S, 1)
+    assert torch.equal(beam[:, 0], picks) and torch.allclose(score[:, 0], logp, atol=1e-5)
+    full, _ = model.greedy(query, pool, pool_mask, S, stop=False)  # exactly S: never stops
+    assert (full >= 0).all() and pool_mask.gather(1, full).all()
+    drawn, lp = model.sample(query, pool, pool_mask, S, 5, rng(seed), 1.0)  # (B, 5, S)
+    assert ((drawn >= 0).int().diff(dim=-1) <= 0).all()  # -1 only after the last pick
+    tf = model.log_probs(query, pool, pool_mask, drawn, torch.ones(drawn.shape[:2], dtype=torch.bool)).sum(-1)
+    assert torch.allclose(tf, lp, atol=1e-5)
+
+
+@given(seeds, st.integers(2, 4), st.integers(1, 3))
+def test_exhaustive_beam_with_stops_ranks_every_sequence_of_every_length(seed, K, S):
+    """A beam as wide as the number of sequences of 0..S picks returns all of them, best first, scored as teacher
+    forcing scores them."""
+    S = min(S, K)
+    model = stopping(seed)
+    g = rng(seed)
+    query, pool = torch.randn(1, CFG.dim, generator=g), torch.randn(1, K, CFG.dim, generator=g)
+    mask = torch.ones(1, K, dtype=torch.bool)
+    every = [list(p) + [-1] * (S - n) for n in range(S + 1) for p in itertools.permutations(range(K), n)]
+    every = torch.tensor(every)  # (N, S)
+    tf = model.log_probs(query, pool, mask, every[None], torch.ones(1, len(every), dtype=torch.bool)).sum(-1)[0]
+    beam, score = model.beam_search(query, pool, mask, S, len(every))
+    assert torch.allclose(score[0], tf.sort(descending=True).values, atol=1e-5)
+    assert {tuple(s) for s in beam[0].tolist()} == {tuple(s) for s in every.tolist()}
+
+
+def test_stopping_follows_the_policy():
+    """How often sampling stops at once matches the stop's probability at step 0."""
+    model = stopping(0)
+    g = rng(0)
+    query, pool = torch.randn(1, CFG.dim, generator=g), torch.randn(1, 4, CFG.dim, generator=g)
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    picks, _ = model.sample(query, pool, mask, 2, 20000, rng(1))
+    first = model(query, pool, mask, torch.full((1, 1, 2), -1), torch.ones(1, 1, dtype=torch.bool), True).log_dist
+    p_stop = first[0, 0, 0, -1].exp().item()
+    assert 0.05 < p_stop < 0.95 and (picks[0, :, 0] < 0).float().mean().item() == pytest.approx(p_stop, abs=0.015)
+
+
+def test_prompt_order_reverses_each_sequences_demonstrations_and_keeps_the_padding_last():
+    seqs = torch.tensor([[3, 1, 2, -1], [-1, -1, -1, -1], [0, 1, 2, 4]])
+    assert STOP.to_prompt(seqs).tolist() == [[2, 1, 3, -1], [-1, -1, -1, -1], [4, 2, 1, 0]]
+    assert torch.equal(STOP.from_prompt(STOP.to_prompt(seqs)), seqs)
+    assert torch.equal(replace(STOP, pick_order="prompt").to_prompt(seqs), seqs)

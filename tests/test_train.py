@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import evaluate
+import gen_rl_data
 import grpo
 import rce
 from icl_select import batches, epochs, runs, validation
@@ -777,7 +778,7 @@ def test_retriever_learns_a_preference_planted_in_its_data(small_data, tmp_path)
     data, hidden = planted(small_data, tmp_path / "planted")
     out = tmp_path / "retriever"
     rce.main(rce.Args(data=data, out=out, retriever=True, epochs=20, lr=1e-2, quality="all", **FAST))
-    # the last epoch: the simulator's validation accuracy, which picks the best one, knows nothing of the planted rewards
+    # the last epoch: the validation accuracy that picks the best one knows nothing of the planted rewards
     model = load_selector(out / "ckpt" / "epoch_020.safetensors").eval()
     assert model.cfg.num_layers == 0 and not model.cfg.state_update
     ds = load_dataset(data)
@@ -833,3 +834,27 @@ def test_a_runs_lvlm_calls_add_up_along_its_init_chain(small_data, tmp_path, mon
     assert doc["lvlm_calls"] == data_calls + trained
     rce_doc = json.loads((tmp_path / "rce" / "eval" / "val.json").read_text())
     assert data_calls < rce_doc["lvlm_calls"] < doc["lvlm_calls"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("help_base, stops", [(-2.0, True), (1.0, False)])
+def test_a_selector_that_may_stop_learns_when_to(tmp_path, help_base, stops):
+    """Planted worlds: where every demonstration hurts (help_base -2) the selector learns to stop at once; where every
+    one helps (+1) it fills its k slots. RCE warms it up on groups with shorter sequences and the zero-shot prompt,
+    online GRPO then learns from its own stops; the first step's ratio is 1 and its KL to the reference 0."""
+    data = tmp_path / "data"
+    sim = dict(num_train=600, num_val=150, num_queries=96, group_size=8, pool_size=24)
+    gen_rl_data.generate(gen_rl_data.Args(out=data, min_shots=0, sim_set=[f"help_base={help_base}"], **sim))
+    rce.main(rce.Args(data=data, out=tmp_path / "rce", can_stop=True, epochs=5, quality="all", **FAST))
+    online = dict(online=True, epochs=6, lr=3e-3, kl_beta=0.05, replay_steps=0, item_bias=False, kl_target=None)
+    grpo.main(grpo.Args(data=data, init=tmp_path / "rce", out=tmp_path / "online", **online, **FAST))
+    first = json.loads((tmp_path / "online" / "metrics.jsonl").read_text().splitlines()[1])  # epoch 1's record
+    assert first["grpo/kl_ref"] >= 0 and first["grpo/entropy"] > 0
+    evaluate.main(evaluate.Args(data=data, runs=[tmp_path / "online"], num_samples=[150]))
+    upto = json.loads((tmp_path / "online" / "eval" / "val-upto.json").read_text())
+    used = upto["demonstrations"]["150"]["4"]
+    assert used < 0.5 if stops else used > 3.5, used
+    exact = json.loads((tmp_path / "online" / "eval" / "val.json").read_text())
+    assert exact["demonstrations"]["150"]["4"] == 4
+    if stops:  # stopping is right here: up to k beats filling every slot
+        assert upto["summary"]["150"]["4"] > exact["summary"]["150"]["4"] + 10
