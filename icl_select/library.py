@@ -297,15 +297,15 @@ class Demonstrations:
         selector = PointerSelector.from_pretrained(run, revision=revision)
         config = json.loads((selector.run_files or {}).get("config.json", b"{}"))
         data, why = run_data(config, library)
-        meta = read_meta(data) if data is not None else None
+        meta = read_meta(data) if data is not None else config.get("dataset")  # config.json copies its settings
         if meta is not None:
             if encoder is not None and encoder != meta["encoder"]:
-                raise ValueError(f"{run} was trained on embeddings of {meta['encoder']} ({data}), not of {encoder}")
+                raise ValueError(f"{run} was trained on embeddings of {meta['encoder']}, not of {encoder}")
             encoder = meta["encoder"]
-        elif library is None or encoder is None:
+        if data is None and (library is None or encoder is None):
             raise ValueError(
-                f"{run}: {why}; name the library to pick from and the encoder the selector was trained with "
-                "(Demonstrations.from_run(..., library=..., encoder=...))"
+                f"{run}: {why}; name the library to pick from (and the encoder the selector was trained with, if its "
+                "config.json does not say) (Demonstrations.from_run(..., library=..., encoder=...))"
             )
         here = None  # the encoder's revision on this machine, which embeds the queries (None: a folder, the simulator)
         if encoder != "sim":

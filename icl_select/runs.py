@@ -169,6 +169,8 @@ def write_config(out: Path, args, ds, split, extra: dict | None = None) -> None:
             **{pkg: version(pkg) for pkg in ("transformers", "tqdm", "safetensors", "tyro")},
         },
         "data": {"folder": str(ds.folder), "digest": ident["data"], "simulation": ds.is_sim},
+        # how its data was made (encoder, pools, prompts): what using the selector elsewhere needs (library.py)
+        "dataset": {k: ds.meta[k] for k in DATASET_SETTINGS if k in ds.meta},
         "init_sha256": ident["init"],
         "lvlm_calls_before": lvlm_before(ds, ident["data"], getattr(args, "init", None)),
         "queries": {"train": len(split.train), "val": len(split.val)},
@@ -205,6 +207,25 @@ def lvlm_spent(source: Path) -> dict | None:
 def lvlm_total(spent: dict | None) -> int | None:
     """All the LVLM prompts an `lvlm_spent` record counts."""
     return None if spent is None else sum(spent["data"].values()) + spent["training"]
+
+
+# meta.json fields a run's config.json copies: enough to embed, pool and prompt as the run did, wherever it goes
+DATASET_SETTINGS = (
+    "task",
+    "source",
+    "lvlm",
+    "revision",
+    "encoder",
+    "encoder_revision",
+    "sampler",
+    "pool_size",
+    "seq_len",
+    "min_shots",
+    "seed",
+    "prompt_template",
+    "system_prompt",
+    "generation",
+)
 
 
 def resume_point(out: Path, args, ds) -> Path | None:

@@ -264,7 +264,13 @@ WORLDS: dict[str, dict[str, float]] = {
     "saturating": {"gain_decay": 0.3, "help_pair": 0.6, "help_type": 0.05, "help_topic": 0.3},
     "strong": {"difficulty_mean": 1.0, "help_base": -0.15, "help_topic": 0.1, "help_quality": 0.2},
     "order": {"primacy": 0.6, "neighbour": 0.3},
-    "harmful": {"difficulty_mean": 1.0, "help_base": -0.22, "help_topic": 0.25, "help_quality": 0.0, "copy_weight": 2.2},
+    "harmful": {
+        "difficulty_mean": 1.0,
+        "help_base": -0.22,
+        "help_topic": 0.25,
+        "help_quality": 0.0,
+        "copy_weight": 2.2,
+    },
 }
 
 

@@ -179,7 +179,7 @@ def test_refusals_on_the_simulator(random_run, small_data, tmp_path):
     with pytest.raises(
         ValueError,
         match=r"^\S+sel: its dataset folder \S+elsewhere \(config.json field 'data.folder'\) is not here; "
-        r"name the library to pick from and the encoder .*encoder=\.\.\.\)\)$",
+        r"name the library to pick from \(and the encoder .*encoder=\.\.\.\)\)$",
     ):
         Demonstrations.from_run(hub)
     # the library may be the run's dataset folder: recognised by its digest, it brings the run's settings
@@ -198,6 +198,14 @@ def test_refusals_on_the_simulator(random_run, small_data, tmp_path):
         ValueError, match=r"^\S+sel/model.json: field 'dim' is 512, but the embeddings of narrow are 16-d; .*$"
     ):
         Demonstrations.from_run(hub, library=narrow, encoder="sim", sampler="random", pool_size=24)
+    # its config.json says how the run embedded and pooled: a library of the same items picks as the run does
+    same = Demonstrations.from_run(hub, library=Library(ds.items["train"], {"fused": ds.emb["train"]}, "sim"))
+    view = {"fused": ds.emb["val"][:20]}
+    assert (same.sampler, same.pool_size) == ("random", 24) and rows(same.pick_embedded(view)) == rows(
+        demos.pick_embedded(view)
+    )
+    config_without = {k: v for k, v in config.items() if k != "dataset"}  # what a run folder of other tools holds
+    (hub / "config.json").write_text(json.dumps(config_without))
     with pytest.raises(ValueError, match=r"^\S+sel: how its pools were built .*; name sampler= and pool_size= .*\)$"):
         Demonstrations.from_run(
             hub, library=Library(ds.items["train"], {"fused": ds.emb["train"]}, "sim"), encoder="sim"
