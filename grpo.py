@@ -222,12 +222,20 @@ class Plan:
 def budget_plan(budget: int, epochs: int | None, step_calls: int, val_calls: int, group: int, natural: int) -> Plan:
     """The most steps `budget` affords once every validation is reserved, each step counted at its most calls
     (`step_calls`) and the last cut to the whole groups (`group` calls each) left. Without `epochs`, as many epochs of
-    at most `natural` steps as the steps need: the fewest that fit, since every epoch reserves a validation."""
+    at most `natural` steps as the steps need: the fewest that fit, since every epoch reserves a validation; where one
+    more epoch's validation would cost more than the steps it frees, the epochs so far, each of `natural` steps."""
+
+    def affords(e: int) -> int:  # steps of training left once e epochs and the start (+ 1) are validated
+        train = max(budget - (e + 1) * val_calls, 0)
+        return train // step_calls + (train % step_calls >= group)
+
     e = epochs or 1
     while True:
-        train = budget - (e + 1) * val_calls  # (e + 1): the start is validated too
-        steps = max(train, 0) // step_calls + (max(train, 0) % step_calls >= group)
+        steps = affords(e)
         if epochs is not None or -(-steps // natural) <= e:
+            break
+        if affords(e + 1) < e + 1:  # one more epoch would not pay for its own validation
+            steps = e * natural
             break
         e += 1
     if steps < e:
@@ -237,8 +245,7 @@ def budget_plan(budget: int, epochs: int | None, step_calls: int, val_calls: int
         )
     per_epoch = -(-steps // e)
     while epochs is not None and (used := -(-steps // per_epoch)) < e:  # the last epochs came out empty: their
-        e, train = used, budget - (used + 1) * val_calls  # validations are not needed, so they fund more steps
-        steps = train // step_calls + (train % step_calls >= group)
+        e, steps = used, affords(used)  # validations are not needed, so they fund more steps
         per_epoch = -(-steps // e)
     return Plan(-(-steps // per_epoch), steps, per_epoch, val_calls)
 

@@ -221,11 +221,9 @@ def test_budget_plan_fits_its_worst_case_in_the_budget(budget, epochs, batch, gr
     except ValueError as e:
         assert "too small" in str(e)
         # Refused only where even the least run does not fit: `epochs` (or one) epochs of one step each, every step
-        # but the last at its most calls, the last one group, and every validation at its most. Without `epochs`,
-        # where one more epoch's validation costs more than a step, budget_plan refuses budgets that fit (see
-        # test_budget_plan_refuses_a_budget_that_fits_one_epoch): not checked there until it is mended.
+        # but the last at its most calls, the last one group, and every validation at its most.
         least = ((epochs or 1) - 1) * batch * group + group + ((epochs or 1) + 1) * val
-        assert budget < least or (epochs is None and val > (natural - 1) * batch * group), least
+        assert budget < least, least
         return
     assert 1 <= plan.epochs <= (epochs or plan.epochs) and plan.steps >= plan.epochs
     assert (plan.epochs - 1) * plan.steps_per_epoch < plan.steps <= plan.epochs * plan.steps_per_epoch
@@ -242,11 +240,9 @@ def test_budget_plan_fits_its_worst_case_in_the_budget(budget, epochs, batch, gr
     assert train - plan.steps * batch * group < group or epochs is None  # no whole step left unused
 
 
-@pytest.mark.xfail(strict=True, reason="budget_plan skips the one-epoch plan it needs here (reported; see above)")
-def test_budget_plan_refuses_a_budget_that_fits_one_epoch():
+def test_budget_plan_takes_one_epoch_where_a_second_cannot_pay_for_its_validation():
     """Every training anchor in one batch (natural 1): 2 steps do not fit one epoch, and 2 epochs cannot pay for their
-    3 validations, so budget_plan refuses 14 calls as too small ("19 in all"), while one epoch of one step and its 2
-    validations take 2 + 2 * 5 = 12."""
+    3 validations; one epoch of one step and its 2 validations take 2 + 2 * 5 = 12 of the 14 calls."""
     plan = grpo.budget_plan(14, None, 2, 5, 2, 1)
     assert (plan.epochs, plan.steps) == (1, 1)
 
