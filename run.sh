@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The whole pipeline on the built-in simulated LVLM: data -> RCE -> GRPO (offline, online) -> evaluation with
-# baselines -> comparison (the glance table printed; the full report in runs/report.md, figures in runs/plots/).
+# The whole pipeline on the built-in simulated LVLM: data -> RCE -> GRPO (offline, online) and the rivals -> evaluation
+# with baselines -> comparison (the glance table printed; the full report in runs/report.md, figures in runs/plots/).
 # Re-running never deletes anything: every stage resumes when its command is re-run (an interrupted one continues, a
 # finished run is reused as it is), and a run made with other flags or data is refused with a message; delete
 # data/sim and runs/ yourself to start over.
@@ -14,11 +14,15 @@ python rce.py                                           # runs/rce
 python grpo.py --kl-beta 0.1 --no-rank-advantage        # runs/grpo-kl0.1 (offline, the scored groups)
 python grpo.py --online                                 # runs/grpo-kl0.3-online (simulator in the loop)
 
-for b in zero-shot random image-sim text-sim oracle observable; do
+# the rivals: a retriever trained on the same data, and Lever-LM as published (its own data: 1.93M LVLM calls)
+python rce.py --retriever                               # runs/retriever
+python gen_rl_data.py --groups infoscore --group-size 5 --seq-len 2 --num-queries 5000 --out data/sim-leverlm
+python rce.py --data data/sim-leverlm --weights uniform --quality all --picks 4 --out runs/lever-lm
+
+for b in zero-shot random image-sim text-sim mmices mmr coreset oracle observable; do
   python evaluate.py --baseline "$b" --seeds 3
 done
-python evaluate.py runs/rce runs/grpo-kl0.1 runs/grpo-kl0.3-online
+python evaluate.py runs/rce runs/grpo-kl0.1 runs/grpo-kl0.3-online runs/retriever runs/lever-lm
 
-python compare.py runs/baseline-random runs/baseline-zero-shot runs/baseline-image-sim runs/baseline-text-sim \
-  runs/baseline-oracle runs/baseline-observable runs/rce runs/grpo-kl0.1 runs/grpo-kl0.3-online --baseline rce \
-  --out runs/report.md --plot runs/plots
+python compare.py runs/baseline-* runs/rce runs/grpo-kl0.1 runs/grpo-kl0.3-online runs/retriever runs/lever-lm \
+  --baseline rce --out runs/report.md --plot runs/plots
