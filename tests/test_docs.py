@@ -1,0 +1,124 @@
+"""The README and docs keep their evidence reachable: every `python ablate.py ...` command they print names variants
+ablate.py still has (a renamed variant would leave a figure without the command that reproduces it), and every
+relative link, #anchor included, lands on a file and a heading that exist (a moved section would leave a dangling
+link). Text only: milliseconds."""
+
+import re
+import shlex
+from collections import Counter
+from pathlib import Path
+
+import tyro
+
+import ablate
+
+ROOT = Path(__file__).parent.parent
+
+
+def documents(root: Path = ROOT) -> list[Path]:
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def documented_ablate_commands() -> list[tuple[str, str]]:
+    """(file, command) for every `python ablate.py ...` in the README and docs: bash blocks (continuations joined) and
+    inline code (which may wrap), less the templates (a placeholder NAME or "...")."""
+    found = []
+    for path in documents():
+        text = path.read_text()
+        bash = re.findall(r"```bash\n(.*?)```", text, re.S)
+        blocks = [ln for b in bash for ln in b.replace("\\\n", " ").splitlines()]
+        spans = re.findall(r"`(python ablate\.py[^`]*)`", text)
+        found += [(path.name, " ".join(c.split())) for c in blocks + spans if c.startswith("python ablate.py")]
+    return [(f, c) for f, c in found if "NAME" not in c and "..." not in c]
+
+
+def test_every_documented_ablate_command_names_known_variants():
+    commands = documented_ablate_commands()
+    assert len(commands) >= 10
+    for name, cmd in commands:
+        args = tyro.cli(ablate.Args, args=shlex.split(cmd)[2:])  # the flags and worlds parse
+        assert set(args.only) <= set(ablate.VARIANTS), (name, cmd, set(args.only) - set(ablate.VARIANTS))
+
+
+def prose(text: str) -> str:
+    """The text with fenced code blocks and inline code blanked (line count kept): links and headings are read from
+    what Markdown renders as text."""
+    text = re.sub(r"^```.*?^```", lambda m: "\n" * m.group().count("\n"), text, flags=re.S | re.M)
+    return re.sub(r"`(?:[^`\n]|\n(?!\n))*`", lambda m: "\n" * m.group().count("\n"), text)  # spans may wrap
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: its rendered text (a link's text, code without backticks, no emphasis stars),
+    lower-cased, every character but letters, digits, underscores, hyphens and spaces dropped, spaces made hyphens."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).replace("`", "").replace("*", "")
+    return re.sub(r"[^\w\- ]", "", text.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """The anchors of a Markdown file's headings; a repeated one gets -1, -2, ... as GitHub numbers them."""
+    found, seen = set(), Counter()
+    for line in re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M).splitlines():
+        if m := re.match(r"#{1,6} +(.*?)\s*#*\s*$", line):
+            base = slug(m.group(1))
+            found.add(f"{base}-{seen[base]}" if seen[base] else base)
+            seen[base] += 1
+    return found
+
+
+def broken_links(paths: list[Path], root: Path = ROOT) -> list[str]:
+    """'file:line: target (why)' for every relative link in `paths` whose file or #anchor does not exist."""
+    out = []
+    for path in paths:
+        for number, line in enumerate(prose(path.read_text()).splitlines(), 1):
+            for target in re.findall(r"\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", line):
+                if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto: ...
+                    continue
+                file, _, anchor = target.partition("#")
+                dest = (path.parent / file).resolve() if file else path
+                why = (
+                    "no such file"
+                    if not dest.exists()
+                    else "no such heading"
+                    if anchor and dest.suffix == ".md" and anchor not in anchors(dest)
+                    else None
+                )
+                if why:
+                    out.append(f"{path.relative_to(root)}:{number}: {target} ({why})")
+    return out
+
+
+def test_every_relative_link_in_the_readme_and_docs_resolves():
+    broken = broken_links(documents())
+    assert not broken, "\n".join(broken)
+
+
+def test_links_to_missing_files_and_headings_are_reported(tmp_path):
+    """The checker itself, on planted documents: GitHub's anchors (written out by hand here), a repeated heading's
+    numbering, links in code ignored, and every kind of broken link reported with its line."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text(
+        "# Kit\n\nSee [worlds](docs/w.md#where-saturatings-pairs-go), [flags](docs/w.md#grpopy),\n"
+        "[again](docs/w.md#notes-1), [top](#kit), [site](https://example.com/x#y) and `[code](nowhere.md)`.\n"
+        "```bash\n[block](nowhere.md)\n```\n"
+        "[gone](docs/gone.md), [moved](docs/w.md#learning-in-every-world), [self](#nope)\n"
+    )
+    (tmp_path / "docs" / "w.md").write_text(
+        "# Worlds\n\n## Where `saturating`'s pairs go\n\n### grpo.py\n\n## Notes\n\n## Notes\n\n"
+        "```python\n# Learning in every world\n```\n\n[up](../README.md#kit), [rce → oracle](#rce--oracle-share)\n"
+        "\n## RCE → oracle: share\n"
+    )
+    assert slug("Where `saturating`'s pairs go") == "where-saturatings-pairs-go"
+    assert slug("RCE → oracle: share") == "rce--oracle-share"
+    assert anchors(tmp_path / "docs" / "w.md") == {
+        "worlds",
+        "where-saturatings-pairs-go",
+        "grpopy",
+        "notes",
+        "notes-1",
+        "rce--oracle-share",
+    }
+    assert broken_links([tmp_path / "README.md", tmp_path / "docs" / "w.md"], tmp_path) == [
+        "README.md:8: docs/gone.md (no such file)",
+        "README.md:8: docs/w.md#learning-in-every-world (no such heading)",
+        "README.md:8: #nope (no such heading)",
+    ]
