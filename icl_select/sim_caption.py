@@ -53,6 +53,7 @@ from icl_select.sim import (
 __all__ = [
     "CaptionConfig",
     "CaptionSimulator",
+    "CaptionProbes",
     "CAPTION_WORLDS",
     "caption_world_config",
     "parse_caption_settings",
@@ -489,9 +490,9 @@ class CaptionSimulator:
              caption view, "val_text" the caption instruction's (one vector for every query).
         latents: split -> planted truth: "topic", "supertopic", "salient" (N,); "index", "truth" (N, J) each slot's
              true value (index within the supertopic; word id); the references "ref_style" (N, R), "ref_mention",
-             "ref_word" (N, R, J), "ref_careless" (N, R); the shown caption (reference 0) "style", "length",
-             "quality" (N,), "mention", "word" (N, J), "right" (N, J); the query's "ability", "sensitivity" (N,),
-             "threshold", "hallucination" (N, J); "image_id", "question_id" (N,)."""
+             "ref_word" (N, R, J), "ref_careless" (N, R), "ref_phrasing" (N, R, P) (its writer's wording); the shown
+             caption (reference 0) "style", "length", "quality" (N,), "mention", "word" (N, J), "right" (N, J); the
+             query's "ability", "sensitivity" (N,), "threshold", "hallucination" (N, J); "image_id", "question_id"."""
 
     def __init__(self, cfg: CaptionConfig = CaptionConfig()):  # noqa: B008  (frozen, so sharing the default is safe)
         self.cfg = cfg
@@ -699,13 +700,11 @@ class CaptionSimulator:
             state = self._add(state, {name: v[:, i] for name, v in f.items()}, w[i].expand(len(state["total"])), False)
         return self._finish(state, query, k) | {"state": state}
 
-    def _captions(self, split: str, queries: Tensor, icds: Tensor) -> tuple[dict[str, Tensor], list[str], Tensor]:
-        """The model's greedy caption of each query after its demonstrations: (B,), (B, k) -> the reply, the captions,
-        and their CIDEr-D against the query's references (B,) float64."""
-        f, query = self._features(split, queries, icds), self._query(split, queries)
-        r = self._reply(f, query, icds.shape[1])
-        captions = _render(r["style"].tolist(), r["mention"].tolist(), r["word"].tolist())
-        return r, captions, self._cider(split, queries.tolist(), captions)
+    def _captions(self, split: str, queries: Tensor, icds: Tensor) -> tuple[dict[str, Tensor], list[str]]:
+        """The model's greedy caption of each query after its demonstrations: (B,), (B, k) -> the reply (`_reply`) and
+        the captions."""
+        r = self._reply(self._features(split, queries, icds), self._query(split, queries), icds.shape[1])
+        return r, _render(r["style"].tolist(), r["mention"].tolist(), r["word"].tolist())
 
     def _cider(self, split: str, queries: list[int], captions: list[str]) -> Tensor:
         """CIDEr-D of each caption against its query's references, memoised: (B,) float64."""
@@ -745,9 +744,7 @@ class CaptionSimulator:
         reference | prompt), `_gt_prob`), "rel" (share of the caption's slots right for the picture), each (B,)."""
         if queries.dim() != 1 or icds.dim() != 2 or icds.shape[0] != queries.shape[0]:
             raise ValueError(f"expected queries (B,) and icds (B, k), got {tuple(queries.shape)}, {tuple(icds.shape)}")
-        f = self._features(split, queries, icds)
-        r = self._reply(f, self._query(split, queries), icds.shape[1])
-        captions = _render(r["style"].tolist(), r["mention"].tolist(), r["word"].tolist())
+        r, captions = self._captions(split, queries, icds)
         acc = self._cider(split, queries.tolist(), captions)
         rel = (r["right"] * r["mention"]).sum(1) / r["mention"].sum(1)
         return {
@@ -854,7 +851,8 @@ class CaptionSimulator:
             return ids.gather(1, chosen[:, 0])
         m = chosen.shape[1]
         rows = ids.gather(1, chosen.flatten(1)).view(num * m, k)  # (B*M, k)
-        _, _, cider = self._captions(split, queries.repeat_interleave(m), rows)
+        _, captions = self._captions(split, queries.repeat_interleave(m), rows)
+        cider = self._cider(split, queries.repeat_interleave(m).tolist(), captions)
         best = cider.view(num, m).masked_fill(~alive, -math.inf).argmax(1)  # (B,) the first of equal scores
         return rows.view(num, m, k)[torch.arange(num), best]
 
