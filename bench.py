@@ -719,9 +719,13 @@ def bench_lvlm(args: Args) -> dict:
             return out["prediction"], out["gt_prob"]
 
     # The CPU side alone: every batch prepared (pictures, processor, positions, replies) and nothing run, with the
-    # pictures preprocessed in worker processes, in threads, or in line.
-    sides = {"in threads": {}, "in processes": {"processes": True}, "in line": {"threads": False}}
-    sides = {k: v for k, v in sides.items() if k != "in processes" or workers is not None}
+    # pictures preprocessed in threads, in worker processes, or in line, and without the encoder cache (every
+    # picture's patch rows copied into its batch, not only those of the pictures the encoder has not seen).
+    sides = {"in threads": {}, "in line": {"threads": False}}
+    if workers is not None:
+        sides["in processes"] = {"processes": True}
+    if encoder_cache is not None:
+        sides["in threads, no encoder cache"] = {"cache": False}
     replies = [[[r for r, _ in credited_replies(query["answers"])] for query, _ in step] for step in steps]
     prepared = {k: [] for k in sides}
 
@@ -881,7 +885,7 @@ def bench_coco_sized(args: Args) -> dict:
     """bench_lvlm on 1,000 train pictures of 640 x 480 built in a temporary folder, with random weights in
     Qwen2.5-VL-3B-Instruct's shape in bfloat16 (random-3b: the GPU time of scoring without the checkpoint; a random
     model rarely stops before its 10 new tokens, so the rate is a floor) or the tiny Qwen with that checkpoint's image
-    processing (tiny-3b-pixels: the CPU side of scoring at its real cost, the model's own time negligible)."""
+    processing (tiny-3b-pixels: the CPU side of scoring at its real cost, beside a small model)."""
     from dataclasses import replace
 
     fixtures, root = real_fixtures(), Path(tempfile.mkdtemp(prefix="icl-select-bench-"))

@@ -32,7 +32,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -262,9 +262,7 @@ class CachedImageProcessor:
     of `budget` bytes: ICD pictures recur across thousands of prompts. Misses run in `pool` when one is given: worker
     processes (their results are the same function's on the same inputs, so the same bits) or threads."""
 
-    def __init__(
-        self, inner, budget: int = DEFAULT_IMAGE_CACHE_MIB * MIB // 2, pool: ProcessPoolExecutor | None = None
-    ):
+    def __init__(self, inner, budget: int = DEFAULT_IMAGE_CACHE_MIB * MIB // 2, pool: Executor | None = None):
         self.inner, self.pool = inner, pool
         self.cache = ByteLRU(budget, _feature_bytes)
         self.local = threading.local()  # .apart: see pictures_apart

@@ -37,8 +37,23 @@ def examples(mixed_items) -> list[tuple[dict, list[dict]]]:
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_bfloat16_on_cuda_stays_within_the_self_checks_bounds(name, family_models, mixed_items, examples):
+    check_family(name, family_models, mixed_items, examples)
+
+
+@pytest.mark.slow  # each family's decoding step compiled for CUDA graphs: minutes in all
+@pytest.mark.parametrize("static", ["inductor", "cudagraphs"])
+@pytest.mark.parametrize("name", [f for f in FAMILIES if f != "gemma3"])  # Gemma3's sliding window: not static
+def test_decoding_over_a_static_cache_stays_within_the_bounds(name, static, family_models, mixed_items, examples):
+    """Decoding over a static cache, compiled (CUDA graphs): the same bounds against plain transformers."""
+    backend = check_family(name, family_models, mixed_items, examples, static_decode=static)
+    assert backend.static_caches  # the static path ran
+
+
+def check_family(name, family_models, mixed_items, examples, **options) -> LVLMBackend:
+    """The family's batched path (batches of 4, `options` for LVLMBackend) against plain transformers on each prompt
+    alone, in bfloat16 on the GPU, within the self-check's bounds; returns the backend."""
     folder = family_models[name]
-    backend = LVLMBackend(str(folder), mixed_items, batch_size=4, max_new_tokens=MAX_NEW, device="cuda")
+    backend = LVLMBackend(str(folder), mixed_items, batch_size=4, max_new_tokens=MAX_NEW, device="cuda", **options)
     assert backend.model.dtype == torch.bfloat16 and backend.model.device.type == "cuda"
     ref = Reference(folder, device="cuda", dtype=torch.bfloat16)
     replies = [[query["answers"][0], "Yes", "fire hydrant"] for query, _ in examples]
@@ -54,10 +69,11 @@ def test_bfloat16_on_cuda_stays_within_the_self_checks_bounds(name, family_model
     worst = max(abs(g - w) for g, w in pairs)
     rel = max(abs(g - w) / abs(w) for g, w in pairs)
     print(
-        f"\n{name}: {differ} of {len(examples)} answers differ; |log P(reply) - reference| up to {worst:.3g} nats, "
-        f"{rel:.2%} of |log P|"
+        f"\n{name} {options or ''}: {differ} of {len(examples)} answers differ; |log P(reply) - reference| up to "
+        f"{worst:.3g} nats, {rel:.2%} of |log P|"
     )
     assert differ <= len(examples) // 4, list(zip(answers, want))
     assert all(abs(g - w) <= ATOL + RTOL * abs(w) for g, w in pairs), (got, want_logps)
     report = backend.self_check()  # the guard of every LVLM run passes on its own prompts
     assert (report["tolerance"], report["tolerance_rel"]) == (ATOL, RTOL)
+    return backend
