@@ -13,6 +13,9 @@ Usage:
     python bench.py --only library                                 # picking for new questions from 443,757 items
     python bench.py --only lvlm --lvlm Qwen/Qwen2.5-VL-3B-Instruct --vqa-root /data/okvqa --device cuda
     python bench.py --only lvlm --lvlm random-3b --group-size 16 --lvlm-batch-size 16 --pool-size 64   # GPU, no weights
+    python bench.py --only lvlm --lvlm tiny-3b-pixels --lvlm-steps 4      # the CPU side at a real checkpoint's cost
+    python bench.py --only gpu-report --report-dir DIR                    # every GPU figure of docs/real-models.md
+    python bench.py --only gpu-report --smoke                             # the same steps, tiny models, on the CPU
 """
 
 from __future__ import annotations
@@ -102,6 +105,8 @@ class Args:
     """gpu-report: where report.md, report.json and report.log go."""
     smoke: bool = False
     """gpu-report: the same steps with the tiny models on the CPU (a check of the script, not GPU figures)."""
+    report_seconds: float = 480
+    """gpu-report: no step starts after this many seconds (a device command stops at 600)."""
     lvlm_reference: bool = True
     """LVLM benchmark: also time the unshared reference, whose answers check the default path's (slow)."""
 
@@ -939,8 +944,6 @@ class ReportShapes:
 # The issue's bench command, its recurring-pictures line and the stages on a GPU; the same steps in miniature on the
 # CPU (--smoke), to check the script end to end where no GPU is at hand.
 GPU_SHAPES = ReportShapes(1000, 64, (640, 480), 4, 16, 4, 64, 16, 6, 2, 12, 48, 8, 384)
-# The bench line's paths in the report: the levers of issue 49 on and off (bench.py --only lvlm times every one).
-REPORT_PASSES = ["default", "no-encoder-cache", "picture-processes", "inline", "static-inductor", "static-cudagraphs"]
 SMOKE_SHAPES = ReportShapes(24, 12, None, 2, 4, 2, 8, 4, 2, 1, 8, 6, 2, 24)
 
 # The whole pipeline of README's one-GPU commands at the stages' defaults (OK-VQA: 9,009 train and 5,046 val
@@ -1006,7 +1009,12 @@ def gpu_report(args: Args) -> dict:
         atomic_write_text(out / "report.md", report_markdown(doc))
 
     def step(name: str, fn: Callable[[], dict]) -> dict | None:
-        """Run one step, its output into the log; its result (or its error) into the report."""
+        """Run one step, its output into the log; its result (or its error) into the report. Past --report-seconds no
+        step starts: what ran is kept where a command's time limit would cut it off."""
+        if time.perf_counter() - started > args.report_seconds:
+            doc["steps"][name] = {"seconds": 0, "error": f"skipped: past --report-seconds {args.report_seconds}"}
+            save()
+            return None
         t0 = time.perf_counter()
         print(f"[{time.perf_counter() - started:6.0f} s] {name} ...", flush=True)
         text = io.StringIO()
@@ -1135,14 +1143,18 @@ def gpu_report(args: Args) -> dict:
 
         return go
 
+    # The most wanted figures first; decoding over a static cache (compiling CUDA graphs: the least predictable time)
+    # last, each with the default beside it in the same process.
     if step("build", build) is not None:
-        step("bench", bench(lvlm_passes=REPORT_PASSES))
-        step("bench recurring", bench(lvlm_steps=shapes.steps, lvlm_passes=["default"]))
-        step("clip", clip_rate)
+        step("bench", bench(lvlm_passes=["default", "no-encoder-cache", "picture-processes", "inline"]))
         if step("gen_rl_data.py", data_stage) is not None:
             if step("grpo.py --online", online_stage) is not None:
                 step("evaluate.py selector", eval_stage(online_run))
             step("evaluate.py zero-shot", eval_stage(None))
+        step("clip", clip_rate)
+        step("bench recurring", bench(lvlm_steps=shapes.steps, lvlm_passes=["default"]))
+        if cuda:
+            step("bench static", bench(lvlm_passes=["default", "static-inductor", "static-cudagraphs"]))
     save()
     print(f"wrote {out / 'report.md'} and {out / 'report.json'} ({doc['seconds']:.0f} s)")
     return doc
@@ -1192,7 +1204,12 @@ def report_markdown(doc: dict) -> str:
         if "error" in r:
             lines += [f"## {name}: FAILED after {r['seconds']} s", "", f"`{r['error']}` (report.log has the trace)", ""]
     s = doc["shapes"]
-    for name, title in (("bench", "The bench line"), ("bench recurring", "Pictures recurring as in a GRPO run")):
+    titles = {
+        "bench": "The bench line",
+        "bench recurring": "Pictures recurring as in a GRPO run",
+        "bench static": "Decoding over a static cache (CUDA graphs)",
+    }
+    for name, title in titles.items():
         r = steps.get(name)
         if r is None or "error" in r:
             continue
