@@ -1,14 +1,15 @@
 """Stage 5: one Markdown report over run folders, read top-down: which run won, by how much, and whether it is noise.
 
 Verdict first: whether the best selector beats zero-shot, random demonstrations and RICES, and each selector against
-each baseline; where no demonstrations beat every selector, the first line says so. At a glance: a runs x shots
-table of VQA accuracy at the largest question count every run has, each cell with its delta to the reference run (the
-RCE run by default) and a significance mark, the average likewise, the best run, every unfinished run and every stale
-evaluation (of weights the run no longer holds) marked. Then the trained runs (flags that differ, epochs trained,
-the selected epoch), paired deltas with 95% CIs against the reference and between trained runs, the share of the
-room to the simulator's ceilings, how often runs pick the same ICDs, and what moved during training. Tables and rows
-that say nothing (constant curves, pairs that never pick alike, baselines' share of a room they are below) are left
-out.
+each baseline; where no demonstrations beat every selector, the first line says so; the strongest rival against the
+best selector; what choosing how many demonstrations bought. At a glance: a runs x shots table of VQA accuracy (CIDEr-D
+for captions) at the largest question count every run has, each cell with its delta to the reference run (the RCE run
+by default) and a significance mark, the average likewise, the LVLM calls that built each run, the best run, every
+unfinished run and every stale evaluation (of weights the run no longer holds) marked. Then the trained runs (flags
+that differ, epochs trained, the selected epoch), paired deltas with 95% CIs against the reference and between trained
+runs, the share of the gap to the simulator's ceilings, how often runs pick the same ICDs, and what moved during
+training. Tables and rows that say nothing (constant curves, pairs that never pick alike, baselines' share of a gap
+they are below) are left out.
 
 One verdict rule, stated once in the report: a delta is significant only when its paired bootstrap 95% CI excludes 0
 and its exact sign-test p-value passes Holm's correction over the pair's cells (every shot and their average). Runs
@@ -36,6 +37,7 @@ import numpy as np
 import tyro
 
 from icl_select.cli import SIDE_ARGS, default_is, run_cli
+from icl_select.data import METRIC
 from icl_select.files import atomic_write_text, sha256
 from icl_select.runs import read_args, read_eval, read_metrics, unfinished
 from icl_select.stats import (
@@ -208,7 +210,7 @@ def read_run(path: Path, split: str) -> Run | None:
 
 def not_comparable(a: dict, b: dict) -> str | None:
     """Why two evaluations cannot be paired question by question (None when they can)."""
-    for key in ("split", "backend", "simulation"):
+    for key in ("task", "split", "backend", "simulation"):
         if a.get(key) != b.get(key):
             return f"different {key}: {a.get(key)!r} vs {b.get(key)!r}"
     # Same question ids are not enough: folders with other pools (another sampler or seed) pose other problems.
@@ -240,6 +242,7 @@ class Comparison:
     pairs: list[tuple[Run, Run, dict]]  # (run, against, cells): against the reference first, then trained vs trained
     apart: dict[str, str]  # run name -> why it cannot be paired with the reference
     questions: str  # what the evaluation questions are, in words
+    metric: str  # what a cell holds: VQA accuracy %, or CIDEr-D x100 for captions
 
     def cells(self, run: Run) -> dict | None:
         return next((c for r, a, c in self.pairs if r is run and a is self.base), None)
@@ -283,7 +286,7 @@ def compare(runs: list[Run], args: Args) -> Comparison | None:
     pairs += [(b, a) for a, b in combinations(trained, 2) if not not_comparable(a.eval, b.eval)]
     pairs = [(b, a, pair_cells(a.eval, b.eval, shots, n, args.bootstrap, rng)) for b, a in pairs]
     questions = "test questions (val split)" if args.split == "val" else "questions of the train split"
-    return Comparison(evaluated, base, n, shots, acc, pairs, apart, questions)
+    return Comparison(evaluated, base, n, shots, acc, pairs, apart, questions, METRIC[base.eval.get("task", "vqa")])
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -346,7 +349,7 @@ def write_plots(runs: list[Run], c: Comparison | None, folder: Path) -> list[Pat
         fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.6))
         for r in c.evaluated:
             left.plot(c.shots, [c.acc[r.name][s] for s in c.shots], **style[r.name])
-        left.set(title=f"VQA accuracy, first {c.n} {c.questions}", xlabel=shots_label, ylabel="VQA accuracy (%)")
+        left.set(title=f"{c.metric}, first {c.n} {c.questions}", xlabel=shots_label, ylabel=c.metric)
         against = {r: cells for r, a, cells in c.pairs if a is c.base and not r.ceiling}
         baselines = [r for r in against if r.phase is None]
         strongest = max(baselines, key=lambda r: c.acc[r.name]["avg"], default=None)
@@ -534,7 +537,7 @@ def glance_section(c: Comparison) -> str:
         rows.append([name, what, r.calls, *row])
     header = ["run", "what", "LVLM calls", *[f"{s}-shot" for s in c.shots], "avg"]
     notes = [
-        f"Each cell: VQA accuracy (%) on the first {c.n} {c.questions}, the largest count every run has, and "
+        f"Each cell: {c.metric} on the first {c.n} {c.questions}, the largest count every run has, and "
         f"in brackets its delta in points to {c.base.name}. {rule(len(c.shots) + 1)} Best: the highest average, "
         "simulator ceilings aside. LVLM calls: the prompts the LVLM scored to build the run (its data, validations "
         "and online scoring, along its --init chain), 0 for a training-free baseline."
@@ -621,11 +624,11 @@ def deltas_section(c: Comparison) -> list[str]:
 
 
 def gap_section(c: Comparison, args: Args) -> list[str]:
-    """How much of the room above the RCE run each trained run takes, against the simulator's two ceilings.
+    """The share of the gap above the RCE run each trained run takes, against the simulator's two ceilings.
 
     share = (acc(run) - acc(RCE)) / (acc(ceiling) - acc(RCE)), accuracy averaged over shots; 95% CI by a paired
     bootstrap over questions (the three runs answer the same questions). Baselines below RCE are left out: a share
-    of a room they are under says nothing."""
+    of a gap they are under says nothing."""
     ceilings = {r.eval["baseline"]: r for r in c.evaluated if r.ceiling}
     start = next((r for r in c.evaluated if r.phase == "rce" and not r.rival and not r.upto), None)
     runs = [r for r in c.evaluated if r.phase is not None and r is not start]
@@ -644,15 +647,15 @@ def gap_section(c: Comparison, args: Args) -> list[str]:
             share, lo, hi = gap_share(*(per_question(r.eval, c.n, c.shots) for r in trio), args.bootstrap, rng)
             cells.append(f"{100 * share:.0f}% [{100 * lo:.0f}, {100 * hi:.0f}]")
         rows.append([run.name, *cells])
-    header = ["run"] + [f"share of the room {start.name} -> {k} ({c.acc[ceilings[k].name]['avg']:.2f})" for k in names]
+    header = ["run"] + [f"share of the gap {start.name} -> {k} ({c.acc[ceilings[k].name]['avg']:.2f})" for k in names]
     note = (
-        f"Share of the room between {start.name} ({c.acc[start.name]['avg']:.2f}) and each simulator ceiling that a "
+        f"Share of the gap between {start.name} ({c.acc[start.name]['avg']:.2f}) and each simulator ceiling that a "
         "run takes, accuracy averaged over shots; [95% CI] by a paired bootstrap over questions. oracle searches the "
         "planted answer model; observable searches the same way with the latents that probes read off the embeddings "
         "(an estimate of what embeddings reveal, not a bound: a selector that also learns a score per train item, as "
         "online GRPO does, can pass it)."
     )
-    return ["## Room taken (simulator ceilings)", "", md_table(header, rows), "", note, ""]
+    return ["## Share of the gap (simulator ceilings)", "", md_table(header, rows), "", note, ""]
 
 
 def picks(doc: dict, shot: int, n: int) -> dict:

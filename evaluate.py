@@ -1,4 +1,5 @@
-"""Stage 4: VQA accuracy at 1..4 shots of a selector run or a baseline, on the dataset's fixed question order.
+"""Stage 4: VQA accuracy (CIDEr-D for captions) at 1..4 shots of a selector run or a baseline, on the dataset's fixed
+question order.
 
 Each question's ICDs come from its own pool (eval_pools.json; with --split train the anchor's rl_data pool): a run's
 selector decodes the largest shot greedily once and k-shot uses its first k picks, in the prompt order it was trained
@@ -40,8 +41,9 @@ from tqdm import tqdm
 
 from icl_select import pools, sharding
 from icl_select.backends import LVLMRun, by_length, check_lvlm_run, open_backend
+from icl_select.cider import coco_cider
 from icl_select.cli import CpuArgs, default_is, help_first, run_cli
-from icl_select.data import DEFAULT_DATA, Dataset, data_digest, load_dataset
+from icl_select.data import DEFAULT_DATA, METRIC, TOP_SCORE, Dataset, data_digest, load_dataset
 from icl_select.files import DataError, atomic_write_text, full_disk_names, read_json, sha256
 from icl_select.locks import exclusive
 from icl_select.runs import (
@@ -241,18 +243,19 @@ def partial_files(target: Path, seed: int) -> list[Path]:
 def read_partials(target: Path, seed: int, header: dict) -> dict[int, list[dict]]:
     """Questions already scored (question index -> its shots) by any rank, of this run or of an interrupted one with
     the same settings; a malformed record stops the run with one line (its file was edited or damaged)."""
-    done = {}
+    done, task = {}, header["task"]
     for i, r in sharding.done(partial_files(target, seed), "i", header).items():
         shots = r.get("shots")
         ok = 0 <= i < header["n"] and isinstance(shots, list) and len(shots) == len(header["shots"])
         for s in shots if ok else ():
             score = s.get("score") if isinstance(s, dict) else None
-            ok &= isinstance(score, (int, float)) and not isinstance(score, bool) and 0 <= score <= 1
+            ok &= isinstance(score, (int, float)) and not isinstance(score, bool) and 0 <= score <= TOP_SCORE[task]
             ok &= isinstance(s, dict) and isinstance(s.get("icds"), list) and isinstance(s.get("prediction"), str)
         if not ok:
             raise DataError(
                 f"{partial_path(target, seed, '*')}: question {i} has a malformed record (expected 'shots': one "
-                f"{{'icds', 'prediction', 'score' in [0, 1]}} per shot); delete these progress files to redo them"
+                f"{{'icds', 'prediction', 'score' in [0, {TOP_SCORE[task]:g}]}} per shot); delete these progress files "
+                "to redo them"
             )
         done[i] = shots
     return done
@@ -347,6 +350,7 @@ def job_header(args: Args, ds: Dataset, job: Job, lvlm: str) -> dict:
         # and progress left by other weights is not resumed
         "selector_epoch": job.epoch,
         "selector_sha256": job.sha256,
+        "task": ds.meta["task"],
         "baseline": args.baseline,
         "upto": job.upto,
         "baseline_settings": {"mmices": {"prefilter": args.prefilter}, "mmr": {"lambda": args.mmr_lambda}}.get(
@@ -394,6 +398,8 @@ def evaluate_job(args: Args, ds: Dataset, digest: str, backend, job: Job, header
     per_seed = [read_partials(target, seed, {**header, "seed": seed}) for seed in seeds]
     if missing := [i for d in per_seed for i in range(n) if i not in d]:
         raise ValueError(f"{target}: {len(missing)} questions are still unscored; re-run the same command to finish")
+    if ds.meta["task"] == "caption":
+        corpus_cider(per_seed, items, len(args.shots))
     results = []
     for i, item in enumerate(items):
         for s, shot in enumerate(args.shots):
@@ -424,6 +430,19 @@ def evaluate_job(args: Args, ds: Dataset, digest: str, backend, job: Job, header
         for path in partial_files(target, seed):
             path.unlink()
     return doc
+
+
+def corpus_cider(per_seed: list[dict[int, list[dict]]], items: list[dict], shots: int) -> None:
+    """Each caption's score as pycocoevalcap's COCO evaluation gives it, in place: CIDEr-D with document frequencies
+    over the references of the questions evaluated (the first n), per seed and shot. Scoring during data generation
+    and training fixes them over the train split's references instead, so that a prompt's reward never depends on the
+    others it is scored with (icl_select/cider.py); a smaller prefix of the n questions keeps the n's frequencies."""
+    references = [it["answers"] for it in items]
+    for done in per_seed:
+        for s in range(shots):
+            _, scores = coco_cider([done[i][s]["prediction"] for i in range(len(items))], references)
+            for i, score in enumerate(scores.tolist()):
+                done[i][s]["score"] = round(score, 6)
 
 
 def summarise(results: list[dict], shots: list[int], num_samples: list[int]) -> dict:
@@ -495,7 +514,8 @@ def main(args: Args) -> None:
             doc = evaluate_job(args, ds, digest, backend, job, header)
             if doc is not None:  # rank 0 (or a single process)
                 label = " (simulated LVLM)" if ds.is_sim else f" ({doc['backend']})"
-                print(f"\n{job.desc}: {args.split} VQA accuracy (%){label} -> {job.target}\n{accuracy_table(doc)}")
+                what = METRIC[ds.meta["task"]]
+                print(f"\n{job.desc}: {args.split} {what}{label} -> {job.target}\n{accuracy_table(doc)}")
     sharding.finish(sharding.init()[1])
 
 

@@ -44,10 +44,12 @@ from tqdm import tqdm
 
 from icl_select import pools, sharding
 from icl_select.backends import LVLMOptions, SimBackend, by_length, check_lvlm_run, lvlm_backend
+from icl_select.caption_data import DATASETS as CAPTION_FILES
 from icl_select.cli import CpuArgs, default_is, help_first, run_cli
 from icl_select.data import (
     DEFAULT_DATA,
     FORMAT_VERSION,
+    METRIC,
     QUALITY_TIERS,
     REWARD_MODES,
     SEQ_FIELDS,
@@ -63,10 +65,26 @@ from icl_select.files import atomic_write_text, full_disk_names, save_tensors
 from icl_select.locks import exclusive
 from icl_select.runs import load_selector
 from icl_select.sim import WORLDS, Simulator, calibrate, parse_settings, world_config
+from icl_select.sim_caption import (
+    CAPTION_WORLDS,
+    CaptionSimulator,
+    calibrate_caption,
+    caption_calibration_table,
+    caption_world_config,
+    parse_caption_settings,
+)
+from icl_select.vqa import answer_counts
+from icl_select.vqa_data import DATASETS as VQA_FILES
 from model import reward_spread
 
+VQA_DATASETS = tuple(VQA_FILES)
+CAPTION_DATASETS = tuple(CAPTION_FILES)
+CAPTION_SHOTS = 8  # captioning's calibration goes to 8 shots, as Lever-LM and OpenFlamingo report
+World = Literal[tuple(WORLDS) + tuple(CAPTION_WORLDS)]  # type: ignore[valid-type]
+DatasetName = Literal[VQA_DATASETS + CAPTION_DATASETS]  # type: ignore[valid-type]
 
-@help_first("out", "lvlm", "dataset", "data_root")
+
+@help_first("out", "lvlm", "dataset", "data_root", "task")
 @dataclass
 class Args(RewardArgs, LVLMOptions, CpuArgs):
     out: Annotated[Path | None, default_is("data/sim, or data/<dataset>-<model name> for a real LVLM")] = None
@@ -101,14 +119,17 @@ class Args(RewardArgs, LVLMOptions, CpuArgs):
     """With --init: sampling temperature."""
     seed: int = 0
     """Seed of the simulator, the anchors, the pools and the random sequences."""
-    world: Literal[tuple(WORLDS)] = "additive"  # type: ignore[valid-type]
-    """Simulator: which simulated LVLM answers (docs/worlds.md)."""
+    task: Literal["vqa", "caption"] = "vqa"
+    """What the LVLM does: answer a question about a picture, scored by VQA accuracy, or caption a picture, scored by
+    CIDEr-D; every later stage reads it from meta.json."""
+    world: Annotated[World | None, default_is("additive, or base (caption)")] = None
+    """Simulator: which simulated LVLM answers (docs/worlds.md, docs/caption-world.md)."""
     sim_set: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
-    """Simulator: FIELD=VALUE sets a sim.SimConfig field on top of the world's."""
+    """Simulator: FIELD=VALUE sets a field of the world's settings (sim.SimConfig, sim_caption.CaptionConfig)."""
     lvlm: str = "sim"
     """`sim` (the built-in simulator) or a Hugging Face model id / local path."""
-    dataset: Literal["okvqa", "vqav2"] = "okvqa"
-    """Real data: which official question/annotation files to read."""
+    dataset: Annotated[DatasetName | None, default_is("okvqa, or coco2017 (caption)")] = None
+    """Real data: which official files to read (VQA: questions and annotations; captions: COCO or Karpathy's)."""
     data_root: Path | None = None
     """Real data: folder of the official question/annotation files and the COCO images."""
     train_questions: Annotated[str | None, default_is("the official name")] = None
@@ -119,6 +140,10 @@ class Args(RewardArgs, LVLMOptions, CpuArgs):
     """Real data: val questions file under --data-root."""
     val_annotations: Annotated[str | None, default_is("the official name")] = None
     """Real data: val annotations file under --data-root."""
+    train_captions: Annotated[str | None, default_is("the official name")] = None
+    """Real data, captions: the train captions file under --data-root (Karpathy: dataset_coco.json)."""
+    val_captions: Annotated[str | None, default_is("the official name")] = None
+    """Real data, captions: the val captions file under --data-root."""
     train_images: Annotated[str | None, default_is("train2014")] = None
     """Real data: train image folder under --data-root."""
     val_images: Annotated[str | None, default_is("val2014")] = None
@@ -148,13 +173,24 @@ def min_shots(args: Args) -> int:
     return args.seq_len if args.min_shots is None else args.min_shots
 
 
-def make_sim(args: Args) -> Simulator:
+def world_name(args: Args) -> str:
+    return args.world or ("additive" if args.task == "vqa" else "base")
+
+
+def dataset_name(args: Args) -> str:
+    return args.dataset or ("okvqa" if args.task == "vqa" else "coco2017")
+
+
+def make_sim(args: Args) -> Simulator | CaptionSimulator:
+    """The simulated LVLM of the task, its world and --sim-set."""
+    sizes = dict(seed=args.seed, num_train=args.num_train, num_val=args.num_val)
     try:
-        overrides = parse_settings(args.sim_set)
-        cfg = world_config(args.world, seed=args.seed, num_train=args.num_train, num_val=args.num_val, **overrides)
+        if args.task == "caption":
+            overrides = parse_caption_settings(args.sim_set)
+            return CaptionSimulator(caption_world_config(world_name(args), **sizes, **overrides))
+        return Simulator(world_config(world_name(args), **sizes, **parse_settings(args.sim_set)))
     except ValueError as e:
         raise ValueError(f"--sim-set: {e}") from None
-    return Simulator(cfg)
 
 
 def is_sim(args: Args) -> bool:
@@ -164,7 +200,9 @@ def is_sim(args: Args) -> bool:
 def out_folder(args: Args) -> Path:
     if args.out is not None:
         return args.out
-    return DEFAULT_DATA if is_sim(args) else Path("data") / f"{args.dataset}-{Path(args.lvlm.rstrip('/')).name}"
+    if is_sim(args):
+        return DEFAULT_DATA if args.task == "vqa" else Path("data/sim-caption")
+    return Path("data") / f"{dataset_name(args)}-{Path(args.lvlm.rstrip('/')).name}"
 
 
 def check_args(args: Args) -> None:
@@ -191,10 +229,19 @@ def check_args(args: Args) -> None:
         raise ValueError(f"--chunk must be >= 0, got {args.chunk}")
     if args.groups == "infoscore" and args.init is not None:
         raise ValueError("--init adds a selector's picks to sampled groups; --groups infoscore builds its own beams")
-    if not is_sim(args) and (args.world != "additive" or args.sim_set):
+    if not is_sim(args) and (args.world is not None or args.sim_set):
         raise ValueError(f"--world and --sim-set set the simulator; --lvlm {args.lvlm} is a real LVLM")
     if not is_sim(args) and args.data_root is None:
-        raise ValueError(f"--lvlm {args.lvlm} needs --data-root: the folder with the {args.dataset} files and images")
+        raise ValueError(f"--lvlm {args.lvlm} needs --data-root: the folder with its {dataset_name(args)} files")
+    worlds, datasets = (WORLDS, VQA_DATASETS) if args.task == "vqa" else (CAPTION_WORLDS, CAPTION_DATASETS)
+    if world_name(args) not in worlds or dataset_name(args) not in datasets:
+        what = f"--world {world_name(args)}" if world_name(args) not in worlds else f"--dataset {dataset_name(args)}"
+        raise ValueError(f"{what} is not a {args.task} one; --task {args.task} takes {', '.join([*worlds, *datasets])}")
+    if args.task == "caption" and args.sampler in ("text", "mix"):
+        raise ValueError(
+            f"--sampler {args.sampler} compares captions, which a query to caption does not have (an anchor's would be "
+            "its own reference): use image or random"
+        )
 
 
 @dataclass
@@ -212,18 +259,24 @@ def open_source(args: Args) -> Source:
     if is_sim(args):
         sim = make_sim(args)
         return Source(sim.items, sim.emb, SimBackend(sim), {"source": "sim", "encoder": "sim"})
+    from icl_select.caption_data import load_caption_split
     from icl_select.lvlm import resolve_model
     from icl_select.vqa_data import load_vqa_split
 
-    files = {
-        s: (getattr(args, f"{s}_questions"), getattr(args, f"{s}_annotations"), getattr(args, f"{s}_images"))
-        for s in ("train", "val")
-    }
+    if args.task == "caption":
+        files = {s: (getattr(args, f"{s}_captions"), getattr(args, f"{s}_images")) for s in ("train", "val")}
+        load = load_caption_split
+    else:
+        files = {
+            s: (getattr(args, f"{s}_questions"), getattr(args, f"{s}_annotations"), getattr(args, f"{s}_images"))
+            for s in ("train", "val")
+        }
+        load = load_vqa_split
     limit = {"train": args.max_train, "val": args.max_val}
-    items = {s: load_vqa_split(args.dataset, args.data_root, s, *files[s])[: limit[s]] for s in ("train", "val")}
-    backend = lvlm_backend(args.lvlm, items, args)
+    items = {s: load(dataset_name(args), args.data_root, s, *files[s])[: limit[s]] for s in ("train", "val")}
+    backend = lvlm_backend(args.lvlm, items, args, args.task)
     data = {
-        "source": args.dataset,
+        "source": dataset_name(args),
         "data_root": str(Path(args.data_root).resolve()),
         "files": files,
         "limits": limit,
@@ -236,13 +289,18 @@ def open_source(args: Args) -> Source:
 
 
 def embed(args: Args, items: dict[str, list[dict]]) -> dict[str, Tensor]:
-    """CLIP image, question and fused embeddings of both splits (real data)."""
+    """CLIP image, question and fused embeddings of both splits (real data). A picture to caption comes with no text,
+    so captioning's selector reads the image alone, anchors and queries alike; the text view of a demonstration is its
+    shown caption (what a caption sampler of Lever-LM's compares)."""
     from icl_select.lvlm import clip_embed
 
     emb = {}
     for split, rows in items.items():
+        if args.task == "caption":
+            rows = [{**it, "question": answer_counts(it["answers"])[0][0]} for it in rows]
         e = clip_embed(rows, args.encoder, device=args.device)
-        emb.update({split: e["fused"], f"{split}_image": e["image"], f"{split}_text": e["text"]})
+        fused = e["image"] if args.task == "caption" else e["fused"]
+        emb.update({split: fused, f"{split}_image": e["image"], f"{split}_text": e["text"]})
     return emb
 
 
@@ -258,6 +316,7 @@ def settings(args: Args, src: Source) -> dict:
         }
     return {
         "format_version": FORMAT_VERSION,
+        "task": args.task,
         **src.settings,
         **src.backend.describe(),
         "sampler": args.sampler,
@@ -564,10 +623,7 @@ def build_folder(args: Args, rank: int, world: int) -> None:
             if rate is not None and not is_sim(args):  # this process's LVLM sequences a second, readable after the run
                 meta["lvlm_seq_per_s"] = round(rate, 3)
             if is_sim(args):
-                sim = src.backend.sim
-                meta["calibration"] = calibrate(
-                    sim, args.pool_size, args.group_size, args.seq_len, args.num_queries, args.seed
-                )
+                meta["calibration"] = calibration(args, src.backend.sim)
             atomic_write_text(out / "meta.json", json.dumps(meta, indent=2) + "\n")
             changed = True
         label = "simulated LVLM" if is_sim(args) else f"LVLM {args.lvlm}"
@@ -634,13 +690,17 @@ def report(folder: Path, args: Args) -> str:
         n = labels.count(q)
         lines.append(f"| {q} ({rule}) | {n} | {100 * n / len(labels):.1f}% |")
     if "calibration" in ds.meta:
-        lines += [
-            "",
-            "## Simulator calibration (val queries, VQA accuracy %)",
-            "",
-            calibration_table(ds.meta["calibration"], ds.seq_len),
-        ]
+        table = caption_calibration_table if ds.meta["task"] == "caption" else calibration_table
+        lines += ["", f"## Simulator calibration (val queries, {METRIC[ds.meta['task']]})", ""]
+        lines.append(table(ds.meta["calibration"], CAPTION_SHOTS if ds.meta["task"] == "caption" else ds.seq_len))
     return "\n".join(lines)
+
+
+def calibration(args: Args, sim: Simulator | CaptionSimulator) -> dict:
+    """The simulator against its calibration targets (docs/worlds.md, docs/caption-world.md)."""
+    if args.task == "caption":  # at the shot counts captioning papers report
+        return calibrate_caption(sim, args.pool_size, CAPTION_SHOTS, args.seed)
+    return calibrate(sim, args.pool_size, args.group_size, args.seq_len, args.num_queries, args.seed)
 
 
 def main(args: Args) -> None:
@@ -649,9 +709,10 @@ def main(args: Args) -> None:
     elif args.calibrate:
         check_args(args)
         sim = make_sim(args)
-        cal = calibrate(sim, args.pool_size, args.group_size, args.seq_len, args.num_queries, args.seed)
-        print(f"Simulated LVLM calibration, world {sim.cfg.world} (val queries, VQA accuracy %)\n")
-        print(calibration_table(cal, args.seq_len))
+        cal = calibration(args, sim)
+        print(f"Simulated LVLM calibration, world {sim.cfg.world} (val queries, {METRIC[args.task]})\n")
+        table = caption_calibration_table if args.task == "caption" else calibration_table
+        print(table(cal, CAPTION_SHOTS if args.task == "caption" else args.seq_len))
     else:
         generate(args)
 

@@ -21,6 +21,7 @@ from torch import Tensor
 from icl_select import sharding
 from icl_select.data import SEQ_FIELDS
 from icl_select.sim import SPLITS, SimConfig, Simulator
+from icl_select.sim_caption import CaptionConfig, CaptionSimulator
 
 
 class SimBackend:
@@ -204,9 +205,10 @@ def lvlm_backend(model: str, items: dict[str, list[dict]], opts: LVLMOptions):
     return backend
 
 
-def sim_from_meta(meta: dict) -> Simulator:
+def sim_from_meta(meta: dict) -> Simulator | CaptionSimulator:
+    """The simulator a dataset folder's meta.json describes (its task's kind)."""
     cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in meta["sim_config"].items()}  # JSON lists -> tuples
-    return Simulator(SimConfig(**cfg))
+    return CaptionSimulator(CaptionConfig(**cfg)) if meta["task"] == "caption" else Simulator(SimConfig(**cfg))
 
 
 def open_backend(

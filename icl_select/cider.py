@@ -53,7 +53,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["CiderD", "cider_d", "ptb_tokenize"]
+__all__ = ["CiderD", "cider_d", "coco_cider", "ptb_tokenize"]
 
 N = 4  # n-gram orders 1..N
 
@@ -601,3 +601,10 @@ def cider_d(
     document frequencies over these references: (the mean, the per-image scores [len(candidates)])."""
     scores = CiderD(references, sigma).score(candidates, references)
     return float(scores.mean()), scores
+
+
+def coco_cider(candidates: Sequence[str], references: Sequence[Sequence[str]]) -> tuple[float, np.ndarray]:
+    """What pycocoevalcap's COCO evaluation reports for raw captions: both sides PTB-tokenized as it tokenizes them
+    (the references in one call, the candidates in another), then `cider_d`: (the mean, the per-image scores)."""
+    flat = iter(ptb_tokenize([r for refs in references for r in refs]))
+    return cider_d(ptb_tokenize(list(candidates)), [[next(flat) for _ in refs] for refs in references])

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from icl_select.files import DataError, read_json, read_jsonl, read_tensors
 from icl_select.sim import SimConfig
+from icl_select.sim_caption import CaptionConfig
 from model import reward_spread
 
 FORMAT_VERSION = 2  # 2: gt_prob at full precision, and each query's zero-shot gt_prob
@@ -41,6 +42,10 @@ SEQ_FIELDS = ("acc", "correct", "gt_prob", "rel")  # what a backend scores for e
 ZERO_SHOT = "zero_shot_gt_prob"  # gt_prob of an anchor query with no ICDs: one per rl_data line
 INFO_FLOOR = 1e-6  # info_score's floor on both probabilities: a stored 0 (an underflow) has no logarithm
 DEFAULT_DATA = Path("data/sim")  # the dataset folder every stage reads and gen_rl_data.py writes by default
+# What a task's LVLM is scored by, as every table names it: VQA accuracy in [0, 1] and CIDEr-D in [0, 10] per prompt,
+# both shown x100 (percent; CIDEr as papers report it).
+METRIC = {"vqa": "VQA accuracy %", "caption": "CIDEr-D x100"}
+TOP_SCORE = {"vqa": 1.0, "caption": 10.0}
 
 
 @dataclass
@@ -90,6 +95,7 @@ def compute_reward(fields: dict[str, Tensor], args: RewardArgs) -> Tensor:
 # meta.json fields every dataset has, with their types; a wrong one is one line naming it, never a traceback later.
 META_FIELDS = {
     "format_version": int,
+    "task": str,
     "source": str,
     "lvlm": str,
     "sampler": str,
@@ -159,6 +165,8 @@ def read_meta(folder: Path) -> dict:
     for key in ("pool_size", "group_size", "seq_len", "num_queries"):
         if meta[key] < 1:
             raise DataError(f"{path}: field '{key}' is {meta[key]}, expected an integer >= 1")
+    if meta["task"] not in METRIC:
+        raise DataError(f"{path}: field 'task' is {meta['task']!r}, expected one of {', '.join(METRIC)}")
     if not 0 <= meta["min_shots"] <= meta["seq_len"]:
         raise DataError(f"{path}: field 'min_shots' is {meta['min_shots']}, expected 0 to seq_len {meta['seq_len']}")
     for name, value in meta.get("calibration", {}).items():
@@ -173,7 +181,8 @@ def read_meta(folder: Path) -> dict:
             value = meta.get(group, {}).get(key)
             _typed(value, kind, f"{path}: field '{group}.{key}'")
     if "sim_config" in meta:
-        known = {f.name: f.default for f in dataclasses.fields(SimConfig)}
+        config = CaptionConfig if meta["task"] == "caption" else SimConfig  # the simulator of the task
+        known = {f.name: f.default for f in dataclasses.fields(config)}
         if unknown := sorted(meta["sim_config"].keys() - known.keys()):
             raise DataError(f"{path}: field 'sim_config.{unknown[0]}' is not a simulator setting")
         if missing := [k for k in known if k not in meta["sim_config"]]:
@@ -188,8 +197,8 @@ def read_meta(folder: Path) -> dict:
                     _typed(v, float, where)
             else:
                 _typed(value, {float: float, int: int, str: str}[type(default)], where)
-        try:  # the ranges, where SimConfig keeps them
-            SimConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in meta["sim_config"].items()})
+        try:  # the ranges, where the config keeps them
+            config(**{k: tuple(v) if isinstance(v, list) else v for k, v in meta["sim_config"].items()})
         except ValueError as e:
             raise DataError(f"{path}: field 'sim_config': {e}") from None
     return meta
@@ -236,9 +245,11 @@ class Groups:
         return len(self.queries)
 
 
-def parse_groups(path: Path, records: list[tuple[int, dict]], num_train: int, seq_len: int, min_shots: int) -> Groups:
+def parse_groups(
+    path: Path, records: list[tuple[int, dict]], num_train: int, seq_len: int, min_shots: int, top: float = 1.0
+) -> Groups:
     """Validate rl_data.jsonl records and pad them into tensors; sequences hold min_shots..seq_len demonstrations,
-    -1 after the last of a shorter one."""
+    -1 after the last of a shorter one, and an acc of at most `top` (the task's TOP_SCORE)."""
     queries, pools, seqs, sources, zero_shot = [], [], [], [], []
     fields = {k: [] for k in SEQ_FIELDS}
     seen: dict[int, int] = {}
@@ -281,7 +292,7 @@ def parse_groups(path: Path, records: list[tuple[int, dict]], num_train: int, se
             codes.add(tuple(icds))
             group.append(icds)
             for key in SEQ_FIELDS:
-                fields[key].append((len(queries), j, _number(s[key], f"{where}.{key}'")))
+                fields[key].append((len(queries), j, _number(s[key], f"{where}.{key}'", hi=top if key == "acc" else 1)))
             if s["correct"] not in (0, 1):
                 raise DataError(f"{where}.correct': expected 0 or 1, got {s['correct']!r}")
         queries.append(q)
@@ -337,7 +348,9 @@ def load_dataset(folder: str | Path, allow_truncated: bool = False) -> Dataset:
     emb = read_embeddings(folder / "embeddings.safetensors", {k: len(v) for k, v in items.items()})
     n_train = len(items["train"])
     records = read_rl_data(folder / "rl_data.jsonl", allow_truncated)
-    groups = parse_groups(folder / "rl_data.jsonl", records, n_train, meta["seq_len"], meta["min_shots"])
+    groups = parse_groups(
+        folder / "rl_data.jsonl", records, n_train, meta["seq_len"], meta["min_shots"], TOP_SCORE[meta["task"]]
+    )
     eval_pools = read_eval_pools(folder / "eval_pools.json", len(items["val"]), n_train)
     return Dataset(folder, meta, items, emb, groups, eval_pools)
 

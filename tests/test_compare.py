@@ -161,9 +161,9 @@ def test_sign_test_by_hand():
     assert math.isclose(sign_test(np.array([1.0] * 9 + [-1.0])), 2 * 11 / 1024)
 
 
-def test_room_taken_against_the_simulator_ceilings_by_hand(tmp_path):
-    """RCE 25%, a run 50%, oracle 75%, observable 50% (mean over shots): the run takes 50% of the room to the
-    oracle and all of it to the observable ceiling; a baseline below RCE gets no row (a share of a room it is
+def test_share_of_the_gap_to_the_simulator_ceilings_by_hand(tmp_path):
+    """RCE 25%, a run 50%, oracle 75%, observable 50% (mean over shots): the run takes 50% of the gap to the
+    oracle and all of it to the observable ceiling; a baseline below RCE gets no row (a share of a gap it is
     under says nothing)."""
     rce = write_run(tmp_path / "rce", {1: [1, 0, 0, 0], 2: [1, 0, 0, 0]}, metrics=[{"phase": "rce", "epoch": 0}])
     run = write_run(tmp_path / "grpo", {1: [1, 1, 0, 0], 2: [1, 1, 0, 0]}, metrics=[{"phase": "grpo", "epoch": 0}])
@@ -175,9 +175,9 @@ def test_room_taken_against_the_simulator_ceilings_by_hand(tmp_path):
         (tmp_path / name / "eval" / "val.json").write_text(json.dumps({**doc, "baseline": name}))
         paths.append(tmp_path / name)
     text = report(Args(runs=paths, bootstrap=200))
-    [row] = cells(text, "| run | share of the room rce -> oracle (75.00)")
+    [row] = cells(text, "| run | share of the gap rce -> oracle (75.00)")
     assert row[0] == "grpo" and row[1].startswith("50% [") and row[2].startswith("100% [")
-    assert "Room taken" not in report(Args(runs=paths[2:], bootstrap=200))  # no RCE run: no room to measure
+    assert "Share of the gap" not in report(Args(runs=paths[2:], bootstrap=200))  # no RCE run: no gap to measure
 
 
 @given(st.integers(0, 2**32 - 1), st.integers(2, 40))
