@@ -179,13 +179,15 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
     "online, budget 35k, replay 4 steps, groups of 8 x 64 queries": cold(group_size=8, batch_size=64),
 }
 BASELINES = ("zero-shot", "random", "image-sim", "text-sim", "mmices", "mmr", "coreset", "oracle", "observable")
+CAPTION_BASELINES = tuple(b for b in BASELINES if b not in ("text-sim", "mmices"))  # a picture to caption: no question
+CAPTIONING = {"caption": "base", "caption-instruct": "instruct"}  # --worlds names of the captioning worlds
 
 
 @dataclass
 class Args:
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     """Simulator seeds (each builds its own dataset)."""
-    worlds: list[Literal[tuple(WORLDS)]] = field(default_factory=lambda: ["additive"])  # type: ignore[valid-type]
+    worlds: list[Literal[tuple(WORLDS) + tuple(CAPTIONING)]] = field(default_factory=lambda: ["additive"])  # type: ignore[valid-type]
     """Simulated worlds (gen_rl_data.py --world), each with its own datasets."""
     out: Path = Path("runs/ablate")
     """Folder of the cached datasets and runs (one subfolder per world)."""
@@ -204,13 +206,18 @@ def quietly(fn, *a):
         return fn(*a)
 
 
+def sim_args(world: str) -> dict:
+    """gen_rl_data.py's flags for a world: a VQA world, or a captioning one (CAPTIONING)."""
+    return {"task": "caption", "world": CAPTIONING[world]} if world in CAPTIONING else {"world": world}
+
+
 def build(args: Args, world: str, seed: int, names: list[str]) -> None:
     """Train and evaluate what is missing for one seed of one world."""
     root = args.out / world / f"seed{seed}"
     data = root / "data"
     if not (data / "meta.json").is_file() or not read_json(data / "meta.json")["complete"]:
-        quietly(gen_rl_data.generate, gen_rl_data.Args(out=data, seed=seed, world=world))
-    for b in BASELINES:
+        quietly(gen_rl_data.generate, gen_rl_data.Args(out=data, seed=seed, **sim_args(world)))
+    for b in BASELINES if world not in CAPTIONING else CAPTION_BASELINES:
         if not (root / b / "eval" / "val.json").is_file():
             quietly(evaluate.main, evaluate.Args(data=data, baseline=b, out=root / b, num_samples=[800]))
     for name in names:
@@ -225,7 +232,7 @@ def build(args: Args, world: str, seed: int, names: list[str]) -> None:
             recipe, flags = flags["data"], {k: v for k, v in flags.items() if k != "data"}
             common["data"] = root / f"data-{slug(recipe)}"
             if not (common["data"] / "meta.json").is_file() or not read_json(common["data"] / "meta.json")["complete"]:
-                gen = gen_rl_data.Args(out=common["data"], seed=seed, world=world, **DATASETS[recipe])
+                gen = gen_rl_data.Args(out=common["data"], seed=seed, **sim_args(world), **DATASETS[recipe])
                 quietly(gen_rl_data.generate, gen)
         if stage == "rce":
             run_args = rce.Args(**common, **flags)

@@ -172,6 +172,8 @@ def baseline_icds(
         order = pools.random_sequences(pool >= 0, 1, k, g)[:, 0]  # (n, k)
         return [pool.gather(1, order[:, :s]) for s in shots]
     views = {"image-sim": ("image",), "text-sim": ("text",), "mmices": ("image", "text"), "mmr": ("image",)}
+    if ds.meta["task"] == "caption" and "text" in views.get(args.baseline, ()):
+        raise ValueError(f"--baseline {args.baseline} compares questions; a picture to caption has none")
     for view in views.get(args.baseline, ()):
         if f"{split}_{view}" not in ds.emb:
             raise ValueError(f"{ds.folder}: no '{split}_{view}' embeddings for --baseline {args.baseline}")
