@@ -40,7 +40,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from icl_select import pools, sharding
-from icl_select.backends import LVLMRun, by_length, check_lvlm_run, open_backend
+from icl_select.backends import LVLMRun, check_lvlm_run, open_backend
 from icl_select.cider import coco_cider
 from icl_select.cli import CpuArgs, default_is, help_first, run_cli
 from icl_select.data import DEFAULT_DATA, METRIC, TOP_SCORE, Dataset, data_digest, load_dataset
@@ -213,7 +213,7 @@ def score_all(
             per_shot = []
             for s, icds in enumerate(icds_per_shot):
                 reuse = first[s] < s
-                ask = by_length(backend.score, split, rows[idx], icds[idx], gt_prob=False) if not reuse else None
+                ask = backend.score(split, rows[idx], icds[idx], gt_prob=False) if not reuse else None
                 per_shot.append(per_shot[first[s]] if reuse else ask)
                 asked += 0 if reuse else len(idx)
             for j, i in enumerate(idx.tolist()):

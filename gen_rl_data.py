@@ -43,7 +43,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from icl_select import pools, sharding
-from icl_select.backends import LVLMOptions, SimBackend, by_length, check_lvlm_run, lvlm_backend
+from icl_select.backends import LVLMOptions, SimBackend, check_lvlm_run, lvlm_backend
 from icl_select.caption_data import DATASETS as CAPTION_FILES
 from icl_select.cli import CpuArgs, default_is, help_first, run_cli
 from icl_select.data import (
@@ -507,7 +507,7 @@ def score_queries(
                 seqs, origin = groups[idx], [sources[i] for i in idx.tolist()]
             at = seqs.flatten(1)  # (C, G*S) pool positions, -1 after the last of a shorter sequence
             icds = anchor_pools[idx].gather(1, at.clamp_min(0)).where(at >= 0, -1).view(-1, S)  # (C*G, S) train rows
-            res = by_length(backend.score, "train", anchors[idx].repeat_interleave(G), icds)
+            res = backend.score("train", anchors[idx].repeat_interleave(G), icds)
             no_icds = torch.zeros(len(idx), 0, dtype=torch.long)  # (C, 0)
             zero_shot = backend.score("train", anchors[idx], no_icds)["gt_prob"]  # (C,)
             for j, i in enumerate(idx.tolist()):

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import sys
 from dataclasses import asdict, dataclass, fields
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 from torch import Tensor
 
 from icl_select import sharding
+from icl_select.cli import default_is
 from icl_select.data import SEQ_FIELDS
 from icl_select.sim import SPLITS, SimConfig, Simulator
 from icl_select.sim_caption import CaptionConfig, CaptionSimulator
@@ -31,10 +32,26 @@ class SimBackend:
         self.sim = sim
 
     def score(self, split: str, queries: Tensor, icds: Tensor, gt_prob: bool = True) -> dict:
-        return self.sim.score(split, queries, icds)  # gt_prob is free here
+        """The simulator's scores (gt_prob is free here). Rows may hold -1 after their last demonstration (prompts of
+        several lengths, none included): each length is asked in one call, the results put back in the rows' order."""
+        n = (icds >= 0).sum(-1)  # (N,) demonstrations per prompt
+        if bool((n == icds.shape[1]).all()):
+            return self.sim.score(split, queries, icds)
+        out: dict = {}
+        for length in n.unique().tolist():
+            rows = (n == length).nonzero()[:, 0]
+            for key, value in self.sim.score(split, queries[rows], icds[rows, :length]).items():
+                if isinstance(value, list):  # predictions
+                    kept = out.setdefault(key, [""] * len(n))
+                    for i, v in zip(rows.tolist(), value):
+                        kept[i] = v
+                else:
+                    out.setdefault(key, value.new_zeros(len(n)))[rows] = value
+        return out
 
     def info_prob(self, split: str, queries: Tensor, icds: Tensor) -> Tensor:
-        """InfoScore's P(y | ICDs, x): the simulated answer is one token, so its probability of a credited answer."""
+        """InfoScore's P(y | ICDs, x): the simulated answer's probability of a credited answer (the simulated caption's
+        of the query's first reference)."""
         return self.sim.score(split, queries, icds)["gt_prob"]
 
     def describe(self) -> dict:
@@ -70,41 +87,33 @@ def check_lvlm_run(run: LVLMRun) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {lo}, got {getattr(run, name)}")
 
 
+# Per task: the demonstration's and the query's text after their images (single-turn), and the longest reply.
+TEMPLATES = {
+    "vqa": ("Question: {question} Short answer: {answer}", "Question: {question} Short answer:"),
+    "caption": ("Caption: {answer}", "Caption:"),
+}
+MAX_NEW_TOKENS = {"vqa": 10, "caption": 30}
+
+
+def per_task(i: int):
+    """--help's default of a template flag: its text for VQA and for captions."""
+    return default_is(f"{TEMPLATES['vqa'][i]!r}; captions: {TEMPLATES['caption'][i]!r}")
+
+
 @dataclass
 class LVLMOptions(LVLMRun):
     """How the real backend prompts (recorded in meta.json; evaluate.py and grpo.py reuse the dataset's)."""
 
     system_prompt: str | None = None
     """Optional system prompt before the user turn."""
-    icd_template: str = "Question: {question} Short answer: {answer}"
+    icd_template: Annotated[str | None, per_task(0)] = None
     """Text after each demonstration's image."""
-    query_template: str = "Question: {question} Short answer:"
+    query_template: Annotated[str | None, per_task(1)] = None
     """Text after the query's image; in turn-per-demo also each ICD's question."""
     prompt_style: Literal["single-turn", "turn-per-demo"] = "single-turn"
     """One user turn for all, or a user + assistant turn per ICD (docs/real-models.md)."""
-    max_new_tokens: int = 10
-    """Greedy generation length."""
-
-
-def by_length(score, split: str, queries: Tensor, icds: Tensor, **kw) -> dict:
-    """`score(split, queries, icds)` for prompts of different lengths: icds (N, S) train rows, -1 after the last
-    demonstration of a shorter prompt (none at all included). Each length is asked in one call; the results come
-    back in the rows' order."""
-    n = (icds >= 0).sum(-1)  # (N,)
-    if bool((n == icds.shape[1]).all()):
-        return score(split, queries, icds, **kw)
-    out: dict = {}
-    for length in n.unique().tolist():
-        rows = (n == length).nonzero()[:, 0]
-        res = score(split, queries[rows], icds[rows, :length], **kw)
-        for key, value in res.items():
-            if isinstance(value, list):
-                out.setdefault(key, [""] * len(n))
-                for i, v in zip(rows.tolist(), value):
-                    out[key][i] = v
-            else:
-                out.setdefault(key, value.new_zeros(len(n)))[rows] = value
-    return out
+    max_new_tokens: Annotated[int | None, default_is("10, or 30 for captions")] = None
+    """Greedy generation length (a caption's tokens at most)."""
 
 
 class ScoreCache:
@@ -145,7 +154,7 @@ class ScoreCache:
         mine = sharding.chunk(len(queries), rank, world)
         vals = torch.zeros(0, len(SEQ_FIELDS), dtype=torch.float64)
         if len(mine):
-            res = by_length(self.backend.score, split, queries[mine.start : mine.stop], icds[mine.start : mine.stop])
+            res = self.backend.score(split, queries[mine.start : mine.stop], icds[mine.start : mine.stop])
             vals = torch.stack([res[f].double() for f in SEQ_FIELDS], -1)
         return sharding.gather(vals, len(queries), world)
 
@@ -174,15 +183,16 @@ class ScoreCache:
             self.memo[SPLITS[s], q, tuple(r for r in row if r >= 0)] = tuple(v)
 
 
-def lvlm_backend(model: str, items: dict[str, list[dict]], opts: LVLMOptions):
+def lvlm_backend(model: str, items: dict[str, list[dict]], opts: LVLMOptions, task: str = "vqa"):
     from icl_select.lvlm import LVLMBackend, PromptTemplate
 
-    template = PromptTemplate(icd=opts.icd_template, query=opts.query_template, style=opts.prompt_style)
+    icd, query = (given or default for given, default in zip((opts.icd_template, opts.query_template), TEMPLATES[task]))
+    template = PromptTemplate(icd=icd, query=query, style=opts.prompt_style)
     backend = LVLMBackend(
         model,
         items,
         opts.lvlm_batch_size,
-        opts.max_new_tokens,
+        opts.max_new_tokens or MAX_NEW_TOKENS[task],
         opts.system_prompt,
         template,
         opts.device,
@@ -191,6 +201,7 @@ def lvlm_backend(model: str, items: dict[str, list[dict]], opts: LVLMOptions):
         opts.lvlm_batch_tokens,
         opts.lvlm_workers,
         opts.lvlm_compile,
+        task=task,
     )
     # The fast path against plain transformers on a few prompts of this data, before any long run (raises if off).
     backend.check = None if opts.skip_self_check else backend.self_check()
@@ -232,4 +243,4 @@ def open_backend(
         prompt_style=meta["prompt_template"]["style"],
         max_new_tokens=meta["generation"]["max_new_tokens"],
     )
-    return lvlm_backend(lvlm or meta["lvlm"], items, opts)
+    return lvlm_backend(lvlm or meta["lvlm"], items, opts, meta["task"])

@@ -63,6 +63,7 @@ from transformers.image_utils import make_flat_list_of_images
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
 
+from icl_select.cider import CiderD, ptb_tokenize
 from icl_select.vqa import answer_counts, answer_rel, normalize_answer, postprocess, vqa_score
 
 PromptStyle = Literal["single-turn", "turn-per-demo"]
@@ -690,8 +691,20 @@ def croppable(cache) -> bool:
     return all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
+GT_PROB = {  # what gt_prob is, per task (meta.json records it)
+    "vqa": "sum of VQA credit x P(reply) over normalised annotator answers and their raw spellings",
+    "caption": "geometric-mean token probability of the query's first reference caption as the reply",
+}
+
+
 class LVLMBackend:
-    """A transformers LVLM scoring ICD prompts: greedy short answers, VQA accuracy and teacher-forced gt_prob."""
+    """A transformers LVLM scoring ICD prompts: greedy short answers, VQA accuracy and teacher-forced gt_prob; for the
+    caption task, greedy captions, CIDEr-D and the probability of the query's reference caption.
+
+    Rows of a prompt batch may hold -1 after their last demonstration: prompts of several lengths, none included, go
+    through the model together."""
+
+    ragged = True
 
     def __init__(
         self,
@@ -709,8 +722,10 @@ class LVLMBackend:
         compile: bool = True,
         worker_processes: bool = False,
         static_decode: StaticDecode = "off",
+        task: str = "vqa",
     ):
         self.model, self.processor, self.info = load_lvlm(model, device=device)
+        self.task = task
         # Pictures for the batch the model runs next, in parallel (0 = one worker per core): decoded in threads (PIL
         # releases the GIL) and preprocessed in the same threads or, with worker_processes, in processes, which leave
         # the GIL to the thread that drives the GPU but copy each picture there and its patches back
@@ -1131,7 +1146,7 @@ class LVLMBackend:
         precision 0.1 nats + 0.5% of |lp| with one answer in four allowed to flip, since rounding grows with the logits
         and swaps near ties."""
         examples = self.check_examples() if examples is None else examples
-        replies = [[r for r, _ in credited_replies(query["answers"])] for query, _ in examples]
+        replies = [self.replies(query) for query, _ in examples]
         half = self.model.dtype in (torch.float16, torch.bfloat16)
         tolerance, rel = (0.1, 0.005) if half else (1e-3, 0.0)
         answers, probs = self.run(examples, replies)
@@ -1177,32 +1192,56 @@ class LVLMBackend:
         credited = [credited_replies(query["answers"]) for query, _ in examples]
         return credit_sum(credited, self.run(examples, [[r for r, _ in c] for c in credited], answer=False)[1])
 
+    def replies(self, query: dict) -> list[str]:
+        """The replies whose probability a prompt's soft score adds up: every credited VQA answer, or the caption of
+        the query's that a demonstration would show (its first reference)."""
+        if self.task == "caption":
+            return [answer_counts(query["answers"])[0][0]]
+        return [r for r, _ in credited_replies(query["answers"])]
+
+    def geometric(self, examples: list[Example], replies: list[str], probs: list[Tensor]) -> Tensor:
+        """Each example's one reply probability P(reply) (as `run` gives it) as the geometric mean of its tokens'
+        probabilities, its stop token included: (N,) float64."""
+        lengths = [len(self.reply_ids(self.messages(*ex), [r])[0]) for ex, r in zip(examples, replies)]
+        return torch.stack([p[0] ** (1 / n) for p, n in zip(probs, lengths)])  # (N,)
+
     def info_prob(self, split: str, queries: Tensor, icds: Tensor) -> Tensor:
         """InfoScore's P(y | ICDs, x) (Lever-LM): the geometric-mean probability of the tokens of y, the query's most
-        common answer as a demonstration shows it, teacher-forced as the assistant's reply (its stop token included):
-        (N,) float64, from the same pass over each prompt as P(reply)."""
+        common answer as a demonstration shows it (a caption: its first reference), teacher-forced as the assistant's
+        reply (its stop token included): (N,) float64, from the same pass over each prompt as P(reply)."""
         examples = self.examples(split, queries, icds)
         refs = [answer_counts(query["answers"])[0][0] for query, _ in examples]
-        probs = self.run(examples, [[r] for r in refs], answer=False)[1]
-        lengths = [len(self.reply_ids(self.messages(*ex), [r])[0]) for ex, r in zip(examples, refs)]
-        return torch.stack([p[0] ** (1 / n) for p, n in zip(probs, lengths)])  # (N,)
+        return self.geometric(examples, refs, self.run(examples, [[r] for r in refs], answer=False)[1])
 
     def score_examples(self, examples: list[Example], gt_prob: bool = True) -> dict:
         """score() for explicit (query item, ICD items) prompts, ICD lists of any length; gt_prob=False skips the
-        replies (NaN instead): evaluation needs only the answers."""
-        credited = [credited_replies(query["answers"]) for query, _ in examples] if gt_prob else None
-        texts, probs = self.run(examples, [[r for r, _ in c] for c in credited] if gt_prob else None)
+        replies (NaN instead): evaluation needs only the answers. A caption's acc is its CIDEr-D against the query's
+        references, document frequencies fixed by the train split's (`cider.CiderD`), correct when that reaches 1 (as
+        good as a typical reference), and its gt_prob the geometric-mean probability of the query's first reference."""
+        replies = [self.replies(query) for query, _ in examples] if gt_prob else None
+        texts, probs = self.run(examples, replies)
         predictions = [postprocess(text) for text in texts]
         gts = [query["answers"] for query, _ in examples]
-        acc = torch.tensor([vqa_score(p, a) for p, a in zip(predictions, gts)], dtype=torch.float32)  # (N,)
         rel = torch.tensor([answer_rel(p, a) for p, a in zip(predictions, gts)], dtype=torch.float32)  # (N,)
-        return {
-            "prediction": predictions,
-            "acc": acc,
-            "correct": acc > 0,
-            "gt_prob": credit_sum(credited, probs) if gt_prob else torch.full((len(examples),), float("nan")),
-            "rel": rel,
-        }
+        soft = torch.full((len(examples),), float("nan"))  # (N,) without the replies
+        if self.task == "caption":
+            refs = [ptb_tokenize(query["answers"]) for query, _ in examples]
+            acc = torch.tensor(self.cider.score(ptb_tokenize(predictions), refs), dtype=torch.float32)  # (N,)
+            correct = acc >= 1
+            if gt_prob:
+                soft = self.geometric(examples, [r[0] for r in replies], probs)
+        else:
+            acc = torch.tensor([vqa_score(p, a) for p, a in zip(predictions, gts)], dtype=torch.float32)  # (N,)
+            correct = acc > 0
+            if gt_prob:
+                soft = credit_sum([credited_replies(a) for a in gts], probs)
+        return {"prediction": predictions, "acc": acc, "correct": correct, "gt_prob": soft, "rel": rel}
+
+    @functools.cached_property
+    def cider(self) -> CiderD:
+        """CIDEr-D whose document frequencies are the train split's references (a caption's reward never depends on
+        the other prompts scored with it), built once."""
+        return CiderD([ptb_tokenize(it["answers"]) for it in self.items["train"]])
 
     def score(self, split: str, queries: Tensor, icds: Tensor, gt_prob: bool = True) -> dict:
         """Answer and score each query of `split` given its ICDs (train rows, prompt order): (N,), (N, k) -> (N,)s."""
@@ -1213,7 +1252,7 @@ class LVLMBackend:
         if queries.dim() != 1 or icds.dim() != 2 or icds.shape[0] != queries.shape[0]:
             raise ValueError(f"expected queries (N,) and icds (N, k), got {tuple(queries.shape)}, {tuple(icds.shape)}")
         pool, split_items = self.items["train"], self.items[split]
-        return [(split_items[q], [pool[j] for j in row]) for q, row in zip(queries.tolist(), icds.tolist())]
+        return [(split_items[q], [pool[j] for j in row if j >= 0]) for q, row in zip(queries.tolist(), icds.tolist())]
 
     def describe(self) -> dict:
         return {
@@ -1223,7 +1262,7 @@ class LVLMBackend:
             "system_prompt": self.system_prompt,
             "generation": {"max_new_tokens": self.max_new_tokens, "do_sample": False},
             # What gt_prob means, so that a dataset folder never mixes two definitions when it resumes.
-            "gt_prob": "sum of VQA credit x P(reply) over normalised annotator answers and their raw spellings",
+            "gt_prob": GT_PROB[self.task],
             "simulation": False,
             **({"prompt_note": self.layout_note} if self.layout_note else {}),
         }

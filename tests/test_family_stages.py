@@ -91,14 +91,14 @@ def test_every_stage_batched_equals_one_prompt_at_a_time(
 ):
     model = Path(family_models[name])
     batches = []  # each processed batch's prompt lengths (tokens)
-    process = lvlm.LVLMBackend.process
+    process = lvlm.LVLMBackend._process  # what every batch's preparation calls
 
     def counted(self, examples):
-        inputs = process(self, examples)
+        inputs, keys = process(self, examples)
         batches.append(inputs["attention_mask"].sum(1).tolist())
-        return inputs
+        return inputs, keys
 
-    monkeypatch.setattr(lvlm.LVLMBackend, "process", counted)
+    monkeypatch.setattr(lvlm.LVLMBackend, "_process", counted)
     stages(model, mixed_okvqa, assets["clip"], tmp_path)
     shortest = min(min(b) for b in batches)
     if name == "gemma3":  # the case at stake: a sliding-window cache that has dropped states before decoding starts

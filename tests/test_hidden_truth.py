@@ -10,6 +10,9 @@ only). A guarded part may be read only while a simulator is being built, or insi
 of `backends.SimBackend`, the scoring path (behind the score cache, the one the budget counts). Anything else, such as
 grpo.py reading `sim.latents` or calling `sim.oracle`, or scoring through the simulator behind the backend's back,
 fails the test. Not guarded: `cfg` (meta.json records it), `emb` and `items` (the folder's embeddings and items.json).
+The captioning world's `sim_caption.CaptionSimulator` is guarded alike (its latents, memo of scores and templates, every
+method and cached property but those of OPEN); not guarded there either: its references and their CIDEr-D scorer,
+which items.json holds.
 """
 
 from __future__ import annotations
@@ -22,21 +25,41 @@ from types import SimpleNamespace
 
 import pytest
 
+import gen_rl_data
 import grpo
 import rce
 from icl_select import sim
 from icl_select.backends import SimBackend, sim_from_meta
 from icl_select.data import read_meta
+from icl_select.sim_caption import CaptionSimulator
 
-STATE = ("latents", "_acc", "_rel", "_predictions")  # instance attributes set by __init__
-OPEN = ("position_weights", "redundancy", "_pair_penalty")  # of cfg and the train embeddings alone
-# Every other method and cached property, whatever its name (__init__ and score open the guard instead).
-METHODS = [
-    name
-    for name, f in vars(sim.Simulator).items()
-    if inspect.isfunction(f) and not name.startswith("__") and name not in (*OPEN, "score")
-]
-CACHED = [name for name, f in vars(sim.Simulator).items() if isinstance(f, functools.cached_property)]
+# Per simulator: the instance attributes __init__ sets that hold the truth, and the methods that read only cfg and the
+# train embeddings (or build an empty state); every other method and cached property is guarded, whatever its name
+# (__init__ and score open the guard instead).
+STATES = {
+    sim.Simulator: ("latents", "_acc", "_rel", "_predictions"),
+    CaptionSimulator: ("latents", "_memo", "_templates"),
+}
+OPENS = {
+    sim.Simulator: ("position_weights", "redundancy", "_pair_penalty"),
+    CaptionSimulator: ("position_weights", "_start"),
+}
+STATE, OPEN = STATES[sim.Simulator], OPENS[sim.Simulator]
+
+
+def methods(cls: type) -> list[str]:
+    return [
+        name
+        for name, f in vars(cls).items()
+        if inspect.isfunction(f) and not name.startswith("__") and name not in (*OPENS[cls], "score")
+    ]
+
+
+def cached(cls: type) -> list[str]:
+    return [name for name, f in vars(cls).items() if isinstance(f, functools.cached_property)]
+
+
+METHODS, CACHED = methods(sim.Simulator), cached(sim.Simulator)
 FAST = dict(batch_size=8, val_frac=0.25)
 
 
@@ -50,7 +73,7 @@ def guard(monkeypatch):
     def check(name: str) -> None:
         if not state.open:
             where = "".join(traceback.format_stack(limit=6)[:-2])
-            state.reads.append(f"Simulator.{name} read outside scoring:\n{where}")
+            state.reads.append(f"{name} read outside scoring:\n{where}")
             raise AssertionError(state.reads[-1])
 
     def opened(fn):
@@ -66,14 +89,6 @@ def guard(monkeypatch):
 
         return wrapper
 
-    real_score = opened(sim.Simulator.score)
-
-    def score(self, split, queries, icds):
-        if sys._getframe(1).f_code not in scoring:
-            check("score")  # the answer model asked behind the backend (and the score cache) is a read too
-        state.scored += len(queries)
-        return real_score(self, split, queries, icds)
-
     def guarded_method(name: str, fn):
         @functools.wraps(fn)
         def wrapper(self, *args, **kwargs):
@@ -82,31 +97,40 @@ def guard(monkeypatch):
 
         return wrapper
 
-    def guarded_state(name: str) -> property:
+    def guarded_state(name: str, attribute: str) -> property:
         def get(self):
             check(name)
-            return self.__dict__[name]
+            return self.__dict__[attribute]
 
         def put(self, value):
-            self.__dict__[name] = value
+            self.__dict__[attribute] = value
 
         return property(get, put)
 
-    def guarded_cache(name: str, cached: functools.cached_property) -> property:
+    def guarded_cache(name: str, cls: type, prop: functools.cached_property) -> property:
         def get(self):
             check(name)
-            return cached.__get__(self, sim.Simulator)  # computed once, kept in the instance's __dict__
+            return prop.__get__(self, cls)  # computed once, kept in the instance's __dict__
 
         return property(get)
 
-    monkeypatch.setattr(sim.Simulator, "__init__", opened(sim.Simulator.__init__))
-    monkeypatch.setattr(sim.Simulator, "score", score)
-    for name in METHODS:
-        monkeypatch.setattr(sim.Simulator, name, guarded_method(name, getattr(sim.Simulator, name)))
-    for name in STATE:
-        monkeypatch.setattr(sim.Simulator, name, guarded_state(name), raising=False)
-    for name in CACHED:
-        monkeypatch.setattr(sim.Simulator, name, guarded_cache(name, sim.Simulator.__dict__[name]))
+    for cls in STATES:
+        real_score = opened(cls.score)
+
+        def score(self, split, queries, icds, real_score=real_score, where=f"{cls.__name__}.score"):
+            if sys._getframe(1).f_code not in scoring:
+                check(where)  # the answer model asked behind the backend (and the score cache) is a read too
+            state.scored += len(queries)
+            return real_score(self, split, queries, icds)
+
+        monkeypatch.setattr(cls, "__init__", opened(cls.__init__))
+        monkeypatch.setattr(cls, "score", score)
+        for name in methods(cls):
+            monkeypatch.setattr(cls, name, guarded_method(f"{cls.__name__}.{name}", getattr(cls, name)))
+        for name in STATES[cls]:
+            monkeypatch.setattr(cls, name, guarded_state(f"{cls.__name__}.{name}", name), raising=False)
+        for name in cached(cls):
+            monkeypatch.setattr(cls, name, guarded_cache(f"{cls.__name__}.{name}", cls, cls.__dict__[name]))
     return state
 
 
@@ -144,3 +168,23 @@ def test_training_reads_nothing_of_the_simulator_but_its_scores(small_data, tmp_
     assert (tmp_path / "online" / "offline" / "model.safetensors").is_file()  # the warm start ran
     assert 0 < after_rce < after_offline < guard.scored, (after_rce, after_offline, guard.scored)
     assert not guard.reads, "\n".join(guard.reads)
+
+
+@pytest.fixture(scope="module")
+def caption_data(tmp_path_factory):
+    """A small dataset of the captioning world, built before (and so outside) the guard."""
+    data = tmp_path_factory.mktemp("captions") / "data"
+    small = dict(num_train=300, num_val=60, num_queries=32, group_size=6, pool_size=16)
+    gen_rl_data.generate(gen_rl_data.Args(out=data, task="caption", **small))
+    return data
+
+
+def test_training_on_captions_reads_nothing_of_the_captioning_simulator_but_its_scores(caption_data, tmp_path, guard):
+    """The same for a dataset of the captioning world: RCE and a budgeted online GRPO score through the backend only."""
+    rce.main(rce.Args(data=caption_data, out=tmp_path / "rce", epochs=1, **FAST))
+    online = dict(online=True, group_size=4, lvlm_budget=600)
+    grpo.main(grpo.Args(data=caption_data, init=tmp_path / "rce", out=tmp_path / "online", **online, **FAST))
+    assert guard.scored > 0 and not guard.reads, "\n".join(guard.reads)
+    backend = SimBackend(sim_from_meta(read_meta(caption_data)))
+    with pytest.raises(AssertionError, match=r"^CaptionSimulator\.latents read outside scoring"):
+        backend.sim.latents  # noqa: B018  (the read itself is what is tested)
