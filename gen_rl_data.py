@@ -73,7 +73,6 @@ from icl_select.sim_caption import (
     caption_world_config,
     parse_caption_settings,
 )
-from icl_select.vqa import answer_counts
 from icl_select.vqa_data import DATASETS as VQA_FILES
 from model import reward_spread
 
@@ -297,9 +296,9 @@ def embed(args: Args, items: dict[str, list[dict]]) -> dict[str, Tensor]:
     emb = {}
     for split, rows in items.items():
         if args.task == "caption":
-            rows = [{**it, "question": answer_counts(it["answers"])[0][0]} for it in rows]
+            rows = [{**it, "question": it["answers"][0]} for it in rows]  # the caption a demonstration shows
         e = clip_embed(rows, args.encoder, device=args.device)
-        fused = e["image"] if args.task == "caption" else e["fused"]
+        fused = e["image"].clone() if args.task == "caption" else e["fused"]  # a tensor of its own in the file
         emb.update({split: fused, f"{split}_image": e["image"], f"{split}_text": e["text"]})
     return emb
 

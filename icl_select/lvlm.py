@@ -806,7 +806,7 @@ class LVLMBackend:
         chat = chat if self.system_prompt is not None else []
         content = []
         for icd in icds:
-            answer = answer_counts(icd["answers"])[0][0]
+            answer = self.shown(icd)
             if t.style == "turn-per-demo":
                 asked = [{"type": "image"}, {"type": "text", "text": t.query.format(question=icd["question"])}]
                 chat += [{"role": "user", "content": asked}, assistant_turn(answer)]
@@ -1192,11 +1192,16 @@ class LVLMBackend:
         credited = [credited_replies(query["answers"]) for query, _ in examples]
         return credit_sum(credited, self.run(examples, [[r for r, _ in c] for c in credited], answer=False)[1])
 
+    def shown(self, item: dict) -> str:
+        """What a demonstration shows of its item: its most common answer (in its most common spelling), or for a
+        caption its first reference, as Lever-LM shows one."""
+        return item["answers"][0] if self.task == "caption" else answer_counts(item["answers"])[0][0]
+
     def replies(self, query: dict) -> list[str]:
         """The replies whose probability a prompt's soft score adds up: every credited VQA answer, or the caption of
         the query's that a demonstration would show (its first reference)."""
         if self.task == "caption":
-            return [answer_counts(query["answers"])[0][0]]
+            return [self.shown(query)]
         return [r for r, _ in credited_replies(query["answers"])]
 
     def geometric(self, examples: list[Example], replies: list[str], probs: list[Tensor]) -> Tensor:
@@ -1206,11 +1211,11 @@ class LVLMBackend:
         return torch.stack([p[0] ** (1 / n) for p, n in zip(probs, lengths)])  # (N,)
 
     def info_prob(self, split: str, queries: Tensor, icds: Tensor) -> Tensor:
-        """InfoScore's P(y | ICDs, x) (Lever-LM): the geometric-mean probability of the tokens of y, the query's most
-        common answer as a demonstration shows it (a caption: its first reference), teacher-forced as the assistant's
-        reply (its stop token included): (N,) float64, from the same pass over each prompt as P(reply)."""
+        """InfoScore's P(y | ICDs, x) (Lever-LM): the geometric-mean probability of the tokens of y, the query's answer
+        as a demonstration would show it (`shown`), teacher-forced as the assistant's reply (its stop token included):
+        (N,) float64, from the same pass over each prompt as P(reply)."""
         examples = self.examples(split, queries, icds)
-        refs = [answer_counts(query["answers"])[0][0] for query, _ in examples]
+        refs = [self.shown(query) for query, _ in examples]
         return self.geometric(examples, refs, self.run(examples, [[r] for r in refs], answer=False)[1])
 
     def score_examples(self, examples: list[Example], gt_prob: bool = True) -> dict:

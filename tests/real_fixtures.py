@@ -1076,3 +1076,28 @@ def build_okvqa_fixture(
         (root / f"OpenEnded_mscoco_{split}2014_questions.json").write_text(json.dumps({"questions": qs}))
         (root / f"mscoco_{split}2014_annotations.json").write_text(json.dumps({"annotations": anns}))
     return root
+
+
+def build_coco_captions_fixture(root: Path, seed: int = 0, train_images: int = TRAIN_IMAGES) -> Path:
+    """A COCO-captions-format dataset (2014 layout: captions_{train,val}2014.json and the train2014/, val2014/ folders)
+    under `root`, five captions per picture of what it shows; returns `root`."""
+    root = Path(root)
+    rng = random.Random(seed)
+    every = list(product(SHAPES, COLORS, BACKGROUNDS, IMAGE_SIZES))
+    scenes = rng.sample(every, train_images + VAL_IMAGES)
+    words = ("a {c} {s} on a {b} background", "{c} {s} in front of {b}", "the {s} is {c}", "a {s} that is {c}")
+    for split, n_images, first_id in (("train", train_images, 9000), ("val", VAL_IMAGES, 500)):
+        (root / f"{split}2014").mkdir(parents=True, exist_ok=True)
+        images, annotations = [], []
+        for i in range(n_images):
+            image_id = first_id + 7 * i
+            shape, color, background, size = scenes.pop()
+            name = f"COCO_{split}2014_{image_id:012d}.jpg"
+            _draw(shape, color, background, size).save(root / f"{split}2014" / name, quality=95)
+            images.append({"id": image_id, "file_name": name, "width": size[0], "height": size[1]})
+            for j in range(5):
+                caption = rng.choice(words).format(c=color, s=shape, b=background)
+                annotations.append({"image_id": image_id, "id": image_id * 10 + j, "caption": caption.capitalize()})
+        doc = {"images": images, "annotations": annotations}
+        (root / f"captions_{split}2014.json").write_text(json.dumps(doc))
+    return root

@@ -3,8 +3,10 @@ evaluation scored as pycocoevalcap scores it, the report labelled by its metric,
 cannot be given."""
 
 import json
+import math
 
 import pytest
+import torch
 from pycocoevalcap.cider.cider import Cider
 
 import compare
@@ -13,6 +15,7 @@ import rce
 from gen_rl_data import Args, check_args, generate
 from icl_select.cider import ptb_tokenize
 from icl_select.data import load_dataset
+from icl_select.vqa import postprocess
 
 SMALL = dict(num_train=300, num_val=60, num_queries=32, group_size=6, pool_size=16)
 
@@ -77,3 +80,57 @@ def test_what_a_caption_cannot_be_given_is_one_line(flags, pattern):
     with pytest.raises(ValueError, match=pattern) as e:
         check_args(Args(task="caption", **flags))
     assert "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The real backend: COCO caption files as downloaded, a tiny random-weight Qwen2.5-VL and CLIP built offline
+
+
+@pytest.fixture(scope="module")
+def coco(tmp_path_factory):
+    from real_fixtures import build_coco_captions_fixture
+
+    return build_coco_captions_fixture(tmp_path_factory.mktemp("coco") / "coco")
+
+
+def test_an_lvlm_captions_as_plain_transformers_and_scores_the_first_reference(assets, coco):
+    """The greedy caption is model.generate()'s on the rendered prompt alone, with no demonstration, one, or two in one
+    left-padded batch; gt_prob is the geometric mean of the first reference's token probabilities (its stop token
+    included) from one plain forward pass; acc is the caption's CIDEr-D against the query's references."""
+    from test_families import MAX_NEW, Reference, rgb_images
+
+    from icl_select.caption_data import load_caption_split
+    from icl_select.cider import CiderD
+    from icl_select.lvlm import LVLMBackend, PromptTemplate
+
+    items = {split: load_caption_split("coco2014", coco, split) for split in ("train", "val")}
+    template = PromptTemplate(icd="Caption: {answer}", query="Caption:")
+    backend = LVLMBackend(str(assets["qwen"]), items, 4, MAX_NEW, template=template, task="caption")
+    queries, icds = torch.tensor([0, 1, 2]), torch.tensor([[-1, -1], [3, -1], [4, 5]])
+    got = backend.score("val", queries, icds)
+    ref = Reference(assets["qwen"])
+    references = [ptb_tokenize(it["answers"]) for it in items["train"]]
+    for i, (q, row) in enumerate(zip(queries.tolist(), icds.tolist())):
+        query, demos = items["val"][q], [items["train"][j] for j in row if j >= 0]
+        chat = backend.messages(query, demos)
+        assert [m for m in chat[-1]["content"] if m["type"] == "text"][-1]["text"] == "Caption:"
+        assert got["prediction"][i] == postprocess(ref.answer(chat, rgb_images(query, demos)))
+        logps = ref.token_log_probs(chat, rgb_images(query, demos), query["answers"][0])
+        assert got["gt_prob"][i].item() == pytest.approx(math.exp(sum(logps) / len(logps)), rel=1e-4)
+        cider = CiderD(references).score(ptb_tokenize([got["prediction"][i]]), [ptb_tokenize(query["answers"])])
+        assert got["acc"][i].item() == pytest.approx(float(cider[0]), abs=1e-6)
+    assert got["correct"].tolist() == (got["acc"] >= 1).tolist()
+    assert backend.describe()["generation"]["max_new_tokens"] == MAX_NEW and backend.self_check()["answers_differ"] == 0
+
+
+def test_gen_rl_data_builds_a_caption_folder_from_coco_files(assets, coco, tmp_path):
+    """COCO caption files as downloaded through gen_rl_data.py --task caption: the folder records the task, the
+    caption prompt and length, and the selector's embeddings are the pictures' alone."""
+    out = tmp_path / "data"
+    real = dict(lvlm=str(assets["qwen"]), dataset="coco2014", data_root=coco, encoder=str(assets["clip"]))
+    generate(Args(out=out, task="caption", num_queries=4, pool_size=6, group_size=3, seq_len=2, chunk=2, **real))
+    ds = load_dataset(out)
+    assert ds.meta["task"] == "caption" and ds.meta["source"] == "coco2014"
+    assert ds.meta["prompt_template"]["query"] == "Caption:" and ds.meta["generation"]["max_new_tokens"] == 30
+    assert torch_equal(ds.emb["val"], ds.emb["val_image"]) and not torch_equal(ds.emb["train"], ds.emb["train_text"])
+    assert len(ds.groups) == 4 and ds.meta["self_check"]["answers_differ"] == 0

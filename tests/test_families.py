@@ -145,9 +145,13 @@ class Reference:
         # stop token, as generation would end it.
         return prompt, rest[: rest.index(reply) + len(reply)] + stops[0]
 
-    @torch.no_grad()
     def log_prob(self, chat: list[dict], images: list[Image.Image], reply: str) -> float:
         """log P(reply) from ONE forward pass over prompt + reply."""
+        return sum(self.token_log_probs(chat, images, reply))
+
+    @torch.no_grad()
+    def token_log_probs(self, chat: list[dict], images: list[Image.Image], reply: str) -> list[float]:
+        """log P of each token of the reply (its stop token included), from ONE forward pass over prompt + reply."""
         prompt, rest = self.reply_text(chat, reply)
         prompt_ids = self.encode(prompt, images)["input_ids"][0]
         inputs = self.encode(prompt + rest, images)
@@ -160,7 +164,7 @@ class Reference:
         reply_ids = reply_ids[: stop_at[0] + 1]
         logits = self.model(**inputs).logits[0, n - 1 : n - 1 + len(reply_ids)]  # (L, V)
         logp = torch.log_softmax(logits.double(), dim=-1)
-        return sum(logp[j, t].item() for j, t in enumerate(reply_ids))
+        return [logp[j, t].item() for j, t in enumerate(reply_ids)]
 
 
 def rgb_images(query: dict, icds: list[dict]) -> list[Image.Image]:
