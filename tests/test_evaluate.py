@@ -332,3 +332,19 @@ def test_damaged_progress_and_run_files_are_one_line(small_data, run, tmp_path, 
     (r / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "args"}))
     with pytest.raises(ValueError, match=r"config\.json\b.*'args'"):
         run_eval(data=small_data, runs=[r])
+
+
+def test_shots_as_captioning_papers_report_them(small_data, tmp_path):
+    """1, 2, 3, 4, 6 and 8 shots (Lever-LM's counts): a selector trained on 4-shot sequences asked for up to 8
+    (rce.py --picks 8) decodes 8 and k-shot is its first k; a baseline ranks 8 as it ranks 4."""
+    shots = [1, 2, 3, 4, 6, 8]
+    rce.main(rce.Args(data=small_data, out=tmp_path / "rce8", epochs=1, picks=8, batch_size=8, val_frac=0.25))
+    run_eval(data=small_data, runs=[tmp_path / "rce8"], shots=shots)
+    run_eval(data=small_data, baseline="image-sim", out=tmp_path / "rices", shots=shots)
+    for doc in (json.loads((p / "eval" / "val.json").read_text()) for p in (tmp_path / "rce8", tmp_path / "rices")):
+        assert doc["shots"] == shots and set(doc["summary"]["150"]) == {str(s) for s in shots}
+        by_q = {}
+        for r in doc["results"]:
+            by_q.setdefault(r["row"], {})[r["shot"]] = r["icds"]
+        for picks in by_q.values():
+            assert all(len(picks[s]) == s and picks[s] == picks[8][8 - s :] for s in shots)  # the 8 nearest last
