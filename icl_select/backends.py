@@ -67,7 +67,7 @@ class LVLMRun:
     lvlm_batch_tokens: int = 0
     """Real LVLM: padded prompt tokens per forward pass at most, a memory bound (0 = none)."""
     lvlm_workers: int = 0
-    """Real LVLM: threads that prepare pictures ahead of the model (0 = one per core, at most 8)."""
+    """Real LVLM: threads that prepare pictures ahead of the model (0 = one per core, shared by a machine's ranks)."""
     device: str = "auto"
     """Real LVLM: auto = this rank's CUDA device in bf16 if present, else CPU float32."""
     image_cache_mib: int = 4096

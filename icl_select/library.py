@@ -197,7 +197,7 @@ def embedded(
 ) -> tuple[dict[str, Tensor], str | None]:
     """`lvlm.clip_embed` of the items, read from `cache/<name>-<encoder>-<digest>.safetensors` when their digest is
     unchanged, else computed and written there (the files of older digests removed); and the encoder's revision."""
-    from icl_select.lvlm import DECODED_IMAGES, clip_embed, resolve_model
+    from icl_select.lvlm import clip_embed, resolve_model
 
     revision = resolve_model(encoder)[1]
     cache.mkdir(parents=True, exist_ok=True)
@@ -207,7 +207,6 @@ def embedded(
     path = cache / f"{stem}-{library_digest(items, pictures, encoder, revision)}.safetensors"
     if path.is_file():
         return read_embeddings(path, dict.fromkeys(("fused", "image", "text"), len(items))), revision
-    DECODED_IMAGES.clear()  # it keys pictures by path: a redrawn one must be read again
     emb = clip_embed(items, encoder, device=device)
     save_tensors(path, emb)
     for old in cache.glob(f"{stem}-*.safetensors"):
