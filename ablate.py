@@ -193,6 +193,8 @@ class Args:
     """Folder of the cached datasets and runs (one subfolder per world)."""
     only: list[str] = field(default_factory=list)
     """Train only these variants and their references (none: all); tables show what is finished."""
+    references: bool = True
+    """Also train each variant's reference, for its delta (an --init is trained either way)."""
     bootstrap: int = 10000
     """Bootstrap resamples for the CIs."""
 
@@ -252,12 +254,12 @@ def build(args: Args, world: str, seed: int, names: list[str]) -> None:
         print(f"{world} seed {seed}: {name} ({time.perf_counter() - start:.0f} s)", flush=True)
 
 
-def order(names: list[str]) -> list[str]:
-    """The variants to train, each after what it starts from."""
+def order(names: list[str], references: bool = True) -> list[str]:
+    """The variants to train, each after what it starts from (and its reference, with `references`)."""
     need = set(names)
     for name in names:
         stage, flags, ref = VARIANTS[name]
-        need |= {stage == "grpo" and "rce", ref, flags.get("init")} - {None, False, *BASELINES}
+        need |= {stage == "grpo" and "rce", references and ref, flags.get("init")} - {None, False, *BASELINES}
     return [n for n in VARIANTS if n in need]
 
 
@@ -499,7 +501,7 @@ def main(args: Args) -> None:
     if unknown := [n for n in args.only if n not in VARIANTS]:
         raise ValueError(f"--only: unknown variants {unknown}; known: {list(VARIANTS)}")
     torch.set_num_threads(1)
-    names = order(args.only or list(VARIANTS))
+    names = order(args.only or list(VARIANTS), args.references)
     for world in args.worlds:
         for seed in args.seeds:
             build(args, world, seed, names)

@@ -74,7 +74,7 @@ def test_threads_flag_sets_torch_threads_and_rejects_zero(monkeypatch, capsys):
 @pytest.mark.parametrize(
     "stage, first",
     [
-        ("gen_rl_data", ["--out", "--lvlm", "--dataset", "--data-root"]),
+        ("gen_rl_data", ["--out", "--lvlm", "--dataset", "--data-root", "--task"]),
         ("rce", ["--data", "--out", "--init"]),
         ("grpo", ["--init", "--data", "--out", "--online", "--kl-beta"]),
         ("evaluate", ["--baseline", "--data", "--out", "--lvlm"]),
