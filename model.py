@@ -18,6 +18,7 @@ is pure functions of tensors.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
@@ -347,11 +348,22 @@ class PointerSelector(
     def greedy(
         self, query: Tensor, pool: Tensor, pool_mask: Tensor, steps: int, stop: bool | None = None
     ) -> tuple[Tensor, Tensor]:
-        """Argmax decoding: -> picks (B, S) and their summed log-prob (B,). `stop` (default: whether the selector can)
-        lets it end before `steps` picks, -1 after its last; stop=False fills all `steps`."""
+        """Greedy decoding: -> picks (B, S) and their summed log-prob (B,). `stop` (default: whether the selector can)
+        lets it end before `steps` picks, -1 after its last; stop=False fills all `steps`. Each step is the more likely
+        branch of two decisions in turn: to stop or go on (it stops where stopping is at least as likely as going on,
+        p >= 1/2), then which candidate. Against every candidate one by one, the stop would win wherever the
+        candidates share the rest of the mass, however likely going on is."""
         check_shapes(query, pool, pool_mask)
-        seqs, logp = in_chunks(lambda *b: self._decode(*b, steps, 1, argmax, stop), query, pool, pool_mask)
+        seqs, logp = in_chunks(lambda *b: self._decode(*b, steps, 1, self.most_likely, stop), query, pool, pool_mask)
         return seqs[:, 0], logp[:, 0]
+
+    def most_likely(self, log_dist: Tensor) -> Tensor:
+        """Greedy choice of `_decode`: (B, N, A) -> (B, N); with a stop choice (the last column), the stop where its
+        probability is at least 1/2, else the most likely candidate."""
+        if not self.cfg.can_stop:
+            return log_dist.argmax(-1)
+        stop = log_dist.shape[-1] - 1
+        return log_dist[..., :stop].argmax(-1).where(log_dist[..., stop] < math.log(0.5), stop)
 
     @torch.no_grad()
     def sample(
@@ -494,11 +506,6 @@ class PointerSelector(
 
     def generate_model_card(self, *args, **kwargs) -> ModelCard:
         return super().generate_model_card(*args, **(hub.card_facts(self) | kwargs))
-
-
-def argmax(log_dist: Tensor) -> Tensor:
-    """Greedy choice of `_decode`: (B, N, K) -> (B, N)."""
-    return log_dist.argmax(-1)
 
 
 # Decoding works in slices of queries: one call over hundreds of pools streams every intermediate through memory, while

@@ -385,7 +385,7 @@ def test_decoding_in_slices_picks_what_one_call_picks(seed, B, chunk):
     g = rng(seed)
     query, pool, mask = torch.randn(B, 6, generator=g), torch.randn(B, 5, 6, generator=g), torch.ones(B, 5).bool()
     net = PointerSelector(SelectorConfig(dim=6, hidden=8, num_heads=2)).eval()
-    whole = net._decode(query, pool, mask, 3, 1, model.argmax)
+    whole = net._decode(query, pool, mask, 3, 1, net.most_likely)
     beams = net._beam(query, pool, mask, 3, 2)
     sizes = []
     real = model.in_chunks
@@ -509,14 +509,24 @@ def test_stopped_sequences_are_scored_pick_by_pick_and_then_the_stop(batch):
 
 @given(stopped_batches())
 def test_greedy_and_sampling_may_stop_and_are_scored_as_teacher_forcing_scores_them(batch):
+    """Greedy decoding stops where the stop is at least as likely as going on (p >= 1/2), else takes the most likely
+    candidate (checked step by step on the teacher-forced distributions); it and sampling are scored as teacher
+    forcing scores them; exactly S never stops; a beam of one ranks the stop against each candidate instead."""
     query, pool, pool_mask, seqs, _, seed = batch
     S = seqs.shape[2]
     model = stopping(seed)
     picks, logp = model.greedy(query, pool, pool_mask, S)
     every = torch.ones(len(query), 1, dtype=torch.bool)
-    assert torch.allclose(model.log_probs(query, pool, pool_mask, picks[:, None], every).sum(-1)[:, 0], logp, atol=1e-5)
+    out = model(query, pool, pool_mask, picks[:, None], every, with_dists=True)
+    assert torch.allclose(out.logp.sum(-1)[:, 0], logp, atol=1e-5)
+    for b in range(len(query)):
+        n = int((picks[b] >= 0).sum())
+        for t in range(min(n + 1, S)):
+            p = out.log_dist[b, 0, t].exp()
+            assert (p[-1] >= 0.5) == (t == n) and (t == n or int(picks[b, t]) == int(p[:-1].argmax()))
     beam, score = model.beam_search(query, pool, pool_mask, S, 1)
-    assert torch.equal(beam[:, 0], picks) and torch.allclose(score[:, 0], logp, atol=1e-5)
+    tf = model.log_probs(query, pool, pool_mask, beam, every).sum(-1)[:, 0]
+    assert torch.allclose(score[:, 0], tf, atol=1e-5)
     full, _ = model.greedy(query, pool, pool_mask, S, stop=False)  # exactly S: never stops
     assert (full >= 0).all() and pool_mask.gather(1, full).all()
     drawn, lp = model.sample(query, pool, pool_mask, S, 5, rng(seed), 1.0)  # (B, 5, S)
