@@ -922,3 +922,15 @@ def test_compiled_regions_score_as_eager(assets, items):
     with torch.compiler.set_stance("force_eager"):
         again = backend.run(examples, replies)
     assert again[0] == eager[0] and all(torch.equal(a, b) for a, b in zip(again[1], eager[1]))
+
+
+def test_prompts_of_several_lengths_in_one_batch_score_as_each_alone(backend, items):
+    """Rows with -1 after their last demonstration (none at all included) go through the model in one left-padded
+    batch and score as each prompt alone: the same answers, gt_prob within float32 rounding."""
+    queries, icds = torch.tensor([0, 1, 2, 3]), torch.tensor([[-1, -1, -1], [4, -1, -1], [5, 6, 7], [8, 9, -1]])
+    together = backend.score("val", queries, icds)
+    for i in range(4):
+        row = icds[i][icds[i] >= 0][None]  # (1, n)
+        alone = backend.score("val", queries[i : i + 1], row)
+        assert together["prediction"][i] == alone["prediction"][0]
+        assert together["gt_prob"][i].item() == pytest.approx(alone["gt_prob"][0].item(), rel=1e-4)
