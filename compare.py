@@ -768,6 +768,11 @@ def report_parts(runs: list[Run], c: Comparison | None, args: Args) -> tuple[str
     return f"{title}\n\n{glance}\n", rest
 
 
+def same_picks(a: dict, b: dict | None) -> bool:
+    """Whether two evaluations picked the very same demonstrations everywhere (an up-to-k one that never stopped)."""
+    return b is not None and [r.get("icds") for r in a["results"]] == [r.get("icds") for r in b["results"]]
+
+
 def read_runs(args: Args) -> list[Run]:
     """Every run folder once (a folder named twice, as by `runs/* runs/rce`, is read once), and beside each run that
     chose how many demonstrations (a selector that can stop, a ceiling's best of 0..k) its "up to k" evaluation as a
@@ -777,8 +782,8 @@ def read_runs(args: Args) -> list[Run]:
     for r in (read_run(p, args.split) for p in paths):
         upto = None if r is None else r.path / "eval" / f"{args.split}-upto.json"
         runs += [] if r is None else [r]
-        if upto is not None and upto.is_file():
-            runs.append(replace(r, name=f"{r.name} (up to k)", eval=read_eval(upto), epoch_evals={}, upto=True))
+        if upto is not None and upto.is_file() and not same_picks(doc := read_eval(upto), r.eval):
+            runs.append(replace(r, name=f"{r.name} (up to k)", eval=doc, epoch_evals={}, upto=True))
     if not runs:
         raise ValueError("no run folders to compare")
     for a, b in combinations(runs, 2):
