@@ -442,6 +442,71 @@ def budget_table(args: Args) -> str:
     return "\n".join([f"## What a budget buys, seeds {seeds} pooled", "", md_table(head, rows), ""])
 
 
+# The rivals (docs/rivals.md): training-free, then trained on LVLM calls of their own
+TRAINING_FREE = ("random", "image-sim", "text-sim", "mmices", "mmr", "coreset")
+RIVALS = (*TRAINING_FREE, "retriever", "lever-lm", "lever-lm, 35k calls")
+KIT = ("offline", "online, budget 35k", "online")  # the kit's GRPO runs, fewest calls first
+
+
+def rivals_table(args: Args) -> str:
+    """Per world, pooled over the seeds: each rival's and the kit's accuracy (mean over 1-4 shots) with the LVLM calls
+    that built it (the mean over the seeds), then each of the kit's GRPO runs against the strongest rival and offline
+    GRPO against the retriever at equal calls (paired bootstrap 95% CIs); empty until the rivals have run."""
+    found = [r for r in (rivals_rows(args, w) for w in args.worlds) if r is not None]
+    if not found:
+        return ""
+    head = ["world", "best training-free", "retriever", "Lever-LM", "Lever-LM, 35k", "RCE", *KIT]
+    head2 = ["world", "strongest rival", *[f"{n} - it" for n in KIT], "offline - retriever (equal calls)"]
+    seeds = " ".join(map(str, args.seeds))
+    return "\n".join(
+        [
+            f"## The rivals, seeds {seeds} pooled",
+            "",
+            "Accuracy (%), mean over 1-4 shots; in brackets the LVLM calls that built the run, its data included.",
+            "",
+            md_table(head, [a for a, _ in found]),
+            "",
+            md_table(head2, [b for _, b in found]),
+            "",
+        ]
+    )
+
+
+def rivals_rows(args: Args, world: str) -> tuple[list[str], list[str]] | None:
+    """`rivals_table`'s two rows of one world, None until its rivals and the kit's runs have all finished."""
+    got, pooled = over_seeds(args, world, {*RIVALS, "rce", *KIT})
+    done = [n for n in (*RIVALS, "rce", *KIT) if all(got[n])]
+    if not {"retriever", "lever-lm", "offline", "online"} <= set(done):
+        return None
+    mean = {n: float(np.mean(list(pooled[n].values()))) for n in done}
+
+    def cell(n: str) -> str:
+        if n not in done:
+            return "-"
+        calls = np.mean([spent(args, world, s, n) for s in args.seeds])
+        return f"{100 * mean[n]:.2f}" + ("" if n in TRAINING_FREE else f" ({calls / 1e3:.0f}k)")
+
+    free = max((n for n in TRAINING_FREE if n in done), key=mean.get)
+    rival = max((n for n in RIVALS if n in done), key=mean.get)
+    pairs = [
+        delta([(pooled[rival], pooled[n])], args.bootstrap, world, n, rival, *args.seeds) for n in KIT if n in done
+    ]
+    equal = delta(
+        [(pooled["retriever"], pooled["offline"])], args.bootstrap, world, "offline", "retriever", *args.seeds
+    )
+    return [world, f"{free}: {cell(free)}", *[cell(n) for n in (*RIVALS[-3:], "rce", *KIT)]], [
+        world,
+        rival,
+        *pairs,
+        equal,
+    ]
+
+
+def spent(args: Args, world: str, seed: int, name: str) -> int:
+    """The LVLM calls that built a run, as its evaluation records them (runs.lvlm_spent)."""
+    return read_eval(args.out / world / f"seed{seed}" / slug(name) / "eval" / "val.json")["lvlm_calls"]
+
+
 # Selectors that fill every slot, against which one that may stop is judged (baselines included)
 FIXED = ("random", "image-sim", "text-sim", "mmices", "mmr", "coreset", "rce", "retriever", "lever-lm", "offline")
 FIXED += ("online", "online, budget 35k")
@@ -505,9 +570,8 @@ def main(args: Args) -> None:
     for world in args.worlds:
         for seed in args.seeds:
             build(args, world, seed, names)
-    print(
-        "\n".join([*[tables(args, w) for w in args.worlds], worlds_table(args), budget_table(args), stop_table(args)])
-    )
+    tail = [worlds_table(args), budget_table(args), rivals_table(args), stop_table(args)]
+    print("\n".join([*[tables(args, w) for w in args.worlds], *tail]))
 
 
 if __name__ == "__main__":
