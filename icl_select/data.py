@@ -465,10 +465,11 @@ DATA_FILES = ("items.json", "embeddings.safetensors", "rl_data.jsonl", "eval_poo
 
 
 def data_digest(folder: Path) -> str:
-    """Hash of what training reads from a dataset folder: its data files and its settings (meta.json without the
-    time it was written), so regenerating identical data keeps the digest and any edited reward changes it."""
+    """Hash of what training reads from a dataset folder: its data files and its settings (meta.json without when it
+    was written and how fast), so regenerating identical data keeps the digest and any edited reward changes it."""
     h = hashlib.sha256()
-    meta = {k: v for k, v in json.loads((folder / "meta.json").read_text()).items() if k != "created_at"}
+    meta = json.loads((folder / "meta.json").read_text())
+    meta = {k: v for k, v in meta.items() if k not in ("created_at", "lvlm_seq_per_s")}
     h.update(json.dumps(meta, sort_keys=True).encode())
     for name in DATA_FILES:
         with open(folder / name, "rb") as f:

@@ -21,6 +21,7 @@ from icl_select.data import (
     DataError,
     RewardArgs,
     compute_reward,
+    data_digest,
     filter_queries,
     load_dataset,
     quality_labels,
@@ -52,6 +53,17 @@ LINE3 = r"rl_data\.jsonl line 3\b.*"
 def expect(folder, pattern):
     with pytest.raises(DataError, match=pattern):
         load_dataset(folder)
+
+
+def test_digest_keeps_regenerated_data_and_changes_with_a_reward(folder):
+    """Regenerating the same data elsewhere writes another time and speed into meta.json, not other data; an edited
+    reward is other data. compare.py pairs runs by this digest."""
+    before = data_digest(folder)
+    meta = json.loads((folder / "meta.json").read_text()) | {"created_at": "2030-01-01T00:00:00+00:00"}
+    (folder / "meta.json").write_text(json.dumps(meta | {"lvlm_seq_per_s": 9.5}))
+    assert data_digest(folder) == before
+    edit_line(folder, 1, lambda rec: rec["seqs"][0].update(acc=1.0 - rec["seqs"][0]["acc"]))
+    assert data_digest(folder) != before
 
 
 def test_loads_clean_folder(small_data):
