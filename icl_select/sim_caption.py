@@ -808,6 +808,16 @@ class CaptionSimulator:
         ]
         return torch.cat(parts) if parts else pools[:, :k]
 
+    def oracle_value(self, split: str, queries: Tensor, icds: Tensor, observable: bool = False) -> Tensor:
+        """What `oracle` ranks whole sequences by, comparable across their lengths: (B,), (B, k) train rows in prompt
+        order (k may be 0) -> (B,) float64, the caption's CIDEr-D; observable=True: the observable search's estimate
+        of it (`_search`'s value under what `probes` read off the embeddings)."""
+        if not observable:
+            return self.score(split, queries, icds)["acc"]
+        r = self._reply(self._features(split, queries, icds, True), self._query(split, queries, True), icds.shape[1])
+        wrong = ((1 - r["right"]) * r["mention"]).sum(-1)  # (B,) slots expected wrong
+        return self._mean_template[r["style"], r["length"]] * WRONG_WORD_FACTOR**wrong
+
     def _search(self, split: str, queries: Tensor, pools: Tensor, k: int, beam: int, observable: bool) -> Tensor:
         """Beam search over ordered sequences of k distinct pool items, filled from the query backwards (the position
         next to it weighs most) and valued with the empty positions left out: the template CIDEr-D of the reply's style

@@ -58,6 +58,18 @@ def test_evaluation_scores_each_caption_as_pycocoevalcap_does(captions, tmp_path
         assert doc["summary"][str(n)][str(shot)] == pytest.approx(100 * mean, abs=1e-3)
 
 
+def test_the_ceilings_choose_how_many_in_a_caption_world(captions, tmp_path):
+    """The oracle's up-to-k evaluation takes the best of 0..k by the simulator's CIDEr-D (train-split frequencies), so
+    it scores at least zero-shot and exactly k under the evaluation's own frequencies too (here, not by a theorem)."""
+    for b in ("zero-shot", "oracle", "observable"):
+        evaluate.main(evaluate.Args(data=captions, baseline=b, out=tmp_path / b, num_samples=[40], shots=[1, 2]))
+    read = lambda b, name: json.loads((tmp_path / b / "eval" / name).read_text())["summary"]["40"]  # noqa: E731
+    zero, exact, upto = read("zero-shot", "val.json"), read("oracle", "val.json"), read("oracle", "val-upto.json")
+    for shot in ("1", "2"):
+        assert upto[shot] >= max(exact[shot], zero[shot]) - 1e-9, (zero, exact, upto)
+    assert (tmp_path / "observable" / "eval" / "val-upto.json").is_file()
+
+
 def test_the_report_names_cider_and_text_baselines_are_refused(captions, tmp_path):
     rce.main(rce.Args(data=captions, out=tmp_path / "rce", epochs=1, batch_size=8, val_frac=0.25))
     evaluate.main(evaluate.Args(data=captions, runs=[tmp_path / "rce"], num_samples=[40]))

@@ -337,6 +337,23 @@ def test_the_oracle_is_exact_on_tiny_pools(seed, shape):
     assert all(set(b.tolist()) <= set(p.tolist()) and len(set(b.tolist())) == k for b, p in zip(best, pool))
 
 
+@settings(max_examples=6)
+@given(seed=seeds, observable=st.booleans())
+def test_oracle_value_ranks_as_the_oracle_searches(seed, observable):
+    """One demonstration with a beam as wide as the pool: the oracle's pick has the highest `oracle_value` of every
+    candidate (what evaluate.py's up-to-k ceilings compare lengths by), and no demonstration is valued as the
+    zero-shot caption scores."""
+    sim = small(1)
+    g = rng(seed)
+    queries = torch.randint(SMALL["num_val"], (3,), generator=g)
+    pool = torch.rand(3, SMALL["num_train"], generator=g).argsort(1)[:, :6]  # (3, K)
+    best = sim.oracle("val", queries, pool, 1, beam=6, observable=observable)  # (3, 1)
+    every = sim.oracle_value("val", queries.repeat_interleave(6), pool.reshape(-1, 1), observable).view(3, 6)
+    torch.testing.assert_close(sim.oracle_value("val", queries, best, observable), every.amax(1), rtol=0, atol=0)
+    none = sim.oracle_value("val", queries, pool[:, :0])
+    torch.testing.assert_close(none, sim.score("val", queries, pool[:, :0])["acc"], rtol=0, atol=0)
+
+
 @functools.cache
 def small_calibration(seed: int) -> dict:
     return calibrate_caption(small(seed), pool_size=32, shots=4, seed=seed)
