@@ -198,22 +198,13 @@ class SimConfig:
     """order: each two adjacent ICDs add neighbour times the smaller of their two helpfulnesses."""
 
     def __post_init__(self):
-        if self.world not in WORLDS:
-            raise ValueError(f"SimConfig.world must be one of {', '.join(WORLDS)}, got {self.world!r}")
-        for name in (f.name for f in dataclasses.fields(self) if f.name != "world"):
-            value, interval = getattr(self, name), RANGES.get(name, "(-inf, inf)")
-            for v in value if isinstance(value, tuple) else (value,):
-                if not _inside(v, interval):
-                    raise ValueError(f"SimConfig.{name} must be in {interval}, got {value}")
-        for name, n in (
-            ("answer_type_probs", len(ANSWER_TYPES)),
-            ("majority_count_probs", NUM_ANNOTATORS - MIN_MAJORITY + 1),
-        ):
-            if len(getattr(self, name)) != n:
-                raise ValueError(f"SimConfig.{name} needs {n} entries, got {len(getattr(self, name))}")
-        for name in ("image_group_probs", "answer_type_probs", "majority_count_probs"):
-            if not sum(getattr(self, name)) > 0:
-                raise ValueError(f"SimConfig.{name} must have a positive sum, got {getattr(self, name)}")
+        check_config(
+            self,
+            WORLDS,
+            RANGES,
+            lengths={"answer_type_probs": len(ANSWER_TYPES), "majority_count_probs": NUM_ANNOTATORS - MIN_MAJORITY + 1},
+            weights=("image_group_probs", "answer_type_probs", "majority_count_probs"),
+        )
 
     @property
     def additive(self) -> bool:
@@ -257,6 +248,26 @@ def _inside(value: float, interval: str) -> bool:
     return (lo <= value if interval[0] == "[" else lo < value) and (value <= hi if interval[-1] == "]" else value < hi)
 
 
+def check_config(cfg, worlds, ranges: dict[str, str], lengths: dict[str, int], weights: tuple[str, ...]) -> None:
+    """Refuse a world config in one line: its world not among `worlds`, a value (each entry of a tuple) outside its
+    interval in `ranges` (any finite number where none is listed), a tuple of another length than `lengths` says, or
+    probability weights (`weights`) that do not sum to a positive number."""
+    kind = type(cfg).__name__
+    if cfg.world not in worlds:
+        raise ValueError(f"{kind}.world must be one of {', '.join(worlds)}, got {cfg.world!r}")
+    for name in (f.name for f in dataclasses.fields(cfg) if f.name != "world"):
+        value, interval = getattr(cfg, name), ranges.get(name, "(-inf, inf)")
+        for v in value if isinstance(value, tuple) else (value,):
+            if not _inside(v, interval):
+                raise ValueError(f"{kind}.{name} must be in {interval}, got {value}")
+    for name, n in lengths.items():
+        if len(getattr(cfg, name)) != n:
+            raise ValueError(f"{kind}.{name} needs {n} entries, got {len(getattr(cfg, name))}")
+    for name in weights:
+        if not sum(getattr(cfg, name)) > 0:
+            raise ValueError(f"{kind}.{name} must have a positive sum, got {getattr(cfg, name)}")
+
+
 # World name -> the parameters it sets (every other one keeps SimConfig's default). docs/worlds.md: what each mirrors.
 WORLDS: dict[str, dict[str, float]] = {
     "additive": {},
@@ -281,10 +292,11 @@ def world_config(world: str = "additive", **overrides) -> SimConfig:
     return SimConfig(world=world, **{**WORLDS[world], **overrides})
 
 
-def parse_settings(pairs: list[str]) -> dict:
-    """FIELD=VALUE strings -> SimConfig overrides, each VALUE read as its field's type (a tuple as a comma list); the
-    ranges are SimConfig's to check."""
-    fields = {f.name: f for f in dataclasses.fields(SimConfig)}
+def parse_settings(pairs: list[str], config: type = SimConfig) -> dict:
+    """FIELD=VALUE strings -> overrides of a world config (SimConfig, or sim_caption's CaptionConfig), each VALUE read
+    as its field's type (a tuple as a comma list); the ranges are the config's to check."""
+    fields = {f.name: f for f in dataclasses.fields(config)}
+    where = f"{config.__module__.rpartition('.')[2]}.{config.__name__}"
     out = {}
     for pair in pairs:
         name, sep, text = pair.partition("=")
@@ -292,7 +304,7 @@ def parse_settings(pairs: list[str]) -> dict:
         if not sep:
             raise ValueError(f"{pair!r} is not FIELD=VALUE")
         if name not in fields:
-            raise ValueError(f"{pair!r}: {name!r} is not a parameter of sim.SimConfig")
+            raise ValueError(f"{pair!r}: {name!r} is not a parameter of {where}")
         if name in FLAGGED:
             raise ValueError(f"{pair!r}: set {name} with --{FLAGGED[name]}, not as a parameter")
         kind = type(fields[name].default)

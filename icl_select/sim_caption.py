@@ -34,7 +34,6 @@ from icl_select import pools
 from icl_select.cider import CiderD, ptb_tokenize
 from icl_select.sim import (
     COLORS,
-    FLAGGED,
     NUM_TOPICS,
     OBJECTS_PER_SUPERTOPIC,
     SCENES_PER_SUPERTOPIC,
@@ -42,12 +41,13 @@ from icl_select.sim import (
     SUPERTOPICS,
     SimConfig,
     _directions,
-    _inside,
     _lda,
     _plural,
     _ridge,
     _unit,
     _with_article,
+    check_config,
+    parse_settings,
 )
 
 __all__ = [
@@ -219,25 +219,10 @@ class CaptionConfig:
     """gt_prob: probability mass spread over every word of a slot (no reference word has probability 0)."""
 
     def __post_init__(self):
-        if self.world not in CAPTION_WORLDS:
-            raise ValueError(f"CaptionConfig.world must be one of {', '.join(CAPTION_WORLDS)}, got {self.world!r}")
-        for name in (f.name for f in dataclasses.fields(self) if f.name != "world"):
-            value, interval = getattr(self, name), CAPTION_RANGES.get(name, "(-inf, inf)")
-            for v in value if isinstance(value, tuple) else (value,):
-                if not _inside(v, interval):
-                    raise ValueError(f"CaptionConfig.{name} must be in {interval}, got {value}")
-        for name, n in (
-            ("count_probs", len(COUNT_WORDS)),
-            ("salient_probs", 3),
-            ("mention_probs", MAX_LENGTH),
-            ("reference_style_probs", len(STYLES)),
-            ("slot_competence", len(SLOTS)),
-        ):
-            if len(getattr(self, name)) != n:
-                raise ValueError(f"CaptionConfig.{name} needs {n} entries, got {len(getattr(self, name))}")
-        for name in ("count_probs", "salient_probs", "reference_style_probs"):
-            if not sum(getattr(self, name)) > 0:
-                raise ValueError(f"CaptionConfig.{name} must have a positive sum, got {getattr(self, name)}")
+        lengths = {"count_probs": len(COUNT_WORDS), "salient_probs": 3, "mention_probs": MAX_LENGTH}
+        lengths |= {"reference_style_probs": len(STYLES), "slot_competence": len(SLOTS)}
+        weights = ("count_probs", "salient_probs", "reference_style_probs")
+        check_config(self, CAPTION_WORLDS, CAPTION_RANGES, lengths, weights)
 
 
 # Allowed values per parameter (each entry of a tuple), as intervals; one not listed takes any finite number.
@@ -290,27 +275,14 @@ def caption_world_config(world: str = "base", **overrides) -> CaptionConfig:
 def parse_caption_settings(pairs: list[str]) -> dict:
     """FIELD=VALUE strings -> CaptionConfig overrides, each VALUE read as its field's type (a tuple as a comma list);
     a knob of the VQA worlds only is refused in one line, and the ranges are CaptionConfig's to check."""
-    fields = {f.name: f for f in dataclasses.fields(CaptionConfig)}
-    vqa_only = {f.name for f in dataclasses.fields(SimConfig)} - set(fields)
-    out = {}
+    vqa_only = {f.name for f in dataclasses.fields(SimConfig)} - {f.name for f in dataclasses.fields(CaptionConfig)}
     for pair in pairs:
-        name, sep, text = pair.partition("=")
-        name = name.strip()
-        if not sep:
-            raise ValueError(f"{pair!r} is not FIELD=VALUE")
-        if name in vqa_only:
-            raise ValueError(f"{pair!r}: {name} is a parameter of the VQA worlds; the caption world has none such")
-        if name not in fields:
-            raise ValueError(f"{pair!r}: {name!r} is not a parameter of sim_caption.CaptionConfig")
-        if name in FLAGGED:
-            raise ValueError(f"{pair!r}: set {name} with --{FLAGGED[name]}, not as a parameter")
-        kind = type(fields[name].default)
-        try:
-            out[name] = tuple(float(x) for x in text.split(",")) if kind is tuple else kind(text)
-        except ValueError:
-            what = "a comma list of numbers" if kind is tuple else "an integer" if kind is int else "a number"
-            raise ValueError(f"{pair!r}: {name} takes {what}, got {text!r}") from None
-    return out
+        name, sep, _ = pair.partition("=")
+        if sep and name.strip() in vqa_only:
+            raise ValueError(
+                f"{pair!r}: {name.strip()} is a parameter of the VQA worlds; the caption world has none such"
+            )
+    return parse_settings(pairs, CaptionConfig)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
