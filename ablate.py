@@ -513,9 +513,10 @@ FIXED += ("online", "online, budget 35k")
 
 
 def stop_table(args: Args) -> str:
-    """One row per world: what a selector that may stop takes up to k, against zero-shot and against the best run
-    that fills every slot (mean over 1-4 shots, and at 4 shots alone), pooled over the seeds with paired bootstrap 95%
-    CIs, and the demonstrations it uses at 4; empty until a run that may stop has finished."""
+    """One row per world: what a selector that may stop takes up to k, against zero-shot, against the best run that
+    fills every slot (mean over 1-4 shots, and at 4 shots alone) and against the same training filling every slot (at
+    4 shots), pooled over the seeds with paired bootstrap 95% CIs, and the demonstrations it uses at 4; empty until a
+    run that may stop has finished."""
     runs = [n for n in ("online, can stop", "online, budget 35k, can stop") if started(args, [n])]
     rows = []
     for world in args.worlds:
@@ -532,6 +533,7 @@ def stop_table(args: Args) -> str:
             best = max(fixed, key=lambda n: np.mean(list(pooled[n].values())))
             best4 = max(fixed, key=lambda n: np.mean(list(at4[n].values())))
             used = np.mean([demos(args, world, s, run) for s in args.seeds])
+            same = VARIANTS[run][2]  # the same training filling every slot
             rows.append(
                 [
                     world,
@@ -540,6 +542,9 @@ def stop_table(args: Args) -> str:
                     delta([(pooled["zero-shot"], pooled[stop])], args.bootstrap, world, stop, "zero-shot", *args.seeds),
                     f"{best}: " + delta([(pooled[best], pooled[stop])], args.bootstrap, world, stop, best, *args.seeds),
                     f"{best4}: " + delta([(at4[best4], at4[stop])], args.bootstrap, world, stop, best4, 4, *args.seeds),
+                    delta([(at4[same], at4[stop])], args.bootstrap, world, stop, same, 4, *args.seeds)
+                    if all(got[same])
+                    else "-",
                 ]
             )
     if not rows:
@@ -551,6 +556,7 @@ def stop_table(args: Args) -> str:
         "- zero-shot",
         "- best fixed k, avg 1-4",
         "- best fixed k, at 4",
+        "- the same run filling k, at 4",
     ]
     seeds = " ".join(map(str, args.seeds))
     return "\n".join([f"## A selector that may stop, seeds {seeds} pooled", "", md_table(head, rows), ""])
