@@ -2,9 +2,9 @@
 
 Per simulated world (docs/worlds.md) and seed: a dataset, the default RCE and online GRPO runs, the variants (each
 differs from its reference in the flags shown) and the baselines, evaluated on the same 800 validation questions.
-Numbers are VQA accuracy averaged over 1-4 shots, a delta's 95% CI a paired bootstrap over questions (pooled over
-seeds). Runs are cached in --out, so a re-run resumes; the last tables have one row per world: what each run
-takes, and what each budget of LVLM calls buys.
+Numbers are VQA accuracy (CIDEr-D in a captioning world) averaged over 1-4 shots, a delta's 95% CI a paired
+bootstrap over questions (pooled over seeds). Runs are cached in --out, so a re-run resumes; the last tables have one
+row per world: what each run takes, what each budget of LVLM calls buys, the rivals, and the selectors that may stop.
 
 Usage:
     python ablate.py                                  # seeds 0 1 2 -> runs/ablate/additive (about 40 min a seed)
@@ -30,6 +30,7 @@ import gen_rl_data
 import grpo
 import rce
 from icl_select.cli import SIDE_ARGS, run_cli
+from icl_select.data import METRIC
 from icl_select.files import read_json
 from icl_select.runs import flag_values, read_args, read_eval, read_metrics
 from icl_select.sim import WORLDS
@@ -301,7 +302,8 @@ def tables(args: Args, world: str) -> str:
 
     head = ["run", *[f"seed {s}" for s in seeds]]
     rows = [[n, *[acc(s, n) for s in seeds]] for n in [*BASELINES, *VARIANTS] if any(got[s, n] for s in seeds)]
-    out = [f"## World {world}", "", "VQA accuracy (%), mean over 1-4 shots, 800 validation questions", ""]
+    metric = METRIC["caption" if world in CAPTIONING else "vqa"]
+    out = [f"## World {world}", "", f"{metric}, mean over 1-4 shots, 800 validation questions", ""]
     out += [md_table(head, rows), ""]
     rows = []
     for name, (_, _, ref) in VARIANTS.items():
@@ -462,7 +464,8 @@ def rivals_table(args: Args) -> str:
         [
             f"## The rivals, seeds {seeds} pooled",
             "",
-            "Accuracy (%), mean over 1-4 shots; in brackets the LVLM calls that built the run, its data included.",
+            "VQA accuracy % (CIDEr-D x100 in a captioning world), mean over 1-4 shots; in brackets the LVLM calls that "
+            "built the run, its data included.",
             "",
             md_table(head, [a for a, _ in found]),
             "",
