@@ -626,6 +626,8 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
             run.say(f"{out.name} epoch {epoch}: {log_line(record, (*SHOWN, 'val/reward', 'val/acc'))}{warned}")
         chosen = f"{args.select_epoch} epoch {loop['best_epoch']} ({metric} {loop['best']:.4f})"
         run.say(f"{chosen} -> {out}/model.safetensors")
+        if plan is not None:  # a bound, not a target: prompts scored before (a stop's zero-shot prompt) cost no call
+            run.say(f"LVLM calls: {lvlm.calls:,} of the --lvlm-budget {args.lvlm_budget:,} (repeated prompts are free)")
 
 
 if __name__ == "__main__":

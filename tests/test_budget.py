@@ -80,13 +80,14 @@ def short(small_data, init, tmp_path_factory):
 
 
 def test_budget_run_stops_within_budget_logs_calls_and_resumes_identically(
-    small_data, init, tmp_path, counted, monkeypatch
+    small_data, init, tmp_path, counted, monkeypatch, capsys
 ):
     budget = 1500
     common = dict(data=small_data, init=init, lvlm_budget=budget, lr_schedule="linear", **FAST)
     full, part = tmp_path / "full", tmp_path / "part"
     grpo.main(grpo.Args(out=full, **common))
     spent = counted[0]
+    assert f"\nLVLM calls: {spent:,} of the --lvlm-budget 1,500 " in capsys.readouterr().out  # what it was asked
     recs = records(full)
     config = json.loads((full / "config.json").read_text())
     plan = config["budget_plan"]
