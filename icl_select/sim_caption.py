@@ -784,8 +784,9 @@ class CaptionSimulator:
         """What `oracle` ranks whole sequences by, comparable across their lengths: (B,), (B, k) train rows in prompt
         order (k may be 0) -> (B,) float64, the caption's CIDEr-D; observable=True: the observable search's estimate
         of it (`_search`'s value under what `probes` read off the embeddings)."""
-        if not observable:
-            return self.score(split, queries, icds)["acc"]
+        if not observable:  # `score`'s acc, without the probabilities and shares it adds
+            _, captions = self._captions(split, queries, icds)
+            return self._cider(split, queries.tolist(), captions)
         r = self._reply(self._features(split, queries, icds, True), self._query(split, queries, True), icds.shape[1])
         wrong = ((1 - r["right"]) * r["mention"]).sum(-1)  # (B,) slots expected wrong
         return self._mean_template[r["style"], r["length"]] * WRONG_WORD_FACTOR**wrong

@@ -63,7 +63,10 @@ def test_the_ceilings_choose_how_many_in_a_caption_world(captions, tmp_path):
     it scores at least zero-shot and exactly k under the evaluation's own frequencies too (here, not by a theorem)."""
     for b in ("zero-shot", "oracle", "observable"):
         evaluate.main(evaluate.Args(data=captions, baseline=b, out=tmp_path / b, num_samples=[40], shots=[1, 2]))
-    read = lambda b, name: json.loads((tmp_path / b / "eval" / name).read_text())["summary"]["40"]  # noqa: E731
+
+    def read(b: str, name: str) -> dict:
+        return json.loads((tmp_path / b / "eval" / name).read_text())["summary"]["40"]
+
     zero, exact, upto = read("zero-shot", "val.json"), read("oracle", "val.json"), read("oracle", "val-upto.json")
     for shot in ("1", "2"):
         assert upto[shot] >= max(exact[shot], zero[shot]) - 1e-9, (zero, exact, upto)
