@@ -587,8 +587,10 @@ class CiderD:
             for ref_vecs, ref_norms, ref_length in ref_cache[key]:
                 penalty = math.exp(-((length - ref_length) ** 2) / two_sigma_sq)
                 for vec, ref_vec, norm, ref_norm in zip(vecs, ref_vecs, norms, ref_norms):
-                    # the candidate's weights clipped by the reference's, times the reference's
-                    dot = sum(min(vec[g], ref_vec[g]) * ref_vec[g] for g in vec.keys() & ref_vec.keys())
+                    # the candidate's weights clipped by the reference's, times the reference's, summed in the order
+                    # of the candidate's n-grams as pycocoevalcap sums them (a set's order changes with the process's
+                    # string hashes, and with it the last bits of the sum)
+                    dot = sum(min(w, ref_vec[g]) * ref_vec[g] for g, w in vec.items() if g in ref_vec)
                     total += (dot / (norm * ref_norm) if norm != 0 and ref_norm != 0 else dot) * penalty
             out[i] = total / N / len(refs) * 10.0  # mean over orders, mean over references, times 10
         return out

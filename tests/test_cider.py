@@ -4,8 +4,12 @@ its PTBTokenizer (the Java one; slow, skipped without a Java runtime)."""
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -285,3 +289,24 @@ def test_tokenizer_equals_pycocoevalcap_ptb_tokenizer():
     for captions in (COCO_STYLE, mixes):
         java = PTBTokenizer().tokenize({0: [{"caption": c} for c in captions]})[0]
         assert [(c, p, j) for c, p, j in zip(captions, ptb_tokenize(captions), java) if p != j] == []
+
+
+def test_scores_are_the_same_bits_in_every_process():
+    """A training reward must not change with the process that computes it (a resumed run is another process): the
+    n-gram sums run in the candidate's n-gram order, never in a set's, whose order follows the string hashes."""
+    code = (
+        "import random; from icl_select.cider import CiderD; r = random.Random(0); "
+        "words = [f'w{i}' for i in range(12)]; "
+        "cap = lambda: ' '.join(r.choice(words) for _ in range(r.randint(6, 14))); "
+        "refs = [[cap() for _ in range(5)] for _ in range(40)]; cands = [cap() for _ in range(40)]; "
+        "print([float(x).hex() for x in CiderD(refs).score(cands, refs)])"
+    )
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ)
+    outs = set()
+    for seed in ("1", "2", "3", "4"):
+        run = [sys.executable, "-c", code]
+        outs.add(
+            subprocess.run(run, cwd=root, env=env | {"PYTHONHASHSEED": seed}, capture_output=True, text=True).stdout
+        )
+    assert len(outs) == 1 and "0x" in next(iter(outs)), outs
