@@ -55,7 +55,10 @@ class Args:
     runs: tyro.conf.Positional[list[Path]] = field(default_factory=list)
     """Run folders (folders that are not runs are skipped with a warning)."""
     baseline: Annotated[
-        str | None, default_is("the RCE run if one is given, else the random baseline, else the first run")
+        str | None,
+        default_is(
+            "among the runs most pair with, the RCE run if one is given, else the random baseline, else the first"
+        ),
     ] = None
     """Reference run that deltas are taken against (its path, in any spelling, or folder name)."""
     split: Literal["val", "train"] = "val"
@@ -90,6 +93,7 @@ TRAIN_COLUMNS = {
     "grpo/beta": "KL weight beta",
     "grpo/selection_change": "validation queries picked differently from the reference",
     "grpo/zero_std_frac": "groups with one reward for all",
+    "grpo/explored": "share of online groups drawn at random (the policy's own samples too few distinct)",
 }
 CEILINGS = ("oracle", "observable")
 VAL_NOTE = (
@@ -213,9 +217,12 @@ def not_comparable(a: dict, b: dict) -> str | None:
     for key in ("task", "split", "backend", "simulation"):
         if a.get(key) != b.get(key):
             return f"different {key}: {a.get(key)!r} vs {b.get(key)!r}"
+    revisions = [(d.get("backend_info") or {}).get("revision") for d in (a, b)]  # a model folder's digest included
+    if revisions[0] != revisions[1]:
+        return f"different LVLM weights (revision {revisions[0]} vs {revisions[1]})"
     # Same question ids are not enough: folders with other pools (another sampler or seed) pose other problems.
-    if a.get("data_digest") and b.get("data_digest") and a["data_digest"] != b["data_digest"]:
-        return f"different dataset content (digest {a['data_digest']} vs {b['data_digest']})"
+    if a.get("data_digest") != b.get("data_digest"):
+        return f"different dataset content (digest {a.get('data_digest')} vs {b.get('data_digest')})"
     qa, qb = ([r["question_id"] for r in d["results"] if r["shot"] == d["shots"][0]] for d in (a, b))
     n = min(len(qa), len(qb))
     if qa[:n] != qb[:n]:
@@ -240,7 +247,7 @@ class Comparison:
     shots: list[int]
     acc: dict[str, dict]  # run name -> {shot or "avg": accuracy (%)}
     pairs: list[tuple[Run, Run, dict]]  # (run, against, cells): against the reference first, then trained vs trained
-    apart: dict[str, str]  # run name -> why it cannot be paired with the reference
+    apart: dict[Run, str]  # the evaluated runs that cannot be paired with the reference -> why
     questions: str  # what the evaluation questions are, in words
     metric: str  # what a cell holds: VQA accuracy %, or CIDEr-D x100 for captions
 
@@ -255,13 +262,15 @@ class Comparison:
 
 
 def reference(evaluated: list[Run], want: str | None) -> Run:
-    """--baseline if given; else the RCE warm-up (what GRPO must beat; a rival trained by rce.py is none), else the
-    random baseline, else the first evaluated run; never whatever a glob happens to list first."""
+    """--baseline if given; else, among the largest set of runs that pair with one another (runs of several dataset
+    folders or tasks: the one most runs share), the RCE warm-up (what GRPO must beat; a rival trained by rce.py is
+    none), else the random baseline, else the first evaluated run; never whatever a glob happens to list first."""
     if want is not None:
         match = [r for r in evaluated if r.name == want or r.path.resolve() == Path(want).resolve()]
         if not match:
             raise ValueError(f"--baseline {want}: not among the evaluated runs {[r.name for r in evaluated]}")
         return match[0]
+    evaluated = max(([r for r in evaluated if not not_comparable(a.eval, r.eval)] for a in evaluated), key=len)
     rce = [r for r in evaluated if r.phase == "rce" and not r.rival and not r.upto]
     random = [r for r in evaluated if r.eval.get("baseline") == "random"]
     return (rce or random or evaluated)[0]
@@ -272,6 +281,9 @@ def compare(runs: list[Run], args: Args) -> Comparison | None:
     if not evaluated:
         return None
     base = reference(evaluated, args.baseline)
+    # only the runs paired with the reference are judged, tabled and crowned; the rest are named, with why
+    apart = {r: why for r in evaluated if r is not base and (why := not_comparable(base.eval, r.eval))}
+    evaluated = [r for r in evaluated if r not in apart]
     n = common_n(evaluated)
     shots = sorted(set.intersection(*(set(r.eval["shots"]) for r in evaluated)))
     if not shots:
@@ -280,10 +292,9 @@ def compare(runs: list[Run], args: Args) -> Comparison | None:
     for r in evaluated:
         acc[r.name]["avg"] = float(np.mean([acc[r.name][s] for s in shots]))
     rng = np.random.default_rng(args.seed)
-    apart = {r.name: why for r in evaluated if r is not base and (why := not_comparable(base.eval, r.eval))}
-    pairs = [(r, base) for r in evaluated if r is not base and r.name not in apart]
+    pairs = [(r, base) for r in evaluated if r is not base]
     trained = [r for r in evaluated if r.phase is not None and r is not base]
-    pairs += [(b, a) for a, b in combinations(trained, 2) if not not_comparable(a.eval, b.eval)]
+    pairs += [(b, a) for a, b in combinations(trained, 2)]
     pairs = [(b, a, pair_cells(a.eval, b.eval, shots, n, args.bootstrap, rng)) for b, a in pairs]
     questions = "test questions (val split)" if args.split == "val" else "questions of the train split"
     return Comparison(evaluated, base, n, shots, acc, pairs, apart, questions, METRIC[base.eval.get("task", "vqa")])
@@ -455,7 +466,6 @@ def verdict_section(c: Comparison, args: Args) -> str:
         (r.name, b.name): pair_cells(b.eval, r.eval, c.shots, c.n, args.bootstrap, rng)["avg"]
         for r in selectors
         for b in baselines
-        if not not_comparable(b.eval, r.eval)
     }
 
     def words(x: Cell) -> str:
@@ -489,25 +499,21 @@ def verdict_section(c: Comparison, args: Args) -> str:
     if best.upto:  # it chose how many: say how many, and what choosing bought against the best that filled k slots
         fixed = [r for r in selectors if not r.upto]
         line = f"{best.name} chose how many: {best.used(c.n, k):.2f} demonstrations per question at up to {k}"
-        if fixed and not not_comparable((top := max(fixed, key=lambda r: c.acc[r.name]["avg"])).eval, best.eval):
+        if fixed:
+            top = max(fixed, key=lambda r: c.acc[r.name]["avg"])
             x = pair_cells(top.eval, best.eval, c.shots, c.n, args.bootstrap, rng)["avg"]
             line += f"; against the best selector that fills every slot, {top.name}: {words(x)}"
         lines.append(line + ".")
     if rivals:  # the strongest rival, whichever it is, against the best of the kit's selectors
         top = max(rivals, key=lambda r: c.acc[r.name]["avg"])
-        if not not_comparable(top.eval, best.eval):
-            x = pair_cells(top.eval, best.eval, c.shots, c.n, args.bootstrap, rng)["avg"]
-            lines.append(
-                f"**Strongest rival: {top.name}** ({c.acc[top.name]['avg']:.2f}, built with {top.calls} LVLM calls); "
-                f"{best.name} ({c.acc[best.name]['avg']:.2f}, {best.calls} calls) against it: {words(x)}."
-            )
+        x = pair_cells(top.eval, best.eval, c.shots, c.n, args.bootstrap, rng)["avg"]
+        lines.append(
+            f"**Strongest rival: {top.name}** ({c.acc[top.name]['avg']:.2f}, built with {top.calls} LVLM calls); "
+            f"{best.name} ({c.acc[best.name]['avg']:.2f}, {best.calls} calls) against it: {words(x)}."
+        )
     lines.append("")
     for r in selectors:
-        against = [
-            f"{BASELINE_WORDS[b.eval['baseline']]}: {words(avg[r.name, b.name])}"
-            for b in baselines
-            if (r.name, b.name) in avg
-        ]
+        against = [f"{BASELINE_WORDS[b.eval['baseline']]}: {words(avg[r.name, b.name])}" for b in baselines]
         lines.append(f"- {r.name} ({c.acc[r.name]['avg']:.2f}) against " + "; ".join(against) + ".")
     lines += [
         "",
@@ -519,7 +525,11 @@ def verdict_section(c: Comparison, args: Args) -> str:
 def glance_section(c: Comparison) -> str:
     best = c.best()
     rows = []
-    several_lvlms = len({r.eval["backend"] for r in c.evaluated}) > 1  # a selector moved to another LVLM
+    several_lvlms = len({r.eval["backend"] for r in [*c.evaluated, *c.apart]}) > 1  # a selector moved to another LVLM
+
+    def what(r: Run) -> str:
+        return r.kind() + (f", answered by {Path(r.eval['backend']).name}" if several_lvlms else "")
+
     for r in c.evaluated:
         cells = c.cells(r)
         row = []
@@ -530,11 +540,9 @@ def glance_section(c: Comparison) -> str:
             row.append(f"**{text}**" if r in best and k == "avg" else text)
         name = f"**{r.name}** (best)" if r in best else r.name
         name += " (reference)" if r is c.base else ""
-        what = r.kind() + (f", answered by {Path(r.eval['backend']).name}" if several_lvlms else "")
         k = max(c.shots)
-        what += f", {r.used(c.n, k):.2f} demonstrations at {k}" if r.used(c.n, k) != k else ""
-        what += ", STALE evaluation" * r.stale
-        rows.append([name, what, r.calls, *row])
+        used = f", {r.used(c.n, k):.2f} demonstrations at {k}" if r.used(c.n, k) != k else ""
+        rows.append([name, what(r) + used + ", STALE evaluation" * r.stale, r.calls, *row])
     header = ["run", "what", "LVLM calls", *[f"{s}-shot" for s in c.shots], "avg"]
     notes = [
         f"Each cell: {c.metric} on the first {c.n} {c.questions}, the largest count every run has, and "
@@ -542,7 +550,20 @@ def glance_section(c: Comparison) -> str:
         "simulator ceilings aside. LVLM calls: the prompts the LVLM scored to build the run (its data, validations "
         "and online scoring, along its --init chain), 0 for a training-free baseline."
     ]
-    notes += [f"Not paired with {c.base.name}: {name} ({why})." for name, why in c.apart.items()]
+    if c.apart:  # shown apart, never judged: a delta or a crown across them would compare other questions or LVLMs
+        notes += [
+            f"\n**Not paired with {c.base.name}**, so neither in the table above nor judged (the average over each "
+            "run's own shots and questions; compare them in a report of their own, runs of one dataset folder and "
+            "LVLM):\n",
+            md_table(
+                ["run", "what", "avg", "why not paired"],
+                [
+                    [r.name, what(r), f"{accuracy(r.eval, 'avg', max(map(int, r.eval['summary']))):.2f}", why]
+                    for r, why in c.apart.items()
+                ],
+            ),
+            "",
+        ]
     notes += [
         f"**Unfinished:** {r.name} trained {r.unfinished}; its model is epoch {r.selected}, the best of those."
         for r in c.evaluated
@@ -641,9 +662,6 @@ def gap_section(c: Comparison, args: Args) -> list[str]:
         cells = []
         for k in names:
             trio = (start, run, ceilings[k])
-            if any(not_comparable(start.eval, r.eval) for r in trio[1:]):
-                cells.append("not comparable")
-                continue
             share, lo, hi = gap_share(*(per_question(r.eval, c.n, c.shots) for r in trio), args.bootstrap, rng)
             cells.append(f"{100 * share:.0f}% [{100 * lo:.0f}, {100 * hi:.0f}]")
         rows.append([run.name, *cells])
@@ -667,8 +685,6 @@ def selection_section(c: Comparison) -> list[str]:
     """How often two trained runs pick exactly the same ICDs (GRPO that changes nothing shows here)."""
     rows = []
     for a, b in combinations([r for r in c.evaluated if r.phase is not None], 2):
-        if not_comparable(a.eval, b.eval):
-            continue
         shares = []
         for s in c.shots:
             pa, pb = picks(a.eval, s, c.n), picks(b.eval, s, c.n)

@@ -64,6 +64,11 @@ def glance(text):
     return {r[0].replace("**", "").split(" (")[0]: [r[1], *r[3:]] for r in cells(text, "| run | what")}
 
 
+def apart(text):
+    """The runs named apart from the reference: {run: why not paired}."""
+    return {r[0]: r[3] for r in cells(text, "| run | what | avg | why not paired")}
+
+
 def reference(text):
     [name] = [r[0] for r in cells(text, "| run | what") if r[0].endswith(" (reference)")]
     return name.removesuffix(" (reference)").replace("**", "").removesuffix(" (best)")
@@ -107,12 +112,54 @@ def test_significant_cells_are_starred_and_other_questions_refused(tmp_path):
     for r in doc["results"]:
         r["question_id"] += 1
     (other / "eval" / "val.json").write_text(json.dumps(doc))
-    assert "Not paired with base: other (different questions" in report(Args(runs=[base, other]))
+    assert apart(report(Args(runs=[base, other])))["other"].startswith("different questions")
     # the same question ids from dataset folders with other content (other pools): not paired either
     for run, digest in ((base, "aaaa"), (new, "bbbb")):
         doc = json.loads((run / "eval" / "val.json").read_text())
         (run / "eval" / "val.json").write_text(json.dumps(doc | {"data_digest": digest}))
-    assert "new (different dataset content (digest aaaa vs bbbb))" in report(Args(runs=[base, new]))
+    assert apart(report(Args(runs=[base, new])))["new"] == "different dataset content (digest aaaa vs bbbb)"
+
+
+def retag(run, **fields):
+    doc = json.loads((run / "eval" / "val.json").read_text())
+    (run / "eval" / "val.json").write_text(json.dumps(doc | fields))
+    return run
+
+
+def test_runs_it_cannot_pair_are_never_judged_nor_crowned(tmp_path):
+    """Runs of two dataset folders (or of two tasks, or another LVLM's weights) in one report: only those paired with
+    the reference are in the glance table, the verdict and the tables below; the best of the others is named apart,
+    never crowned (a run of another folder was once 'best' and 'beat no baseline and not' baselines it never met)."""
+    metrics = [{"phase": "rce", "epoch": 1, "val/acc": 50.0, "best_epoch": 1}]
+    n = 40
+    v0 = retag(write_run(tmp_path / "v0-rce", {1: [0.3] * n, 2: [0.3] * n}, metrics=metrics), data_digest="aaaa")
+    zero = retag(write_run(tmp_path / "v0-zero", {1: [0.2] * n, 2: [0.2] * n}), data_digest="aaaa")
+    retag(zero, baseline="zero-shot")
+    grpo_metrics = [{"phase": "grpo", "epoch": 1, "val/acc": 50.0, "best_epoch": 1}]
+    h0 = retag(write_run(tmp_path / "h0-on", {1: [1.0] * n, 2: [1.0] * n}, metrics=grpo_metrics), data_digest="bbbb")
+    cap = retag(write_run(tmp_path / "c0-on", {1: [1.0] * n, 2: [1.0] * n}), data_digest="aaaa", task="caption")
+    lvlm = write_run(tmp_path / "l0-on", {1: [1.0] * n, 2: [1.0] * n}, metrics=grpo_metrics)
+    retag(lvlm, data_digest="aaaa", backend_info={"revision": "sha256:0123456789abcdef"})
+    text = report(Args(runs=[v0, zero, h0, cap, lvlm], bootstrap=200))
+    assert set(glance(text)) == {"v0-rce", "v0-zero"}
+    judged = text[: text.index("## Trained runs")]  # the verdict and the glance table
+    for name in ("h0-on", "c0-on", "l0-on"):  # named once there, with why, and nowhere judged
+        assert judged.count(name) == 1
+    assert apart(text) == {
+        "h0-on": "different dataset content (digest aaaa vs bbbb)",
+        "c0-on": "different task: None vs 'caption'",
+        "l0-on": "different LVLM weights (revision None vs sha256:0123456789abcdef)",
+    }
+    assert "**v0-rce** (best)" in text and "(best)" not in text.replace("**v0-rce** (best)", "")
+    assert "## Paired deltas" in text and not any(a in text.split("## Paired deltas")[1] for a in ("h0-on", "c0-on"))
+    # the reference comes from the runs most of them pair with, not from an RCE run of another folder standing alone
+    h_zero = retag(
+        write_run(tmp_path / "h0-zero", {1: [0.5] * n, 2: [0.5] * n}), data_digest="bbbb", baseline="zero-shot"
+    )
+    h_random = retag(write_run(tmp_path / "h0-random", {1: [0.4] * n, 2: [0.4] * n}), data_digest="bbbb")
+    retag(h_random, baseline="random")
+    text = report(Args(runs=[v0, h0, h_zero, h_random], bootstrap=200))
+    assert reference(text) == "h0-random" and set(glance(text)) == {"h0-on", "h0-zero", "h0-random"}
 
 
 def test_glance_deltas_are_the_paired_deltas_of_unrounded_accuracies(tmp_path):
