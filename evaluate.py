@@ -381,7 +381,7 @@ def evaluate_job(args: Args, ds: Dataset, digest: str, backend, job: Job, header
     asked, seconds = 0, 0.0  # this process's LVLM sequences and the seconds they took
     for seed in seeds:
         if model is not None:  # "up to k": a selector that can stop may use fewer; else exactly k
-            picks = greedy_icds(model, ds, split, rows, pool, k, stop=job.upto)
+            picks = greedy_icds(model, ds, split, rows, pool, k, min_picks=0 if job.upto else k)
             icds = [picks[:, :s] for s in args.shots]
         else:
             icds = baseline_icds(args, ds, backend, split, rows, pool, k, seed, job.upto)

@@ -17,11 +17,12 @@ is pure functions of tensors.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Literal, NamedTuple, get_args
 
@@ -246,6 +247,14 @@ class PointerSelector(
         memory.bias = nn.Parameter(torch.zeros(len(memory.keys)))
         self.items = memory.to(next(self.parameters()).device)
 
+    def set_picks(self, picks: int) -> None:
+        """Make it a selector of `picks` demonstrations. Its stop bias, one per step, is cut or extended by its last
+        entry, which every later step used already: the policy over the steps both lengths share is unchanged."""
+        if self.cfg.can_stop:
+            bias = self.stop_bias.data
+            self.stop_bias = nn.Parameter(torch.cat([bias, bias[-1:].expand(max(picks - len(bias), 0))])[:picks])
+        self.cfg = replace(self.cfg, picks=picks)
+
     def backbone_parameters(self) -> list[nn.Parameter]:
         """Input projection and cross-attention: what `--freeze-backbone` freezes."""
         return [*self.in_proj.parameters(), *self.layers.parameters()]
@@ -346,15 +355,16 @@ class PointerSelector(
     # -- decoding ------------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def greedy(
-        self, query: Tensor, pool: Tensor, pool_mask: Tensor, steps: int, stop: bool | None = None
+        self, query: Tensor, pool: Tensor, pool_mask: Tensor, steps: int, min_picks: int = 0
     ) -> tuple[Tensor, Tensor]:
-        """Greedy decoding: -> picks (B, S) and their summed log-prob (B,). `stop` (default: whether the selector can)
-        lets it end before `steps` picks, -1 after its last; stop=False fills all `steps`. Each step is the more likely
-        branch of two decisions in turn: to stop or go on (it stops where stopping is at least as likely as going on,
-        p >= 1/2), then which candidate. Against every candidate one by one, the stop would win wherever the
-        candidates share the rest of the mass, however likely going on is."""
+        """Greedy decoding: -> picks (B, S) and their summed log-prob (B,). A selector that can stop may end once it
+        has made `min_picks` picks (0: anywhere; `steps`: never, every slot filled), -1 after its last. Each step is the
+        more likely branch of two decisions in turn: to stop or go on (it stops where stopping is at least as likely
+        as going on, p >= 1/2), then which candidate. Against every candidate one by one, the stop would win wherever
+        the candidates share the rest of the mass, however likely going on is."""
         check_shapes(query, pool, pool_mask)
-        seqs, logp = in_chunks(lambda *b: self._decode(*b, steps, 1, self.most_likely, stop), query, pool, pool_mask)
+        decode = functools.partial(self._decode, steps=steps, num=1, choose=self.most_likely, min_picks=min_picks)
+        seqs, logp = in_chunks(decode, query, pool, pool_mask)
         return seqs[:, 0], logp[:, 0]
 
     def most_likely(self, log_dist: Tensor) -> Tensor:
@@ -375,10 +385,10 @@ class PointerSelector(
         num_samples: int,
         generator: torch.Generator | None = None,
         temperature: float = 1.0,
-        stop: bool | None = None,
+        min_picks: int = 0,
     ) -> tuple[Tensor, Tensor]:
-        """Ancestral sampling at `temperature`: -> picks (B, N, S) and their log-prob under the policy (B, N); `stop`
-        as in `greedy`.
+        """Ancestral sampling at `temperature`: -> picks (B, N, S) and their log-prob under the policy (B, N);
+        `min_picks` as in `greedy`.
 
         Samples are independent, so they may repeat; callers that need distinct sequences deduplicate.
         """
@@ -390,18 +400,17 @@ class PointerSelector(
             probs = (log_dist / temperature).softmax(-1).flatten(0, 1)  # (B*N, A)
             return torch.multinomial(probs, 1, generator=generator).view(log_dist.shape[:2])
 
-        return self._decode(query, pool, pool_mask, steps, num_samples, draw, stop)
+        return self._decode(query, pool, pool_mask, steps, num_samples, draw, min_picks)
 
-    def choices(self, avail: Tensor, done: Tensor, stop: bool | None) -> Tensor:
+    def choices(self, avail: Tensor, done: Tensor, may_stop: bool) -> Tensor:
         """What a decoding step may choose: the candidates left (B, N, K), and for a selector that can stop the stop
-        column too, open where `stop` (default: always) or where the sequence is done (B, N) -- its only choice then,
-        at log-probability 0, so a finished sequence stays finished and its score stays as it was."""
+        column too, open where `may_stop` or where the sequence is done (B, N) -- its only choice then, at
+        log-probability 0, so a finished sequence stays finished and its score stays as it was."""
         if not self.cfg.can_stop:
             return avail
-        open_ = done | (True if stop is None else stop)  # (B, N)
-        return torch.cat([avail & ~done[..., None], open_[..., None]], -1)  # (B, N, K + 1)
+        return torch.cat([avail & ~done[..., None], (done | may_stop)[..., None]], -1)  # (B, N, K + 1)
 
-    def _decode(self, query, pool, pool_mask, steps: int, num: int, choose: Callable[[Tensor], Tensor], stop=None):
+    def _decode(self, query, pool, pool_mask, steps: int, num: int, choose: Callable[[Tensor], Tensor], min_picks=0):
         """`num` sequences per query, each step's choice made by `choose(log_dist (B, N, A)) -> (B, N)` (A = K, plus
         the stop for a selector that can stop); picks after a stop are -1."""
         B, K = pool_mask.shape
@@ -411,7 +420,7 @@ class PointerSelector(
         done = torch.zeros(B, num, dtype=torch.bool, device=query.device)  # (B, N) stopped
         picks, total = [], torch.zeros(B, num, device=query.device)
         for t in range(steps):
-            log_dist = self.step_log_dist(s, keys, prior, self.choices(avail, done, stop), t=t)  # (B, N, A)
+            log_dist = self.step_log_dist(s, keys, prior, self.choices(avail, done, t >= min_picks), t=t)  # (B, N, A)
             choice = choose(log_dist)  # (B, N)
             total = total + log_dist.gather(-1, choice[..., None])[..., 0]
             done = done | (choice == K)
@@ -424,17 +433,17 @@ class PointerSelector(
 
     @torch.no_grad()
     def beam_search(
-        self, query: Tensor, pool: Tensor, pool_mask: Tensor, steps: int, width: int, stop: bool | None = None
+        self, query: Tensor, pool: Tensor, pool_mask: Tensor, steps: int, width: int, min_picks: int = 0
     ) -> tuple[Tensor, Tensor]:
-        """Beam search: -> the `width` best sequences (B, W, S) with their summed log-probs (B, W), best first; `stop`
-        as in `greedy` (a finished beam keeps its score).
+        """Beam search: -> the `width` best sequences (B, W, S) with their summed log-probs (B, W), best first;
+        `min_picks` as in `greedy` (a finished beam keeps its score).
 
         Beams beyond the number of distinct sequences a pool allows come back with score -inf.
         """
         check_shapes(query, pool, pool_mask)
-        return in_chunks(lambda *b: self._beam(*b, steps, width, stop), query, pool, pool_mask)
+        return in_chunks(lambda *b: self._beam(*b, steps, width, min_picks), query, pool, pool_mask)
 
-    def _beam(self, query: Tensor, pool: Tensor, pool_mask: Tensor, steps: int, width: int, stop=None):
+    def _beam(self, query: Tensor, pool: Tensor, pool_mask: Tensor, steps: int, width: int, min_picks: int = 0):
         B, K = pool_mask.shape
         s, keys, prior = self.encode(query, pool, pool_mask)
         s = s[:, None, :].expand(B, width, -1)  # (B, W, H)
@@ -446,7 +455,7 @@ class PointerSelector(
         seqs = torch.zeros(B, width, 0, dtype=torch.long, device=query.device)
         rows = torch.arange(B, device=query.device)[:, None]
         for t in range(steps):
-            step = self.step_log_dist(s, keys, prior, self.choices(avail, done, stop), t=t)  # (B, W, A)
+            step = self.step_log_dist(s, keys, prior, self.choices(avail, done, t >= min_picks), t=t)  # (B, W, A)
             A = step.shape[-1]
             score, flat = (score[..., None] + step).flatten(1).topk(width, -1)  # (B, W) best first
             beam, choice = flat // A, flat % A  # (B, W) parent beam and its new choice

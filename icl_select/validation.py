@@ -16,10 +16,11 @@ from model import DECODE_CHUNK, PointerSelector, slices
 
 @torch.no_grad()
 def greedy_icds(
-    model: PointerSelector, ds: Dataset, split: str, rows: Tensor, pool: Tensor, k: int, stop: bool | None = None
+    model: PointerSelector, ds: Dataset, split: str, rows: Tensor, pool: Tensor, k: int, min_picks: int = 0
 ) -> Tensor:
     """The selector's greedy demonstrations for the questions `rows` (n,) of `split` from their pools (n, K) of train
-    rows (-1 = padding) -> (n, k) train rows in pick order, -1 after a stop (`stop` as in `PointerSelector.greedy`).
+    rows (-1 = padding) -> (n, k) train rows in pick order, -1 after a stop (`min_picks` as in
+    `PointerSelector.greedy`: a selector that can stop makes at least that many).
     Gathered slice by slice (`model.slices`), never for all n at once, each question decoded in the slice one whole call
     would put it in."""
     emb, (n, K) = ds.emb, pool.shape
@@ -28,7 +29,7 @@ def greedy_icds(
     picks = []
     for s in slices(n, part):
         query, pool_emb = emb[split][rows[s]], emb["train"][pool[s].clamp_min(0)]  # (P, d), (P, K, d)
-        picks.append(model.greedy(query, pool_emb, pool[s] >= 0, k, stop)[0])  # (P, k)
+        picks.append(model.greedy(query, pool_emb, pool[s] >= 0, k, min_picks)[0])  # (P, k)
     picks = torch.cat(picks)  # (n, k) pool positions, -1 after a stop
     return pool.gather(1, picks.clamp_min(0)).where(picks >= 0, -1)
 

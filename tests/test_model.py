@@ -4,6 +4,7 @@ import copy
 import itertools
 import json
 import math
+import tempfile
 from dataclasses import replace
 
 import pytest
@@ -527,8 +528,22 @@ def test_greedy_and_sampling_may_stop_and_are_scored_as_teacher_forcing_scores_t
     beam, score = model.beam_search(query, pool, pool_mask, S, 1)
     tf = model.log_probs(query, pool, pool_mask, beam, every).sum(-1)[:, 0]
     assert torch.allclose(score[:, 0], tf, atol=1e-5)
-    full, _ = model.greedy(query, pool, pool_mask, S, stop=False)  # exactly S: never stops
+    full, _ = model.greedy(query, pool, pool_mask, S, min_picks=S)  # exactly S: never stops
     assert (full >= 0).all() and pool_mask.gather(1, full).all()
+    for least in range(S + 1):  # at least `least` picks from every decoder, each a pool candidate, all distinct
+        beams, score = model.beam_search(query, pool, pool_mask, S, 2, least)
+        samples = model.sample(query, pool, pool_mask, S, 3, rng(seed), 1.0, least)[0]
+        rows = torch.arange(len(query))[:, None]  # (B, 1)
+        made = [  # (M, S) sequences, each of the question `of`; a beam past what a pool allows is -inf, no sequence
+            (model.greedy(query, pool, pool_mask, S, least)[0], rows[:, 0]),
+            (beams[score.isfinite()], rows.expand(score.shape)[score.isfinite()]),
+            (samples.flatten(0, 1), rows.expand(samples.shape[:2]).flatten()),
+        ]
+        for seq, of in made:
+            n = (seq >= 0).sum(-1)
+            assert (n >= least).all() and ((seq >= 0).int().diff(dim=-1) <= 0).all()
+            assert pool_mask[of].gather(1, seq.clamp_min(0))[seq >= 0].all()
+            assert all(len(set(r[:k])) == k for r, k in zip(seq.tolist(), n.tolist()))
     drawn, lp = model.sample(query, pool, pool_mask, S, 5, rng(seed), 1.0)  # (B, 5, S)
     assert ((drawn >= 0).int().diff(dim=-1) <= 0).all()  # -1 only after the last pick
     tf = model.log_probs(query, pool, pool_mask, drawn, torch.ones(drawn.shape[:2], dtype=torch.bool)).sum(-1)
@@ -562,6 +577,30 @@ def test_stopping_follows_the_policy():
     first = model(query, pool, mask, torch.full((1, 1, 2), -1), torch.ones(1, 1, dtype=torch.bool), True).log_dist
     p_stop = first[0, 0, 0, -1].exp().item()
     assert 0.05 < p_stop < 0.95 and (picks[0, :, 0] < 0).float().mean().item() == pytest.approx(p_stop, abs=0.015)
+
+
+@given(seeds, st.integers(1, 6), st.integers(1, 6))
+def test_set_picks_keeps_the_policy_over_the_steps_both_lengths_share_and_saves_what_it_loads(seed, before, after):
+    """rce.py --picks and --init change how many demonstrations a selector makes: its stop bias (one per step) is cut
+    or extended by its last entry, so the distributions over the shared steps stay bit for bit, and the selector saved
+    with its new count loads back (Lever-Plus-style silent mismatches: `stop_bias (6,) in file, (4,) in model`)."""
+    model = stopping(seed)
+    model.set_picks(before)
+    with torch.no_grad():
+        model.stop_bias.copy_(torch.randn(before, generator=rng(seed)))
+    g = rng(seed + 1)
+    S = min(before, after, 4)
+    query, pool = torch.randn(2, CFG.dim, generator=g), torch.randn(2, 6, CFG.dim, generator=g)
+    mask, seqs = torch.ones(2, 6, dtype=torch.bool), torch.tensor([[[0, 1, 2, 3][:S]], [[5, 4, 3, 2][:S]]])
+    one = torch.ones(2, 1, dtype=torch.bool)
+    was = model(query, pool, mask, seqs, one, with_dists=True).log_dist
+    model.set_picks(after)
+    assert model.cfg.picks == after and model.stop_bias.shape == (after,)
+    assert torch.equal(model(query, pool, mask, seqs, one, with_dists=True).log_dist, was)
+    with tempfile.TemporaryDirectory() as folder:
+        model.save(folder)
+        back = load_selector(folder)
+    assert back.cfg == model.cfg and torch.equal(back.stop_bias, model.stop_bias)
 
 
 def test_prompt_order_reverses_each_sequences_demonstrations_and_keeps_the_padding_last():
