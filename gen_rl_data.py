@@ -280,7 +280,7 @@ def open_source(args: Args) -> Source:
         "files": files,
         "limits": limit,
         "encoder": args.encoder,
-        # The commit of the cached CLIP snapshot (None for a local folder), as the LVLM's revision is recorded:
+        # The commit of the cached CLIP snapshot, or a local folder's digest, as the LVLM's revision is recorded:
         # embeddings from other weights would silently change every pool.
         "encoder_revision": resolve_model(args.encoder)[1],
     }
@@ -288,18 +288,14 @@ def open_source(args: Args) -> Source:
 
 
 def embed(args: Args, items: dict[str, list[dict]]) -> dict[str, Tensor]:
-    """CLIP image, question and fused embeddings of both splits (real data). A picture to caption comes with no text,
-    so captioning's selector reads the image alone, anchors and queries alike; the text view of a demonstration is its
-    shown caption (what a caption sampler of Lever-LM's compares)."""
-    from icl_select.lvlm import clip_embed
+    """CLIP image, question and fused embeddings of both splits (real data), as the task's selector reads them
+    (`lvlm.task_embed`: a captioning selector reads the picture alone)."""
+    from icl_select.lvlm import task_embed
 
     emb = {}
     for split, rows in items.items():
-        if args.task == "caption":
-            rows = [{**it, "question": it["answers"][0]} for it in rows]  # the caption a demonstration shows
-        e = clip_embed(rows, args.encoder, device=args.device)
-        fused = e["image"].clone() if args.task == "caption" else e["fused"]  # a tensor of its own in the file
-        emb.update({split: fused, f"{split}_image": e["image"], f"{split}_text": e["text"]})
+        e = task_embed(rows, args.task, args.encoder, args.device)
+        emb.update({split: e["fused"], f"{split}_image": e["image"], f"{split}_text": e["text"]})
     return emb
 
 
@@ -352,9 +348,12 @@ def init_candidates(args: Args, train: Tensor, anchors: Tensor, pool: Tensor) ->
     for c in pools.pool_chunks(*pool.shape, train.shape[1]):
         query, pool_emb = train[anchors[c]], train[pool[c]]  # (C, d), (C, K, d)
         mask = torch.ones(pool_emb.shape[:2], dtype=torch.bool)
-        greedy, _ = model.greedy(query, pool_emb, mask, args.seq_len)
-        beams, _ = model.beam_search(query, pool_emb, mask, args.seq_len, args.init_beams)
-        samples, _ = model.sample(query, pool_emb, mask, args.seq_len, args.init_samples, gen, args.init_temperature)
+        least = min_shots(args)  # a selector that may stop makes no sequence shorter than the data allows
+        greedy, _ = model.greedy(query, pool_emb, mask, args.seq_len, least)
+        beams, _ = model.beam_search(query, pool_emb, mask, args.seq_len, args.init_beams, least)
+        samples, _ = model.sample(
+            query, pool_emb, mask, args.seq_len, args.init_samples, gen, args.init_temperature, least
+        )
         seqs.append(model.cfg.to_prompt(torch.cat([greedy[:, None], beams, samples], 1)))  # (C, 1+B+N, S) prompt order
     return torch.cat(seqs), ["greedy"] + ["beam"] * args.init_beams + ["sample"] * args.init_samples
 

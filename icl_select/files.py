@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -80,6 +81,30 @@ def sha256(path: Path) -> str:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()
+
+
+@functools.cache
+def _folder_digest(folder: Path, stats: tuple) -> str:
+    h = hashlib.sha256()
+    for name, *_ in stats:
+        h.update(json.dumps([name, sha256(folder / name)]).encode())
+    return "sha256:" + h.hexdigest()[:16]
+
+
+def folder_digest(folder: Path) -> str:
+    """Who a model folder is: a digest of every file in it (weights, config, tokenizer) by relative name and bytes,
+    none hidden (caches), wherever the folder lies. Each folder is read once per process while no file in it changes
+    (size, modification time, inode)."""
+    folder = Path(folder).resolve()
+    files = sorted(
+        p
+        for p in folder.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+    )
+    stats = tuple(
+        (str(p.relative_to(folder)), st.st_size, st.st_mtime_ns, st.st_ino) for p in files for st in [p.stat()]
+    )
+    return _folder_digest(folder, stats)
 
 
 def read_json(path: Path) -> object:

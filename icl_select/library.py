@@ -41,6 +41,7 @@ from icl_select.data import DATA_FILES, data_digest, read_embeddings, read_eval_
 from icl_select.files import DataError, atomic_write_bytes, atomic_write_text, read_json, save_tensors, sha256
 from icl_select.runs import check_width
 from icl_select.validation import greedy_icds
+from icl_select.vqa import shown_answer
 from icl_select.vqa_data import check_images, load_vqa_split
 from model import PointerSelector
 
@@ -58,16 +59,15 @@ class Demo:
     question_id: int | str
     image_id: int
     image: str | None  # the picture's file (None on the simulator)
-    question: str
-    answers: list[str]  # every annotator answer
+    question: str  # "" for a picture to caption
+    answers: list[str]  # every annotator answer, or every reference caption
     prob: float
+    task: str = "vqa"
 
     @property
     def answer(self) -> str:
-        """The answer the kit's prompt shows: the annotators' most common one."""
-        from icl_select.vqa import answer_counts
-
-        return answer_counts(self.answers)[0][0]
+        """What the kit's prompt shows: the annotators' most common answer, or a caption's first reference."""
+        return shown_answer(self.answers, self.task)
 
     @property
     def item(self) -> dict:
@@ -88,7 +88,7 @@ class Library:
     items: list[dict]
     emb: dict[str, Tensor]
     encoder: str  # what embedded them: a model id or folder, or "sim"
-    encoder_revision: str | None = None  # the encoder's Hub commit (None for a local folder)
+    encoder_revision: str | None = None  # the encoder's Hub commit, or its folder's digest (None: the simulator)
     task: str = "vqa"
     where: str = "the library"  # how messages name it
     meta: dict | None = None  # the meta.json of the dataset folder it comes from
@@ -131,14 +131,14 @@ class Library:
             )
         meta = read_meta(folder)
         items = read_items(folder / "items.json")
-        own, task = meta.get("encoder"), meta.get("task", "vqa")
+        own, task = meta.get("encoder"), meta["task"]
         if encoder is None or encoder == own:
             emb = read_embeddings(folder / "embeddings.safetensors", {s: len(v) for s, v in items.items()})
             views = {"fused": emb["train"]} | {v: emb[f"train_{v}"] for v in ("image", "text") if f"train_{v}" in emb}
             return cls(items["train"], views, own, meta.get("encoder_revision"), task, str(folder), meta, folder)
         if meta["source"] == "sim":
             raise ValueError(f"{folder}: a simulated dataset has no pictures for {encoder} to embed")
-        emb, revision = embedded(items["train"], folder / CACHE, "train", encoder, device)
+        emb, revision = embedded(items["train"], task, folder / CACHE, "train", encoder, device)
         return cls(items["train"], emb, encoder, revision, task, f"{folder} (embedded by {encoder})", meta, folder)
 
     @classmethod
@@ -156,8 +156,28 @@ class Library:
         """A split of OK-VQA or VQAv2 (the official files and COCO pictures, or a parquet export, as gen_rl_data.py
         reads them), embedded by `encoder` once and cached in `<data_root>/.icl-select/`."""
         items = load_vqa_split(dataset, Path(data_root), split, questions, annotations, images)
-        emb, revision = embedded(items, Path(data_root) / CACHE, f"{dataset}-{split}", encoder, device)
+        emb, revision = embedded(items, "vqa", Path(data_root) / CACHE, f"{dataset}-{split}", encoder, device)
         return cls(items, emb, encoder, revision, "vqa", f"{dataset} {split} of {data_root}")
+
+    @classmethod
+    def from_captions(
+        cls,
+        dataset: str,
+        data_root: str | Path,
+        encoder: str,
+        split: str = "train",
+        device: str = "auto",
+        captions: str | None = None,
+        images: str | None = None,
+    ) -> Library:
+        """A split of COCO captions (2014, 2017, Karpathy's; official files or a parquet export, as gen_rl_data.py
+        --task caption reads them), embedded by `encoder` as a captioning selector reads them, once, cached in
+        `<data_root>/.icl-select/`."""
+        from icl_select.caption_data import load_caption_split
+
+        items = load_caption_split(dataset, Path(data_root), split, captions, images)
+        emb, revision = embedded(items, "caption", Path(data_root) / CACHE, f"{dataset}-{split}", encoder, device)
+        return cls(items, emb, encoder, revision, "caption", f"{dataset} {split} of {data_root}")
 
 
 def picture_digests(paths: list[str], stats: Path) -> dict[str, str]:
@@ -182,10 +202,11 @@ def picture_digests(paths: list[str], stats: Path) -> dict[str, str]:
     return {path: record[2] for path, record in new.items()}
 
 
-def library_digest(items: list[dict], pictures: dict[str, str], encoder: str, revision: str | None) -> str:
-    """What a library's embeddings are made from: the encoder and every item with its picture's bytes (not its path,
-    so a moved library keeps its embeddings)."""
-    h = hashlib.sha256(json.dumps([encoder, revision]).encode())
+def library_digest(items: list[dict], pictures: dict[str, str], task: str, encoder: str, revision: str) -> str:
+    """What a library's embeddings are made from: the task (what a selector reads of an item), the encoder (its Hub
+    commit or its folder's digest) and every item with its picture's bytes (not its path, so a moved library keeps its
+    embeddings)."""
+    h = hashlib.sha256(json.dumps([task, encoder, revision]).encode())
     for it in items:
         made_of = [it["question_id"], it["image_id"], it["question"], it["answers"], pictures[it["image"]]]
         h.update(json.dumps(made_of).encode())
@@ -193,21 +214,21 @@ def library_digest(items: list[dict], pictures: dict[str, str], encoder: str, re
 
 
 def embedded(
-    items: list[dict], cache: Path, name: str, encoder: str, device: str
-) -> tuple[dict[str, Tensor], str | None]:
-    """`lvlm.clip_embed` of the items, read from `cache/<name>-<encoder>-<digest>.safetensors` when their digest is
+    items: list[dict], task: str, cache: Path, name: str, encoder: str, device: str
+) -> tuple[dict[str, Tensor], str]:
+    """`lvlm.task_embed` of the items, read from `cache/<name>-<encoder>-<digest>.safetensors` when their digest is
     unchanged, else computed and written there (the files of older digests removed); and the encoder's revision."""
-    from icl_select.lvlm import clip_embed, resolve_model
+    from icl_select.lvlm import resolve_model, task_embed
 
     revision = resolve_model(encoder)[1]
     cache.mkdir(parents=True, exist_ok=True)
     encoder_name = re.sub(r"[^\w.-]+", "-", Path(encoder.rstrip("/")).name)
     stem = f"{name}-{encoder_name}-{hashlib.sha256(encoder.encode()).hexdigest()[:8]}"
     pictures = picture_digests([it["image"] for it in items], cache / f"{name}-pictures.json")
-    path = cache / f"{stem}-{library_digest(items, pictures, encoder, revision)}.safetensors"
+    path = cache / f"{stem}-{library_digest(items, pictures, task, encoder, revision)}.safetensors"
     if path.is_file():
         return read_embeddings(path, dict.fromkeys(("fused", "image", "text"), len(items))), revision
-    emb = clip_embed(items, encoder, device=device)
+    emb = task_embed(items, task, encoder, device)
     save_tensors(path, emb)
     for old in cache.glob(f"{stem}-*.safetensors"):
         if old != path:
@@ -248,7 +269,12 @@ def stable_seed(*parts: bytes) -> int:
 
 @dataclass(eq=False)
 class Demonstrations:
-    """A selector and the library it picks from, with the run's pool settings (`from_run` reads them)."""
+    """A selector and the library it picks from, with the run's pool settings (`from_run` reads them).
+
+    What it returns is the selector's own choice, as evaluate.py scores it: a selector trained to fill its slots
+    gives k demonstrations; one that may stop (rce.py --can-stop) gives up to k, fewer or none where it stops, as
+    eval/<split>-upto.json holds them, and exactly k with `exactly=True`, as eval/<split>.json does. Every
+    demonstration is an item of the library, never a placeholder."""
 
     selector: PointerSelector
     library: Library
@@ -259,6 +285,7 @@ class Demonstrations:
     data: Path | None = None  # that folder
     source: str = "the selector"  # the run folder or Hub id, for messages
     device: str = "auto"  # where queries are embedded
+    task: str | None = None  # what the selector was trained for ("vqa", "caption"); None: the library's
     query_pictures: tempfile.TemporaryDirectory | None = field(default=None, init=False, repr=False)  # PIL queries
     val: tuple[Tensor, Tensor] | None = field(default=None, init=False, repr=False)  # the run's val embeddings, pools
 
@@ -270,11 +297,13 @@ class Demonstrations:
         if missing := [v for v in VIEWS[self.sampler] if v not in self.library.emb]:
             raise ValueError(f"{self.library.where}: no {missing[0]!r} embeddings for the {self.sampler} sampler")
         check_width(self.selector, Path(self.source), self.library.where, self.library.dim)
-        task = self.meta.get("task", "vqa") if self.meta else "vqa"
-        if task != "vqa":
-            raise ValueError(f"{self.source} was trained for {task}, not for questions about pictures")
-        if self.library.task != task:
-            raise ValueError(f"{self.library.where} holds {self.library.task} items; {self.source} picks for {task}")
+        self.task = self.task or self.library.task
+        if self.library.task != self.task:
+            raise ValueError(
+                f"{self.library.where} holds {self.library.task} items; {self.source} picks for {self.task}"
+            )
+        if self.task == "caption" and self.sampler in ("text", "mix"):
+            raise ValueError(f"sampler {self.sampler!r} compares questions; a picture to caption has none")
         self.selector.eval()
 
     @classmethod
@@ -290,28 +319,23 @@ class Demonstrations:
     ) -> Demonstrations:
         """The selector of a run folder or Hub id (`revision` of the Hub repository), the library to pick from (by
         default the train split of the run's dataset folder; a dataset folder of the kit; or a `Library`), and the
-        run's encoder and pool settings from that folder's meta.json. A Hub download carries no dataset folder: then
-        name the library and the `encoder` the selector was trained with (and `sampler`, `pool_size` unless the
-        library is a dataset folder of the kit that records them)."""
+        run's task, encoder and pool settings from that folder's meta.json, or the copy in the run's config.json where
+        the folder is not here (a Hub download carries none: then name the library). `sampler` and `pool_size` build
+        other pools than the run's."""
         selector = PointerSelector.from_pretrained(run, revision=revision)
         config = json.loads((selector.run_files or {}).get("config.json", b"{}"))
         data, why = run_data(config, library)
         meta = read_meta(data) if data is not None else config.get("dataset")  # config.json copies its settings
-        if meta is not None:
-            if encoder is not None and encoder != meta["encoder"]:
-                raise ValueError(f"{run} was trained on embeddings of {meta['encoder']}, not of {encoder}")
-            encoder = meta["encoder"]
-        if data is None and (library is None or encoder is None):
+        if not isinstance(meta, dict) or not {"task", "encoder", "sampler", "pool_size"} <= set(meta):
             raise ValueError(
-                f"{run}: {why}; name the library to pick from (and the encoder the selector was trained with, if its "
-                "config.json does not say) (Demonstrations.from_run(..., library=..., encoder=...))"
+                f"{run}: its config.json does not record the task, encoder and pools it was trained with (field "
+                "'dataset'), and its dataset folder is not here; use a run folder of this kit"
             )
-        here = None  # the encoder's revision on this machine, which embeds the queries (None: a folder, the simulator)
-        if encoder != "sim":
-            from icl_select.lvlm import resolve_model
-
-            here = resolve_model(encoder)[1]
-        trained = meta.get("encoder_revision") if meta is not None else here
+        if encoder is not None and encoder != meta["encoder"]:
+            raise ValueError(f"{run} was trained on embeddings of {meta['encoder']}, not of {encoder}")
+        encoder, trained = meta["encoder"], meta.get("encoder_revision")
+        if library is None and data is None:
+            raise ValueError(f"{run}: {why}; name the library to pick from (Demonstrations.from_run(..., library=...))")
         if library is None:
             library = Library.from_dataset(data)
         elif not isinstance(library, Library):
@@ -320,33 +344,36 @@ class Demonstrations:
             raise ValueError(
                 f"{library.where} was embedded by {library.encoder} (revision {library.encoder_revision}), but {run} "
                 f"was trained on embeddings of {encoder} (revision {trained}); embed the library with that encoder "
-                "(Library.from_dataset or Library.from_vqa with encoder=...)"
+                "(Library.from_dataset, from_vqa or from_captions with encoder=...)"
             )
-        if here != trained:
-            raise ValueError(
-                f"{encoder} is at revision {here} here, but {run} was trained on its revision {trained}; "
-                f"`hf download {encoder} --revision {trained}` first"
-            )
-        settings = meta or library.meta or {}
-        sampler, pool_size = sampler or settings.get("sampler"), pool_size or settings.get("pool_size")
-        if sampler is None or pool_size is None:
-            raise ValueError(
-                f"{run}: how its pools were built is recorded in its dataset folder, which is not here; name sampler= "
-                "and pool_size= (gen_rl_data.py's defaults are random and 64)"
-            )
-        return cls(selector, library, sampler, pool_size, settings.get("seed", 0), meta, data, str(run), device)
+        if encoder != "sim":  # the encoder that embeds the queries here must be the one the run was trained with
+            from icl_select.lvlm import resolve_model
+
+            if (here := resolve_model(encoder)[1]) != trained:
+                fix = (
+                    "restore the weights it was trained with"
+                    if Path(encoder).expanduser().is_dir()
+                    else f"`hf download {encoder} --revision {trained}` first"
+                )
+                raise ValueError(f"{encoder} is {here} here, but {run} was trained on embeddings of {trained}; {fix}")
+        sampler, pool_size = sampler or meta["sampler"], pool_size or meta["pool_size"]
+        return cls(
+            selector, library, sampler, pool_size, meta.get("seed", 0), meta, data, str(run), device, meta["task"]
+        )
 
     # -- picking -------------------------------------------------------------------------------------------------------
-    def pick(self, image, question: str, k: int | None = None) -> list[Demo]:
-        """The k demonstrations (default: as many as the selector was trained to pick) for a picture (a file path or a
-        PIL image) and a question, in prompt order (the last one next to the question)."""
-        return self.pick_batch([(image, question)], k)[0]
+    def pick(self, image, question: str | None = None, k: int | None = None, exactly: bool = False) -> list[Demo]:
+        """The demonstrations for a picture (a file path or a PIL image) and its question (none for a picture to
+        caption), in prompt order (the last one next to the query): k of them (default: as many as the selector was
+        trained to pick), or up to k for a selector that may stop, unless `exactly`."""
+        return self.pick_batch([image if self.task == "caption" else (image, question)], k, exactly)[0]
 
-    def pick_batch(self, queries: Sequence[tuple], k: int | None = None) -> list[list[Demo]]:
-        """`pick` for many (picture, question) pairs: the encoder loads once per call."""
+    def pick_batch(self, queries: Sequence, k: int | None = None, exactly: bool = False) -> list[list[Demo]]:
+        """`pick` for many queries, (picture, question) pairs or, for captions, pictures: the encoder loads once per
+        call."""
         from PIL import Image
 
-        from icl_select.lvlm import clip_embed
+        from icl_select.lvlm import task_embed
 
         if self.library.encoder == "sim":
             raise ValueError(
@@ -354,11 +381,8 @@ class Demonstrations:
                 "questions with pick_val(rows), or for embeddings with pick_embedded"
             )
         items, keys, same_picture = [], [], []  # same_picture: the image id of a library picture given as the query's
-        for i, (image, question) in enumerate(queries):
-            if image is None:
-                raise ValueError(f"query {i} has no picture: {self.source} picks from a picture and its question")
-            if not isinstance(question, str) or not question.strip():
-                raise ValueError(f"query {i}: expected a question, got {question!r}")
+        for i, query in enumerate(queries):
+            image, question = self.query(i, query)
             path, pixels = self.picture(image)
             items.append({"image": path, "question": question})
             keys.append(stable_seed(str(self.seed).encode(), pixels, question.encode()))
@@ -366,8 +390,26 @@ class Demonstrations:
             same_picture.append(self.library.picture_ids.get(given, self.no_picture))
         if not items:
             return []
-        emb = clip_embed(items, self.library.encoder, device=self.device)
-        return self.pick_embedded(emb, k, torch.tensor(same_picture), keys)
+        emb = task_embed(items, self.task, self.library.encoder, self.device)
+        return self.pick_embedded(emb, k, torch.tensor(same_picture), keys, exactly)
+
+    def query(self, i: int, query) -> tuple[object, str]:
+        """Query `i` of a batch as (picture, question): a (picture, question) pair, or for captions a picture."""
+        if self.task == "caption":
+            if isinstance(query, tuple):
+                raise ValueError(
+                    f"query {i}: {self.source} captions pictures; give each query as a picture alone, not {query!r}"
+                )
+            image, question = query, ""
+        else:
+            if not (isinstance(query, tuple) and len(query) == 2):
+                raise ValueError(f"query {i}: expected a (picture, question) pair, got {query!r}")
+            image, question = query
+            if not isinstance(question, str) or not question.strip():
+                raise ValueError(f"query {i}: expected a question, got {question!r}")
+        if image is None:
+            raise ValueError(f"query {i} has no picture: {self.source} picks demonstrations for a picture")
+        return image, question
 
     def pick_embedded(
         self,
@@ -375,10 +417,12 @@ class Demonstrations:
         k: int | None = None,
         image_ids: Tensor | None = None,
         keys: list[int] | None = None,
+        exactly: bool = False,
     ) -> list[list[Demo]]:
-        """Demonstrations for queries given as embeddings, as `lvlm.clip_embed` returns them: "fused" (B, d), and the
-        "image" / "text" views the sampler compares. `image_ids` (B,): the library's questions on these pictures stay
-        out of the pools (default: none); `keys` seed the random pools (default: from each query's embedding)."""
+        """Demonstrations for queries given as embeddings, as `lvlm.task_embed` returns them: "fused" (B, d), and the
+        "image" / "text" views the sampler compares. `image_ids` (B,): the library's items on these pictures stay out
+        of the pools (default: none); `keys` seed the random pools (default: from each query's embedding); `k` and
+        `exactly` as in `pick`."""
         fused = emb["fused"]
         n = fused.shape[0]
         for name, t in emb.items():
@@ -394,12 +438,13 @@ class Demonstrations:
         k = self.steps(k)
         found = {}
         for rows, pool in self.pools(emb, ids, keys, k):
-            found.update(zip(rows.tolist(), self.decode(fused, rows, pool, k)))
+            found.update(zip(rows.tolist(), self.decode(fused, rows, pool, k, exactly)))
         return [found[i] for i in range(n)]
 
-    def pick_val(self, rows: Sequence[int] | Tensor, k: int | None = None) -> list[list[Demo]]:
+    def pick_val(self, rows: Sequence[int] | Tensor, k: int | None = None, exactly: bool = False) -> list[list[Demo]]:
         """Demonstrations for validation questions of the run's own dataset, from their pools in eval_pools.json:
-        exactly what evaluate.py picks for them (its k-shot prompt)."""
+        exactly what evaluate.py picks for them at k shots (eval/val.json with `exactly`, eval/val-upto.json
+        without, for a selector that may stop)."""
         if self.data is None or self.library.folder != self.data or self.library.encoder != self.meta["encoder"]:
             raise ValueError(f"pick_val picks from the evaluation pools of {self.source}'s own dataset folder")
         if self.val is None:
@@ -408,7 +453,7 @@ class Demonstrations:
             val_pools = read_eval_pools(self.data / "eval_pools.json", len(items["val"]), len(items["train"]))
             self.val = emb["val"], val_pools
         rows = torch.as_tensor(rows, dtype=torch.long)
-        return self.decode(self.val[0], rows, self.val[1][rows], self.steps(k))
+        return self.decode(self.val[0], rows, self.val[1][rows], self.steps(k), exactly)
 
     # -- the pieces ----------------------------------------------------------------------------------------------------
     @property
@@ -452,25 +497,31 @@ class Demonstrations:
         return out
 
     @torch.no_grad()
-    def decode(self, query: Tensor, rows: Tensor, pool: Tensor, k: int) -> list[list[Demo]]:
-        """The selector's greedy picks for the queries `query[rows]` from their pools (n, K) of library rows, in prompt
-        order, each with its probability at its step."""
+    def decode(self, query: Tensor, rows: Tensor, pool: Tensor, k: int, exactly: bool) -> list[list[Demo]]:
+        """The selector's greedy picks for the queries `query[rows]` from their pools (n, K) of library rows, as
+        evaluate.py decodes them (up to k, or `exactly` k), in prompt order, each with its probability at its step."""
         lib = self.library.emb["fused"]
-        picks = greedy_icds(self.selector, SimpleNamespace(emb={"query": query, "train": lib}), "query", rows, pool, k)
-        at = (pool[:, None, :] == picks[:, :, None]).long().argmax(-1)  # (n, k) pool positions of the picks
+        view = SimpleNamespace(emb={"query": query, "train": lib})
+        picks = greedy_icds(self.selector, view, "query", rows, pool, k, k if exactly else 0)  # (n, k), -1 after a stop
+        at = (pool[:, None, :] == picks[:, :, None]).long().argmax(-1).where(picks >= 0, -1)  # (n, k) pool positions
         probs = []
         for c in pools.pool_chunks(*pool.shape, lib.shape[1]):
             one = torch.ones(len(c), 1, dtype=torch.bool)
             pool_emb = lib[pool[c].clamp_min(0)]  # (c, K, d)
             steps = self.selector.log_probs(query[rows[c]], pool_emb, pool[c] >= 0, at[c][:, None], one)  # (c, 1, k)
-            probs.append(steps[:, 0].exp())  # (c, k)
-        to_prompt = self.selector.cfg.to_prompt
-        chosen, probs = to_prompt(picks).tolist(), to_prompt(torch.cat(probs)).tolist()
-        return [[self.demo(r, p) for r, p in zip(rs, ps)] for rs, ps in zip(chosen, probs)]
+            probs.append(steps[:, 0].exp())  # (c, k); a stop's step holds the stop's probability
+        # each query's steps in prompt order: the picks alone, never the stop nor the -1 after it
+        order = self.selector.cfg.to_prompt(torch.arange(k).expand_as(picks).where(picks >= 0, -1))  # (n, k)
+        chosen, probs = picks.gather(1, order.clamp_min(0)), torch.cat(probs).gather(1, order.clamp_min(0))
+        return [
+            [self.demo(r, p) for r, p, o in zip(rs, ps, os) if o >= 0]
+            for rs, ps, os in zip(chosen.tolist(), probs.tolist(), order.tolist())
+        ]
 
     def demo(self, row: int, prob: float) -> Demo:
         it = self.library.items[row]
-        return Demo(row, it["question_id"], it["image_id"], it.get("image"), it["question"], it["answers"], prob)
+        image, answers = it.get("image"), it["answers"]
+        return Demo(row, it["question_id"], it["image_id"], image, it["question"], answers, prob, self.task)
 
     def picture(self, image) -> tuple[str, bytes]:
         """A query's picture (a file or a PIL image) as a file named by its pixels, which the encoder and the LVLM read
@@ -494,9 +545,10 @@ class Demonstrations:
         return str(path), pixels
 
     # -- into an LVLM --------------------------------------------------------------------------------------------------
-    def example(self, image, question: str, demos: list[Demo]) -> tuple[dict, list[dict]]:
-        """(query item, demonstration items) as the LVLM backend takes a prompt (`LVLMBackend.generate`, `messages`)."""
-        return {"question": question, "image": self.picture(image)[0]}, [d.item for d in demos]
+    def example(self, image, question: str | None, demos: list[Demo]) -> tuple[dict, list[dict]]:
+        """(query item, demonstration items) as the LVLM backend takes a prompt (`LVLMBackend.generate`, `messages`);
+        the question None for a picture to caption."""
+        return {"question": question or "", "image": self.picture(image)[0]}, [d.item for d in demos]
 
     def lvlm(self, model: str | None = None, options: LVLMRun | None = None):
         """The run's LVLM (or `model`) as the kit scores with it: `lvlm.LVLMBackend` with the prompt layout and

@@ -64,7 +64,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_
 from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
 
 from icl_select.cider import CiderD, ptb_tokenize
-from icl_select.vqa import answer_counts, answer_rel, normalize_answer, postprocess, vqa_score
+from icl_select.files import folder_digest
+from icl_select.vqa import answer_rel, normalize_answer, postprocess, shown_answer, vqa_score
 
 PromptStyle = Literal["single-turn", "turn-per-demo"]
 
@@ -80,6 +81,7 @@ __all__ = [
     "load_lvlm",
     "resolve_device",
     "resolve_model",
+    "task_embed",
 ]
 
 # One prompt to score: (query item, ICD items in prompt order).
@@ -400,12 +402,13 @@ def resolve_device(device: str = "auto", dtype: str = "auto") -> tuple[torch.dev
     return dev, torch_dtype
 
 
-def resolve_model(model: str, cache_dir: str | Path | None = None) -> tuple[Path, str | None]:
-    """The local folder of a model given as a path or a hub id, and its revision (commit hash for a hub snapshot); hub
-    ids are looked up in the local cache only."""
+def resolve_model(model: str, cache_dir: str | Path | None = None) -> tuple[Path, str]:
+    """The local folder of a model given as a path or a hub id, and its revision: the commit hash of a hub snapshot,
+    or for a folder of your own a digest of its files (`files.folder_digest`), so that changed weights under the same
+    path are another model. Hub ids are looked up in the local cache only."""
     path = Path(model).expanduser()
     if path.is_dir():
-        return path.resolve(), None
+        return path.resolve(), folder_digest(path)
     # Only "org/name" can be a hub id: an absolute, ~, ./ or deeper path is a missing folder, and a download
     # command would not help.
     if model.startswith(("/", "~", ".")) or model.count("/") != 1:
@@ -1193,9 +1196,8 @@ class LVLMBackend:
         return credit_sum(credited, self.run(examples, [[r for r, _ in c] for c in credited], answer=False)[1])
 
     def shown(self, item: dict) -> str:
-        """What a demonstration shows of its item: its most common answer (in its most common spelling), or for a
-        caption its first reference, as Lever-LM shows one."""
-        return item["answers"][0] if self.task == "caption" else answer_counts(item["answers"])[0][0]
+        """What a demonstration shows of its item (`vqa.shown_answer`)."""
+        return shown_answer(item["answers"], self.task)
 
     def replies(self, query: dict) -> list[str]:
         """The replies whose probability a prompt's soft score adds up: every credited VQA answer, or the caption of
@@ -1274,9 +1276,10 @@ class LVLMBackend:
 
 
 @functools.lru_cache(maxsize=2)
-def clip_encoder(folder: Path, device: torch.device) -> tuple[torch.nn.Module, ProcessorMixin]:
-    """The CLIP-style model (float32, eval mode, on `device`) and processor in `folder`, loaded once per process:
-    picking demonstrations for new questions embeds them batch after batch."""
+def clip_encoder(folder: Path, revision: str, device: torch.device) -> tuple[torch.nn.Module, ProcessorMixin]:
+    """The CLIP-style model (float32, eval mode, on `device`) and processor in `folder` at `revision` (`resolve_model`),
+    loaded once per process while its files stay the same: picking demonstrations for new questions embeds them batch
+    after batch."""
     model = AutoModel.from_pretrained(folder, dtype=torch.float32).to(device).eval()
     if not hasattr(model, "get_image_features") or not hasattr(model, "get_text_features"):
         raise ValueError(f"{folder} holds a {type(model).__name__}, not a CLIP-style image+text encoder")
@@ -1296,9 +1299,9 @@ def clip_embed(
     object) is embedded once, in float32 on any device, so embeddings do not depend on the GPU."""
     if not items:
         raise ValueError("clip_embed needs at least one item")
-    folder, _ = resolve_model(encoder, cache_dir)
+    folder, revision = resolve_model(encoder, cache_dir)
     dev, _ = resolve_device(device)
-    model, processor = clip_encoder(folder, dev)
+    model, processor = clip_encoder(folder, revision, dev)
     max_length = model.config.text_config.max_position_embeddings
     pictures = {picture_id(item["image"]): item["image"] for item in items}  # distinct, in order of first use
     paths = list(pictures)
@@ -1322,6 +1325,16 @@ def clip_embed(
     image = F.normalize(torch.cat(images)[[row[picture_id(item["image"])] for item in items]], dim=-1)  # (N, d)
     text = F.normalize(torch.cat(texts), dim=-1)  # (N, d)
     return {"image": image, "text": text, "fused": F.normalize(image + text, dim=-1)}
+
+
+def task_embed(items: list[dict], task: str, encoder: str, device: str = "auto") -> dict[str, Tensor]:
+    """`clip_embed` of items as a selector of `task` reads them. A picture to caption comes with no text, so a
+    captioning selector reads the picture alone ("fused" is the image view), queries and demonstrations alike; a
+    demonstration's text view is the caption it shows (its first reference), what a caption sampler compares."""
+    if task != "caption":
+        return clip_embed(items, encoder, device=device)
+    emb = clip_embed([{**it, "question": (it.get("answers") or [""])[0]} for it in items], encoder, device=device)
+    return emb | {"fused": emb["image"].clone()}  # a tensor of its own in a file
 
 
 def picture_id(image: str | Path | Image.Image) -> str | int:

@@ -10,7 +10,7 @@ import functools
 import re
 from collections import Counter
 
-__all__ = ["answer_counts", "answer_rel", "normalize_answer", "postprocess", "vqa_score"]
+__all__ = ["answer_counts", "answer_rel", "normalize_answer", "postprocess", "shown_answer", "vqa_score"]
 
 # The official contraction table, verbatim, quirks included: the capitalised keys ("Im", "Ive", ...) can never
 # match because words are lower-cased first, and "somebody'd" maps to "somebodyd". Kept as-is so scores stay
@@ -216,6 +216,12 @@ def answer_counts(answers: list[str]) -> list[tuple[str, int]]:
         groups.setdefault(normalize_answer(a), Counter())[a] += 1
     counted = [(spellings.most_common(1)[0][0], spellings.total()) for spellings in groups.values()]
     return sorted(counted, key=lambda sc: -sc[1])
+
+
+def shown_answer(answers: list[str], task: str) -> str:
+    """What a demonstration shows of its item: its most common answer (in its most common spelling), or for a caption
+    its first reference, as Lever-LM shows one."""
+    return answers[0] if task == "caption" else answer_counts(answers)[0][0]
 
 
 def _clean_line(line: str) -> str:

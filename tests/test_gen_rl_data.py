@@ -18,6 +18,7 @@ from icl_select import files, pools, sharding, sim
 from icl_select.backends import sim_from_meta
 from icl_select.data import ZERO_SHOT, load_dataset
 from icl_select.files import DataError
+from model import PointerSelector
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = ("items.json", "embeddings.safetensors", "rl_data.jsonl", "eval_pools.json")
@@ -144,6 +145,31 @@ def test_init_adds_selector_sequences(small_data, tmp_path):
         assert src[0] == "greedy" and "beam" in src and len(src) == SMALL["group_size"]
         assert len({tuple(s) for s in seqs.tolist()}) == len(seqs) and ret in seqs.tolist()
     assert json.loads((out / "meta.json").read_text())["init"]["run"] == str(run)
+
+
+def test_a_selector_that_may_stop_fills_the_lengths_the_data_asks_for(tmp_path):
+    """--init of a selector that may stop, its stop made certain: its greedy, beam and sampled sequences are as long as
+    --min-shots asks (the whole --seq-len by default; once they stopped at none and the data was refused by its own
+    reader), and at least that long with a smaller --min-shots."""
+    import rce
+
+    data, run = tmp_path / "d0", tmp_path / "rce"
+    generate(Args(out=data, min_shots=0, num_queries=16, group_size=6, pool_size=12, **SPARE))
+    rce.main(rce.Args(data=data, out=run, can_stop=True, epochs=1, batch_size=8, val_frac=0.25))
+    model = PointerSelector.load(run)
+    with torch.no_grad():
+        model.stop_bias.fill_(50.0)  # it would give every question no demonstration at all
+    model.save(run)
+    for least in (None, 2):
+        out = tmp_path / f"from-stop-{least}"
+        generate(Args(out=out, init=run, min_shots=least, num_queries=16, group_size=8, pool_size=12, **SPARE))
+        g = load_dataset(out).groups
+        n = (g.seqs >= 0).sum(-1)[g.seq_mask]  # demonstrations in each scored sequence
+        assert (n >= (least or 4)).all()
+        from_selector = [i for i, s in enumerate(g.sources[0]) if s in ("greedy", "beam", "sample")]
+        assert (g.seqs[:, from_selector] >= 0).sum(-1).min() >= (least or 4)
+        if least:  # where it may stop, the selector's sequences stop as soon as the data allows
+            assert (g.seqs[:, from_selector] >= 0).sum(-1).max() == least
 
 
 def test_keeps_a_scratch_folder_it_did_not_make(tmp_path):

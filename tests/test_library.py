@@ -30,6 +30,7 @@ from icl_select.backends import LVLMRun, open_backend
 from icl_select.data import data_digest, load_dataset
 from icl_select.library import CACHE, Demonstrations, Library
 from icl_select.vqa import postprocess
+from model import PointerSelector
 
 
 def train_and_evaluate(data, run, num_samples):
@@ -109,6 +110,70 @@ def test_pools_built_afresh_pick_what_evaluate_picks(image_run):
 
 
 @pytest.fixture(scope="module")
+def stopping_run(tmp_path_factory):
+    """A selector that may stop, trained by RCE on groups of 0..4 demonstrations, its stop bias then set where its
+    greedy choice gives some questions none, some a few and some four (a trained one need not be so varied), saved
+    and evaluated exactly k and up to k."""
+    root = tmp_path_factory.mktemp("lib-stop")
+    small = dict(num_train=600, num_val=100, num_queries=48, group_size=8, pool_size=24)
+    generate(GenArgs(out=root / "data", min_shots=0, **small))
+    run = root / "rce"
+    rce.main(rce.Args(data=root / "data", out=run, can_stop=True, epochs=1, batch_size=8, val_frac=0.25))
+    model, ds = PointerSelector.load(run), load_dataset(root / "data")
+    pool = ds.eval_pools
+    query, pool_emb = ds.emb["val"], ds.emb["train"][pool]
+    lengths = {}
+    for start in torch.linspace(-3, 3, 61).tolist():  # stopping a little likelier at each step
+        with torch.no_grad():
+            model.stop_bias.copy_(start + 0.1 * torch.arange(4))
+        n = (model.greedy(query, pool_emb, pool >= 0, 4)[0] >= 0).sum(-1)  # (V,) demonstrations given
+        lengths[start] = len(n.unique())
+    with torch.no_grad():
+        model.stop_bias.copy_(max(lengths, key=lengths.get) + 0.1 * torch.arange(4))
+    model.save(run)
+    evaluate.main(evaluate.Args(runs=[run], data=root / "data", num_samples=[100]))
+    return run, *(json.loads((run / "eval" / f"val{s}.json").read_text()) for s in ("", "-upto"))
+
+
+def test_a_selector_that_may_stop_gives_what_evaluate_gives_and_only_library_items(stopping_run):
+    """Up to k (its own choice, fewer or none) as eval/val-upto.json holds it, exactly k as eval/val.json does; every
+    demonstration a library item of the question's pool, none twice, each with its probability at its step (never a
+    placeholder for a stop, whose -1 once became the library's last item)."""
+    run, exact, upto = stopping_run
+    demos = Demonstrations.from_run(run)
+    ds = load_dataset(demos.data)
+    used = {len(r["icds"]) for r in upto["results"] if r["shot"] == 4}
+    assert 0 in used and 4 in used and len(used) >= 3  # the fixture stops at several lengths
+    for doc, exactly in ((exact, True), (upto, False)):
+        want = eval_icds(doc)
+        for k in doc["shots"]:
+            picked = demos.pick_val(range(100), k, exactly=exactly)
+            assert rows(picked) == [want[r, k] for r in range(100)]
+            for r, demos_r in enumerate(picked):
+                allowed = set(ds.eval_pools[r].tolist()) - {-1}
+                assert {d.row for d in demos_r} <= allowed and len({d.row for d in demos_r}) == len(demos_r)
+                assert all(0 < d.prob <= 1 and d.item == ds.items["train"][d.row] for d in demos_r)
+    # the probabilities in prompt order, as teacher forcing gives them step by step
+    model, pool = demos.selector, ds.eval_pools[:100]
+    picks = model.greedy(ds.emb["val"][:100], ds.emb["train"][pool], pool >= 0, 4)[0]  # (100, 4) pick order
+    steps = model.log_probs(ds.emb["val"][:100], ds.emb["train"][pool], pool >= 0, picks[:, None], pool[:, :1] >= 0)
+    for r, picked in enumerate(demos.pick_val(range(100))):
+        n = int((picks[r] >= 0).sum())
+        want = steps[r, 0, :n].exp().tolist()
+        assert [d.prob for d in picked] == pytest.approx(
+            want[::-1] if model.cfg.pick_order == "nearest_first" else want
+        )
+    # pick_embedded, pools built afresh from the library: the same guarantees
+    view = {"fused": ds.emb["val"][:100]}
+    for exactly in (True, False):
+        for picked in demos.pick_embedded(view, exactly=exactly):
+            assert len(picked) == 4 if exactly else len(picked) <= 4
+            assert all(0 <= d.row < len(ds.items["train"]) for d in picked) and len({d.row for d in picked}) == len(
+                picked
+            )
+
+
+@pytest.fixture(scope="module")
 def random_demos(random_run):
     demos = Demonstrations.from_run(random_run[0])
     return demos, load_dataset(demos.data)
@@ -179,7 +244,7 @@ def test_refusals_on_the_simulator(random_run, small_data, tmp_path):
     with pytest.raises(
         ValueError,
         match=r"^\S+sel: its dataset folder \S+elsewhere \(config.json field 'data.folder'\) is not here; "
-        r"name the library to pick from \(and the encoder .*encoder=\.\.\.\)\)$",
+        r"name the library to pick from \(Demonstrations.from_run\(\.\.\., library=\.\.\.\)\)$",
     ):
         Demonstrations.from_run(hub)
     # the library may be the run's dataset folder: recognised by its digest, it brings the run's settings
@@ -204,18 +269,17 @@ def test_refusals_on_the_simulator(random_run, small_data, tmp_path):
     assert (same.sampler, same.pool_size) == ("random", 24) and rows(same.pick_embedded(view)) == rows(
         demos.pick_embedded(view)
     )
-    config_without = {k: v for k, v in config.items() if k != "dataset"}  # what a run folder of other tools holds
-    (hub / "config.json").write_text(json.dumps(config_without))
-    with pytest.raises(ValueError, match=r"^\S+sel: how its pools were built .*; name sampler= and pool_size= .*\)$"):
-        Demonstrations.from_run(
-            hub, library=Library(ds.items["train"], {"fused": ds.emb["train"]}, "sim"), encoder="sim"
-        )
-    # a task other than questions about pictures, of the run or of the library
+    for field in ("task", "encoder", "sampler"):  # a run that does not say what it was trained for is not guessed at
+        dataset = {k: v for k, v in config["dataset"].items() if k != field}
+        (hub / "config.json").write_text(json.dumps(config | {"dataset": dataset}))
+        with pytest.raises(ValueError, match=r"^\S+sel: its config.json does not record the task, encoder and pools "):
+            Demonstrations.from_run(hub, library=Library(ds.items["train"], {"fused": ds.emb["train"]}, "sim"))
+    # the task of the run against that of the library
     caption = Library(ds.items["train"], {"fused": ds.emb["train"]}, "sim", task="caption", where="captions")
     with pytest.raises(ValueError, match=r"^captions holds caption items; \S+ picks for vqa$"):
-        Demonstrations(demos.selector, caption, "random", 24, source=str(run))
-    with pytest.raises(ValueError, match=r"^\S+ was trained for caption, not for questions about pictures$"):
-        Demonstrations(demos.selector, demos.library, "random", 24, meta={"task": "caption"}, source=str(run))
+        Demonstrations(demos.selector, caption, "random", 24, source=str(run), task="vqa")
+    with pytest.raises(ValueError, match=r"^\S+sim holds vqa items; \S+ picks for caption$"):
+        Demonstrations(demos.selector, demos.library, "random", 24, source=str(run), task="caption")
     # the dataset folder changed since training
     changed = tmp_path / "changed"
     shutil.copytree(small_data, changed)
@@ -283,13 +347,10 @@ def test_a_picture_and_question_get_what_the_kit_would_pick(real_run, assets, mo
     assert rows(batch) == [w[-1:] for w in rows(demos.pick_val(range(len(ds.items["val"]))))]
     picked = batch[0][0]
     assert picked.item == ds.items["train"][picked.row] and picked.image.endswith(".jpg")
-    with pytest.raises(ValueError, match=r"^query 1 has no picture: \S+ picks from a picture and its question$"):
+    with pytest.raises(ValueError, match=r"^query 1 has no picture: \S+ picks demonstrations for a picture$"):
         demos.pick_batch([(ds.items["val"][0]["image"], "What?"), (None, "What color is the shape?")])
-    with monkeypatch.context() as m:  # the encoder here is other weights than those the run's embeddings came from
-        m.setattr(lvlm, "resolve_model", lambda model, cache_dir=None: (assets["clip"], "0a1b2c"))
-        here = r"^\S+clip is at revision 0a1b2c here, but \S+rce was trained on its revision None; `hf download "
-        with pytest.raises(ValueError, match=here + r"\S+clip --revision None` first$"):
-            Demonstrations.from_run(run)
+    with pytest.raises(ValueError, match=r"^query 0: expected a \(picture, question\) pair, got '\S+'$"):
+        demos.pick_batch([ds.items["val"][0]["image"]])
 
 
 def test_the_library_is_embedded_once_and_again_when_it_changes(assets, real_run, tmp_path, monkeypatch):
@@ -340,12 +401,54 @@ def test_the_library_is_embedded_once_and_again_when_it_changes(assets, real_run
     _, run = real_run
     with pytest.raises(
         ValueError,
-        match=rf"^okvqa train of \S+ was embedded by {re.escape(other)} \(revision None\), but \S+ was trained on "
-        rf"embeddings of {re.escape(clip)} \(revision None\); .*\)$",
+        match=rf"^okvqa train of \S+ was embedded by {re.escape(other)} \(revision sha256:\w{{16}}\), but \S+ was "
+        rf"trained on embeddings of {re.escape(clip)} \(revision sha256:\w{{16}}\); .*\)$",
     ):
         Demonstrations.from_run(run, library=Library.from_vqa("okvqa", moved, other))
     demos = Demonstrations.from_run(run, library=Library.from_vqa("okvqa", moved, clip))
     assert demos.library.where == f"okvqa train of {moved}" and len(demos.pick(picture, "What color is it?")) == 2
+
+
+def test_an_encoder_folder_is_who_its_weights_are(assets, tmp_path, monkeypatch):
+    """A CLIP given as a folder of your own is identified by a digest of its files, as a Hub model is by its commit:
+    changed weights under the same path embed the library again and are refused for a run trained on the old ones,
+    while a moved copy of the same weights is the same encoder."""
+    from safetensors.torch import load_file, save_file
+
+    clip = tmp_path / "clip"
+    shutil.copytree(assets["clip"], clip)
+    generate(gen_args(assets, tmp_path / "data", encoder=str(clip)))
+    small = dict(hidden=32, num_heads=2, quality="all", epochs=1, batch_size=4, val_frac=0.25)
+    rce.main(rce.Args(data=tmp_path / "data", out=tmp_path / "rce", **small))
+    meta = json.loads((tmp_path / "data" / "meta.json").read_text())
+    assert re.fullmatch(r"sha256:[0-9a-f]{16}", meta["encoder_revision"])
+    root = tmp_path / "okvqa"
+    shutil.copytree(assets["okvqa"], root)
+    calls = []
+    embed = lvlm.clip_embed
+    monkeypatch.setattr(lvlm, "clip_embed", lambda items, *a, **k: calls.append(len(items)) or embed(items, *a, **k))
+    before = Library.from_vqa("okvqa", root, str(clip))
+    assert before.encoder_revision == meta["encoder_revision"] and calls == [32]
+    Demonstrations.from_run(tmp_path / "rce", library=before)
+
+    moved = tmp_path / "clip-moved"  # the same weights elsewhere: the same encoder, its embeddings reused
+    shutil.copytree(clip, moved)
+    assert lvlm.resolve_model(str(moved))[1] == meta["encoder_revision"]
+
+    weights = clip / "model.safetensors"  # new weights in the same folder
+    tensors = load_file(weights)
+    name = next(k for k in tensors if k.endswith("visual_projection.weight"))
+    noise = torch.randn(tensors[name].shape, generator=torch.Generator().manual_seed(0))
+    save_file(tensors | {name: tensors[name] + noise}, weights)
+    after = Library.from_vqa("okvqa", root, str(clip))
+    assert calls == [32, 32] and after.encoder_revision != before.encoder_revision
+    assert not torch.equal(after.emb["image"], before.emb["image"])
+    with pytest.raises(
+        ValueError,
+        match=rf"^{re.escape(str(clip))} is sha256:\w{{16}} here, but \S+rce was trained on embeddings of "
+        rf"{meta['encoder_revision']}; restore the weights it was trained with$",
+    ):
+        Demonstrations.from_run(tmp_path / "rce")
 
 
 def plain_answer(folder, style: str, meta: dict, query: dict, demos: list[dict]) -> str:

@@ -32,6 +32,7 @@ from torch import Tensor
 from transformers import Qwen2_5_VLProcessor
 
 from icl_select import lvlm
+from icl_select.files import folder_digest
 from icl_select.lvlm import (
     ByteLRU,
     LVLMBackend,
@@ -345,7 +346,7 @@ def test_system_prompt_and_template_are_used_and_described(assets, items):
     )
     assert custom.describe() == {
         "lvlm": str(assets["qwen"]),
-        "revision": None,
+        "revision": folder_digest(assets["qwen"]),  # a model folder of your own: who its files are
         "prompt_template": {"icd": template.icd, "query": template.query, "style": "single-turn"},
         "system_prompt": "Answer briefly.",
         "generation": {"max_new_tokens": 3, "do_sample": False},
@@ -718,7 +719,7 @@ def test_a_demonstrations_answer_needs_no_transformers():
     LVLM backend (and transformers with it)."""
     code = (
         "import sys, types; from icl_select.library import Demo; "
-        "got = Demo.answer.fget(types.SimpleNamespace(answers=['red', 'Blue', 'blue', 'blue', 'Red'])); "
+        "got = Demo.answer.fget(types.SimpleNamespace(answers=['red', 'Blue', 'blue', 'blue', 'Red'], task='vqa')); "
         "assert got == 'blue', got; assert 'transformers' not in sys.modules, 'transformers imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent)

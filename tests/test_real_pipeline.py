@@ -13,6 +13,7 @@ from gen_rl_data import Args, generate
 from icl_select import lvlm
 from icl_select.backends import LVLMRun, open_backend
 from icl_select.data import load_dataset
+from icl_select.files import folder_digest
 from model import PointerSelector
 
 
@@ -44,7 +45,10 @@ def test_dataset_folder_records_the_real_backend(data, assets, monkeypatch):
     assert meta["source"] == "okvqa" and meta["lvlm"] == str(assets["qwen"]) and not meta["simulation"]
     assert meta["prompt_template"]["query"].endswith("Short answer:") and meta["generation"]["max_new_tokens"] == 10
     assert meta["encoder"] == str(assets["clip"]) and "revision" in meta and "calibration" not in meta
-    assert "encoder_revision" in meta and meta["encoder_revision"] is None  # a local folder has no hub commit
+    # a local folder has no hub commit: it is who its files are (tests/test_library.py changes its weights)
+    assert meta["encoder_revision"] == folder_digest(assets["clip"]) and meta["revision"] == folder_digest(
+        assets["qwen"]
+    )
     assert meta["prompt_template"]["style"] == "single-turn"
     check = meta["self_check"]  # the fast path against plain transformers on 8 prompts, before the long run
     assert check["prompts"] == 8 and check["answers_differ"] == 0 and check["max_abs_logp_diff"] < 1e-3
