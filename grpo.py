@@ -26,8 +26,10 @@ Usage:
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Annotated, Literal
@@ -42,7 +44,7 @@ from icl_select.batches import Batch, Split, make_batch, split_queries, steps_pe
 from icl_select.cli import alias, default_is, help_first, run_cli
 from icl_select.data import Dataset, RewardArgs, RewardMode, compute_reward, load_dataset
 from icl_select.epochs import EpochMeans, log_line, lr_factor, stop_if_diverged
-from icl_select.pools import first_distinct, query_pools
+from icl_select.pools import first_distinct, query_pools, random_sequences
 from icl_select.runs import RunFolder, check_width, load_selector, new_loop
 from icl_select.train_args import TrainArgs, check_train_args
 from icl_select.validation import dataset_backend, greedy_icds, selection_metric, validate, validation_backend
@@ -299,23 +301,59 @@ def reference_dists(ref: PointerSelector, ds: Dataset, split: Split, batch_size:
 
 
 def sample_and_score(
-    policy: PointerSelector, scorer: ScoreCache, ds: Dataset, rows: Tensor, pool: Tensor, args: Args, gen
-) -> Batch:
-    """Online groups: G distinct sequences per query sampled from the current policy, scored by the backend.
-    rows (B,) train questions, pool (B, K) their candidates (train rows, -1 = padding)."""
+    policy: PointerSelector, scorer: ScoreCache, ds: Dataset, rows: Tensor, pool: Tensor, args: Args, gen, explore
+) -> tuple[Batch, float]:
+    """Online groups: G distinct sequences per query, scored by the backend: the distinct ones of 2G samples from the
+    current policy, and where those are fewer than G (a policy sure of its choice, such as one that always stops),
+    uniformly random ones drawn from `explore` (of random lengths for a selector that may stop): a group never
+    collapses to the one sequence whose score is known, so it keeps a signal and its calls. rows (B,) train questions,
+    pool (B, K) their candidates (train rows, -1 = padding) -> the batch and the share of random sequences in it."""
     S, G = ds.seq_len, args.group_size
     emb = ds.emb["train"]
     query, pool_emb, pool_mask = emb[rows], emb[pool.clamp_min(0)], pool >= 0  # (B, d), (B, K, d), (B, K)
     cand, _ = policy.sample(query, pool_emb, pool_mask, S, 2 * G, gen, args.temperature)  # (B, 2G, S)
-    order, ok = first_distinct(cand, G)  # (B, G) the first G distinct of 2G samples
-    seqs = cand.gather(1, order[..., None].expand(-1, -1, S)).masked_fill(~ok[..., None], -1)  # (B, G, S)
+    rand = random_sequences(pool_mask, G, S, explore)  # (B, G, S)
+    if policy.cfg.can_stop:
+        cut = torch.randint(0, S + 1, rand.shape[:2], generator=explore)  # (B, G) lengths 0..S
+        rand = rand.masked_fill(torch.arange(S) >= cut[..., None], -1)
+    order, ok = first_distinct(torch.cat([cand, rand], 1), G)  # (B, G) the samples' distinct ones first
+    seqs = torch.cat([cand, rand], 1).gather(1, order[..., None].expand(-1, -1, S))  # (B, G, S)
+    seqs = seqs.masked_fill(~ok[..., None], -1)
     prompt = policy.cfg.to_prompt(seqs).flatten(1)  # (B, G*S) -1 after a stop and in padded sequences
     icds = pool.gather(1, prompt.clamp_min(0)).where(prompt >= 0, -1).view(-1, S)  # (B*G, S) train rows, prompt order
     flat = ok.flatten()  # (B*G,) a padded sequence is never scored: its reward is 0 anyway
     scored = scorer.score("train", rows.repeat_interleave(G)[flat], icds[flat])
     fields = {k: v.new_zeros(len(flat)).masked_scatter(flat, v).view(len(rows), G) for k, v in scored.items()}
     reward = compute_reward(fields, args).where(ok, 0.0)  # (B, G)
-    return Batch(query, pool_emb, pool_mask, seqs, ok, reward)
+    return Batch(query, pool_emb, pool_mask, seqs, ok, reward), (order >= 2 * G)[ok].double().mean().item()
+
+
+def pass_batches(train: Tensor, batch: int, shuffle: torch.Generator) -> list[tuple[Tensor, bool]]:
+    """An epoch of a run without a budget: one shuffled pass over the training anchors in batches (the last may be
+    smaller), each with whether it is the epoch's last."""
+    parts = train[torch.randperm(len(train), generator=shuffle)].split(batch)
+    return [(idx, i == len(parts) - 1) for i, idx in enumerate(parts)]
+
+
+# An online budget's epoch takes at most this many times its planned steps: where a policy's groups stop costing calls
+# (every prompt in them scored before), more steps no longer spend the budget.
+MAX_STEPS = 10
+
+
+def budget_batches(
+    train: Tensor, batch: int, shuffle: torch.Generator, cache: ScoreCache, until: int, group: int, planned: int
+) -> Iterator[tuple[Tensor, bool]]:
+    """An epoch of a budgeted run: batches of anchors from one shuffled pass after another, each as large as the calls
+    left before `until` (the cache's count, read before each step) allow at `group` calls a query, so that cached
+    prompts buy more steps rather than leave the budget unspent; it ends where no query fits, or after MAX_STEPS x
+    `planned` steps. Each batch comes with whether no full step would fit after it (the epoch's last, where it spends
+    all)."""
+    anchors = (row for _ in itertools.count() for row in train[torch.randperm(len(train), generator=shuffle)].tolist())
+    for _ in range(MAX_STEPS * planned):
+        left = until - cache.calls
+        if (n := min(batch, left // group)) == 0:
+            return
+        yield torch.tensor(list(itertools.islice(anchors, n))), left - n * group < group
 
 
 def with_replay(ds: Dataset, b: Batch, adv: Tensor, buffer: list[dict[str, Tensor]]) -> tuple[Batch, Tensor, Tensor]:
@@ -447,7 +485,7 @@ def online_step(lr: Learner, ds: Dataset, scorer: ScoreCache, queries, idx: Tens
     each sampled from the policy and scored by the backend, plus the replay buffer's groups with --replay-steps."""
     lr.policy.eval()  # sampling and every log-prob (new, old, reference) without dropout
     rows, pool = queries(idx)  # (B,), (B, K)
-    b = sample_and_score(lr.policy, scorer, ds, rows, pool, args, rngs["sampler"])
+    b, explored = sample_and_score(lr.policy, scorer, ds, rows, pool, args, rngs["sampler"], rngs["explore"])
     adv = group_advantages(b.reward, b.seq_mask, args.scale_rewards, args.rank_advantage).float()  # (B, G)
     t, t_adv, sampled = with_replay(ds, b, adv, lr.buffer) if args.replay_steps else (b, adv, None)
     with torch.no_grad():
@@ -456,7 +494,7 @@ def online_step(lr: Learner, ds: Dataset, scorer: ScoreCache, queries, idx: Tens
     if args.replay_steps:  # the fresh groups with the log-probs they were sampled with
         fresh = {"rows": rows, "pool": pool, "seqs": b.seqs, "mask": b.seq_mask, "adv": adv, "logp": logp}
         lr.buffer = [*lr.buffer, fresh][-args.replay_steps :]
-    return metrics
+    return metrics | {"grpo/explored": explored}
 
 
 def online_queries(ds: Dataset, split: Split, args: Args, draws: torch.Generator):
@@ -477,11 +515,12 @@ def online_queries(ds: Dataset, split: Split, args: Args, draws: torch.Generator
 
 
 def learner(args: Args, ds: Dataset, split: Split, init: Path) -> Learner:
-    """The `init` selector as the policy (learning to pick the data's sequence length) and as the frozen reference,
-    its AdamW optimizer, and for offline GRPO the reference's distributions over the scored groups."""
+    """The `init` selector as the policy (its picks kept, grown to the data's sequence length where fewer) and as the
+    frozen reference, its AdamW optimizer, and for offline GRPO the reference's distributions over the scored
+    groups."""
     policy = load_selector(init)
     check_width(policy, init, ds.folder, ds.emb["train"].shape[1])
-    policy.cfg = replace(policy.cfg, picks=ds.seq_len)
+    policy.set_picks(max(policy.cfg.picks, ds.seq_len))  # Lever-LM's 2-shot data: still asked for its 4
     if args.item_bias and policy.items is None:  # every score 0: the reference is the init's policy all the same
         policy.remember_items(ds.emb["train"])
     ref = copy.deepcopy(policy).eval().requires_grad_(False)
@@ -556,7 +595,8 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
             warm = {"run": str(init), "lvlm_calls": 0 if backend is None else backend.calls}
             plan = plan_for(args.lvlm_budget - warm["lvlm_calls"])
         args, steps = replace(args, epochs=plan.epochs), plan.steps_per_epoch
-    total = plan.steps if plan else args.epochs * steps
+    total = args.epochs * steps
+    first = warm["lvlm_calls"] if warm else 0  # a budget's calls before this run's own (its learning rate's clock)
 
     with RunFolder(out, rank, world) as run:
         resume_from = run.resume(args, ds)  # the last checkpoint of this run, if a re-run continues it
@@ -568,6 +608,7 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
             "shuffle": torch.Generator().manual_seed(args.seed + 1),
             "sampler": torch.Generator().manual_seed(args.seed + 2),
             "queries": torch.Generator().manual_seed(args.seed + 3),
+            "explore": torch.Generator().manual_seed(args.seed + 4),
         }
         queries = online_queries(ds, split, args, rngs["queries"])
         ref_greedy = val_greedy(lr.ref, ds, split)  # (V, S): selection change is measured against these
@@ -581,22 +622,23 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
             run.log(epoch_record(0, loop, {}, lr.policy, ds, split, backend, cap, lvlm, ref_greedy))
 
         for epoch in range(loop["epoch"] + 1, args.epochs + 1):
-            # a budget's epochs may be longer than a pass over the anchors (anchor queries need whole passes)
-            passes = -(-steps // steps_per_epoch(split, args.batch_size))
-            order = split.train[
-                torch.cat([torch.randperm(len(split.train), generator=rngs["shuffle"]) for _ in range(passes)])
-            ]
-            means, n = EpochMeans(), min(steps, total - loop["step"])  # a budget's last epoch may be shorter
-            bar = run.progress(epoch, args.epochs, n)
             start, calls = time.perf_counter(), lvlm.calls if lvlm else 0  # the bar's LVLM sequences a second
-            for i in bar:
-                idx = order[i * args.batch_size : (i + 1) * args.batch_size]
-                if plan is not None:  # the run's last step gets the calls left once its validations are kept
-                    left = args.lvlm_budget - lvlm.calls - (args.epochs - epoch + 1) * plan.val_calls
-                    idx = idx[: left // args.group_size]
-                for group in lr.opt.param_groups:  # a function of the step alone, so a resumed run follows it
-                    group["lr"] = args.lr * lr_factor(args.lr_schedule, loop["step"], total)
-                last = i == n - 1
+            if plan is None:  # a pass over the training anchors
+                batches = pass_batches(split.train, args.batch_size, rngs["shuffle"])
+                bar = run.progress(epoch, args.epochs, steps)
+            else:  # an epoch is its share of the calls left once every validation is kept, however many steps it takes
+                later = args.epochs - epoch + 1  # this epoch and those after it
+                until = calls + (args.lvlm_budget - calls - later * plan.val_calls) // later
+                batches = budget_batches(
+                    split.train, args.batch_size, rngs["shuffle"], lvlm, until, args.group_size, steps
+                )
+                bar = run.progress(epoch, args.epochs, until - calls, unit="call")
+            means = EpochMeans()
+            for idx, last in batches:
+                done = lvlm.calls if lvlm else 0
+                progress = (loop["step"], total) if plan is None else (done - first, args.lvlm_budget - first)
+                for group in lr.opt.param_groups:  # a function of the step (a budget's: of its calls) alone
+                    group["lr"] = args.lr * lr_factor(args.lr_schedule, *progress)
                 if args.online:
                     metrics = online_step(lr, ds, scorer, queries, idx, args, loop, rngs, last)
                 else:
@@ -608,6 +650,7 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
                 means.add(metrics)
                 rate = f" seq_per_s={(lvlm.calls - calls) / (time.perf_counter() - start):.1f}" if args.online else ""
                 bar.set_postfix_str(log_line(metrics, SHOWN) + rate, refresh=False)  # drawn at the bar's next redraw
+                bar.update(1 if plan is None else lvlm.calls - done)
             bar.close()
             per_s = (lvlm.calls - calls) / (time.perf_counter() - start) if args.online else None  # before validation
 

@@ -21,7 +21,8 @@ Usage:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+import os
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -66,7 +67,8 @@ class Args(TrainArgs, SelectorConfig):
     dim: tyro.conf.Suppress[int] = 0
     """Not a flag: a fresh selector takes the data's embedding size."""
     picks: int = 0
-    """Demonstrations the selector may be asked for, at least the data's sequence length (0 = that length)."""
+    """Demonstrations the selector may be asked for, at least the data's sequence length (0 = that length, or
+    --init's own count where that is more)."""
 
     def fixed_length_reason(self) -> str | None:
         return "RCE anneals tau over all steps of the run"
@@ -100,15 +102,43 @@ def retriever_loss(model: PointerSelector, b: Batch, args: Args, tau: float) -> 
     return -(target.to(log_dist.dtype) * log_dist.masked_fill(~seen, 0.0)).sum(-1).mean()
 
 
+def starting_selector(args: Args, ds) -> PointerSelector | None:
+    """--init's selector, checked against the data and the flags that shape a fresh one (None without --init). Such a
+    flag, set to other than its default and other than --init's value, is refused: it would be silently ignored."""
+    if args.init is None:
+        return None
+    model = load_selector(args.init)
+    check_width(model, args.init, ds.folder, ds.emb["train"].shape[1])
+    shaped = [f for f in fields(SelectorConfig) if f.name not in ("dim", "picks")]
+    if given := [f.name for f in shaped if getattr(args, f.name) not in (f.default, getattr(model.cfg, f.name))]:
+        flag = given[0].replace("_", "-")
+        raise ValueError(
+            f"--{flag} shapes a fresh selector; --init {args.init} brings its own ({given[0]}="
+            f"{getattr(model.cfg, given[0])!r}): drop --{flag}, or train a fresh selector without --init"
+        )
+    if args.retriever and model.cfg.state_update:
+        raise ValueError(f"--retriever trains a bi-encoder; --init {args.init} is a pointer selector (state_update)")
+    return model
+
+
 def main(args: Args) -> None:
     check_train_args(args)
     if not (0 < args.temp_start < math.inf and 0 < args.temp_end < math.inf):  # NaN fails every comparison
         raise ValueError(f"--temp-start and --temp-end must be finite and > 0, got {args.temp_start}, {args.temp_end}")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("rce.py trains in one process (its data is scored already): run it without torchrun")
+    if args.retriever and args.can_stop:
+        raise ValueError(
+            "--retriever scores each demonstration alone and learns from no sequence, so it cannot learn when to stop "
+            "(--can-stop): train the pointer selector for that"
+        )
     out = args.out or Path("runs/retriever" if args.retriever else "runs/rce")
 
     # data and split
     ds = load_dataset(args.data, args.allow_truncated)
-    picks = args.picks or ds.seq_len  # Lever-LM trains on 2 demonstrations and is asked for more
+    init = starting_selector(args, ds)
+    # Lever-LM trains on 2 demonstrations and is asked for more; a selector keeps the count it was made with
+    picks = args.picks or max(ds.seq_len, init.cfg.picks if init is not None else 0)
     if picks < ds.seq_len:
         raise ValueError(f"--picks {args.picks} is below the sequence length {ds.seq_len} of {ds.folder}")
     split = split_queries(ds, args)
@@ -123,10 +153,9 @@ def main(args: Args) -> None:
 
         # model and optimizer
         torch.manual_seed(args.seed)
-        if args.init is not None:
-            model = load_selector(args.init)
-            check_width(model, args.init, ds.folder, ds.emb["train"].shape[1])
-            model.cfg = replace(model.cfg, picks=picks)  # what it may be asked for from here on
+        if init is not None:
+            model = init
+            model.set_picks(picks)  # what it may be asked for from here on
         else:
             settings = {f.name: getattr(args, f.name) for f in fields(SelectorConfig)}
             settings |= {"dim": ds.emb["train"].shape[1], "picks": picks}
@@ -149,7 +178,7 @@ def main(args: Args) -> None:
             order = split.train[torch.randperm(len(split.train), generator=rngs["shuffle"])]
             means = EpochMeans()
             bar = run.progress(epoch, args.epochs, steps)
-            for i in bar:
+            for i in range(steps):
                 idx = order[i * args.batch_size : (i + 1) * args.batch_size]
                 step = loop["step"]
                 for group in opt.param_groups:  # a function of the step alone, so a resumed run follows it
@@ -170,6 +199,7 @@ def main(args: Args) -> None:
                 stop_if_diverged(m, "rce", epoch, loop["step"], out, "try a lower --lr")
                 means.add(m)
                 bar.set_postfix_str(log_line(m, SHOWN), refresh=False)  # drawn at the bar's next timed redraw
+                bar.update()
             bar.close()
 
             # validation, best and checkpoint

@@ -104,9 +104,10 @@ class RunFolder:
         if self.lead:
             self.metrics.write(record)
 
-    def progress(self, epoch: int, epochs: int, steps: int):
+    def progress(self, epoch: int, epochs: int, total: int, unit: str = "step"):
+        """The epoch's bar over `total` steps (or, for a budget, LVLM calls), advanced by the caller."""
         desc = f"{self.out.name} epoch {epoch}/{epochs}"
-        return tqdm(range(steps), desc=desc, unit="step", dynamic_ncols=True, leave=False, disable=not self.lead)
+        return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, leave=False, disable=not self.lead)
 
     def end_epoch(self, record: dict, model, opt, rngs: dict, loop: dict, keep_every: int, cache=None, extra=None):
         """The epoch's record, the selected weights when it is the best so far, the LVLM scores, the checkpoint and
