@@ -122,3 +122,10 @@ def test_links_to_missing_files_and_headings_are_reported(tmp_path):
         "README.md:8: docs/w.md#learning-in-every-world (no such heading)",
         "README.md:8: #nope (no such heading)",
     ]
+
+
+def test_the_combination_tables_are_those_the_test_walks():
+    """docs/combinations.md shows the axes and refusals tests/combinations.py declares, as they are there."""
+    from combinations import markdown
+
+    assert markdown() in (ROOT / "docs" / "combinations.md").read_text()
