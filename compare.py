@@ -93,7 +93,7 @@ TRAIN_COLUMNS = {
     "grpo/beta": "KL weight beta",
     "grpo/selection_change": "validation queries picked differently from the reference",
     "grpo/zero_std_frac": "groups with one reward for all",
-    "grpo/explored": "share of online groups drawn at random (the policy's own samples too few distinct)",
+    "grpo/explored": "share of a budget's online groups drawn at random (the policy's samples too few distinct)",
 }
 CEILINGS = ("oracle", "observable")
 VAL_NOTE = (

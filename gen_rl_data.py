@@ -122,7 +122,7 @@ class Args(RewardArgs, LVLMOptions, CpuArgs):
     """What the LVLM does: answer a question about a picture, scored by VQA accuracy, or caption a picture, scored by
     CIDEr-D; every later stage reads it from meta.json."""
     world: Annotated[World | None, default_is("additive, or base (caption)")] = None
-    """Simulator: which simulated LVLM answers (docs/worlds.md, docs/caption-world.md)."""
+    """Simulator: which simulated LVLM answers (docs/worlds.md)."""
     sim_set: Annotated[list[str], tyro.conf.UseAppendAction] = field(default_factory=list)
     """Simulator: FIELD=VALUE sets a field of the world's settings (sim.SimConfig, sim_caption.CaptionConfig)."""
     lvlm: str = "sim"
@@ -695,7 +695,7 @@ def report(folder: Path, args: Args) -> str:
 
 
 def calibration(args: Args, sim: Simulator | CaptionSimulator) -> dict:
-    """The simulator against its calibration targets (docs/worlds.md, docs/caption-world.md)."""
+    """The simulator against its calibration targets (docs/worlds.md)."""
     if args.task == "caption":  # at the shot counts captioning papers report
         return calibrate_caption(sim, args.pool_size, CAPTION_SHOTS, args.seed)
     return calibrate(sim, args.pool_size, args.group_size, args.seq_len, args.num_queries, args.seed)

@@ -303,22 +303,24 @@ def reference_dists(ref: PointerSelector, ds: Dataset, split: Split, batch_size:
 def sample_and_score(
     policy: PointerSelector, scorer: ScoreCache, ds: Dataset, rows: Tensor, pool: Tensor, args: Args, gen, explore
 ) -> tuple[Batch, float]:
-    """Online groups: G distinct sequences per query, scored by the backend: the distinct ones of 2G samples from the
-    current policy, and where those are fewer than G (a policy sure of its choice, such as one that always stops),
-    uniformly random ones drawn from `explore` (of random lengths for a selector that may stop): a group never
-    collapses to the one sequence whose score is known, so it keeps a signal and its calls. rows (B,) train questions,
-    pool (B, K) their candidates (train rows, -1 = padding) -> the batch and the share of random sequences in it."""
+    """Online groups: up to G distinct sequences per query, scored by the backend: the distinct ones of 2G samples
+    from the current policy and, in a budgeted run (`explore`, a generator, given) where those are fewer than G (a
+    policy sure of its choice, such as one that always stops), uniformly random ones (of random lengths for a selector
+    that may stop): its groups never collapse to the one sequence whose score is known, so they keep a signal and
+    spend the calls they were given. rows (B,) train questions, pool (B, K) their candidates (train rows, -1 =
+    padding) -> the batch and the share of random sequences in it."""
     S, G = ds.seq_len, args.group_size
     emb = ds.emb["train"]
     query, pool_emb, pool_mask = emb[rows], emb[pool.clamp_min(0)], pool >= 0  # (B, d), (B, K, d), (B, K)
     cand, _ = policy.sample(query, pool_emb, pool_mask, S, 2 * G, gen, args.temperature)  # (B, 2G, S)
-    rand = random_sequences(pool_mask, G, S, explore)  # (B, G, S)
-    if policy.cfg.can_stop:
-        cut = torch.randint(0, S + 1, rand.shape[:2], generator=explore)  # (B, G) lengths 0..S
-        rand = rand.masked_fill(torch.arange(S) >= cut[..., None], -1)
-    order, ok = first_distinct(torch.cat([cand, rand], 1), G)  # (B, G) the samples' distinct ones first
-    seqs = torch.cat([cand, rand], 1).gather(1, order[..., None].expand(-1, -1, S))  # (B, G, S)
-    seqs = seqs.masked_fill(~ok[..., None], -1)
+    if explore is not None:
+        rand = random_sequences(pool_mask, G, S, explore)  # (B, G, S)
+        if policy.cfg.can_stop:
+            cut = torch.randint(0, S + 1, rand.shape[:2], generator=explore)  # (B, G) lengths 0..S
+            rand = rand.masked_fill(torch.arange(S) >= cut[..., None], -1)
+        cand = torch.cat([cand, rand], 1)  # the samples' distinct ones first
+    order, ok = first_distinct(cand, G)  # (B, G)
+    seqs = cand.gather(1, order[..., None].expand(-1, -1, S)).masked_fill(~ok[..., None], -1)  # (B, G, S)
     prompt = policy.cfg.to_prompt(seqs).flatten(1)  # (B, G*S) -1 after a stop and in padded sequences
     icds = pool.gather(1, prompt.clamp_min(0)).where(prompt >= 0, -1).view(-1, S)  # (B*G, S) train rows, prompt order
     flat = ok.flatten()  # (B*G,) a padded sequence is never scored: its reward is 0 anyway
@@ -485,7 +487,8 @@ def online_step(lr: Learner, ds: Dataset, scorer: ScoreCache, queries, idx: Tens
     each sampled from the policy and scored by the backend, plus the replay buffer's groups with --replay-steps."""
     lr.policy.eval()  # sampling and every log-prob (new, old, reference) without dropout
     rows, pool = queries(idx)  # (B,), (B, K)
-    b, explored = sample_and_score(lr.policy, scorer, ds, rows, pool, args, rngs["sampler"], rngs["explore"])
+    explore = rngs["explore"] if args.lvlm_budget is not None else None
+    b, explored = sample_and_score(lr.policy, scorer, ds, rows, pool, args, rngs["sampler"], explore)
     adv = group_advantages(b.reward, b.seq_mask, args.scale_rewards, args.rank_advantage).float()  # (B, G)
     t, t_adv, sampled = with_replay(ds, b, adv, lr.buffer) if args.replay_steps else (b, adv, None)
     with torch.no_grad():

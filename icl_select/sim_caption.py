@@ -2,8 +2,8 @@
 
 Beside `sim.Simulator` (VQA), this world is image captioning, scored as the captioning literature scores it: CIDEr-D
 (cider.py) of the model's greedy caption against the image's 5 reference captions, with document frequencies fixed by
-the train split's references. It mirrors what is published about captioning in context (docs/caption-world.md): the
-model imitates its demonstrations' captions (their style, their length and their words, right or wrong), a
+the train split's references. It mirrors what is published about captioning in context (docs/worlds.md, "Captioning
+worlds"): the model imitates its demonstrations' captions (their style, their length and their words, right or wrong), a
 demonstration's caption quality matters more than its image's similarity, similar images with poor captions hurt, and
 a base model without demonstrations captions in its own web style and length, far below few-shot.
 
@@ -11,7 +11,7 @@ Per image: a topic (scene) of sim.py's 40 in 8 supertopics, a main object (topic
 two more objects and how many of them are salient; 5 reference captions, each by a careful or a careless writer (the
 careless get words wrong), in a style, naming some of the optional details, worded in the writer's own way. A
 demonstration shows its item's first reference. Per query: an ability, a sensitivity to demonstrations, a threshold
-per caption slot and the wrong word it says for a slot it does not see. Equations: docs/caption-world.md.
+per caption slot and the wrong word it says for a slot it does not see. Equations: docs/worlds.md, "Captioning worlds".
 
 What a selector sees: the fused view is the image view alone for every item (train anchors and val queries alike: a
 query has no caption at test time); "train_text" is a demonstration's caption embedding (its words, style and length:
@@ -247,7 +247,7 @@ CAPTION_RANGES: dict[str, str] = {
     "smoothing": "(0, 1)",
 }
 
-# World name -> the parameters it sets. docs/caption-world.md: what each mirrors.
+# World name -> the parameters it sets. docs/worlds.md: what each mirrors.
 CAPTION_WORLDS: dict[str, dict[str, float]] = {
     "base": {},
     # An instruction-tuned model captions in COCO's plain style and length by itself and sees more; demonstrations

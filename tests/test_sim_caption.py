@@ -395,7 +395,7 @@ SMALL_TABLE = {
     "observable": [76.38, 97.52, 99.54, 103.45],
     "oracle": [120.01, 134.61, 137.95, 138.93],
 }
-# docs/caption-world.md: the default world, seed 0 (CaptionSimulator(); calibrate_caption(sim)), shots 1-8.
+# the captioning world base, seed 0 (CaptionSimulator(); calibrate_caption(sim)), shots 1-8.
 DEFAULT_TABLE = {
     "zero_shot": 44.53,
     "random": [74.69, 78.46, 83.49, 86.09, 88.03, 90.22, 90.79, 92.76],
@@ -418,8 +418,9 @@ def test_calibration_of_a_small_world_is_held():
 
 @pytest.mark.slow
 def test_calibration_table_of_the_docs_is_held():
-    """The table of docs/caption-world.md (about a minute): zero-shot far below, random rising with diminishing
-    returns to 8 shots, RICES a few points above random, the observable ceiling between RICES and the oracle."""
+    """The calibration table of the captioning world base (about a minute): zero-shot far below, random rising with
+    diminishing returns to 8 shots, RICES a few points above random, the observable ceiling between RICES and the
+    oracle."""
     cal = calibrate_caption(CaptionSimulator())
     assert_table(cal, DEFAULT_TABLE)
     table = caption_calibration_table(cal, 8)
