@@ -77,6 +77,8 @@ class Args:
 TRAIN_COLUMNS = {
     "val/acc": "validation accuracy (%)",
     "val/reward": "validation reward",
+    "val/demos": "demonstrations given on validation (a selector that may stop)",
+    "grpo/demos": "demonstrations in a scored sequence",
     "train/loss": "training loss",
     "train/tau": "RCE temperature",
     "grpo/ppo_loss": "PPO loss",

@@ -469,6 +469,7 @@ def update(lr: Learner, b: Batch, adv: Tensor, t: Batch, t_adv: Tensor, sampled,
         "grpo/adv_std": adv[m].std(correction=0).item(),
         "grpo/adv_abs_max": adv[m].abs().max().item(),
         "grpo/group_size": m.sum(-1).double().mean().item(),
+        "grpo/demos": (b.seqs >= 0).sum(-1)[m].double().mean().item(),
         **extra,
     }
     return metrics, old[: len(m)]

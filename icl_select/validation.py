@@ -38,7 +38,8 @@ def greedy_icds(
 def validate(model: PointerSelector, ds: Dataset, split: Split, backend=None, max_queries: int | None = None) -> dict:
     """val/reward = mean over validation queries of sum_i softmax_i(log pi(seq_i)) r_i (the policy's expected
     reward when restricted to the scored sequences); with a backend, val/acc_k = VQA accuracy (%) of the greedy
-    picks' first k on (the first `max_queries` of) the validation anchors, and val/acc = its mean over k."""
+    picks' first k on (the first `max_queries` of) the validation anchors, and val/acc = its mean over k; for a
+    selector that may stop, val/demos = the demonstrations its greedy picks give."""
     model.eval()
     b = make_batch(ds, split.val, split.reward, model.cfg)
     logp = model.log_probs(b.query, b.pool, b.pool_mask, b.seqs, b.seq_mask).sum(-1)  # (B, G)
@@ -53,6 +54,8 @@ def validate(model: PointerSelector, ds: Dataset, split: Split, backend=None, ma
             for k in range(1, ds.seq_len + 1)
         ]
         out.update({f"val/acc_{k}": a for k, a in enumerate(accs, 1)}, **{"val/acc": sum(accs) / len(accs)})
+        if model.cfg.can_stop:  # how many it gives, up to the data's sequence length
+            out["val/demos"] = float((icds >= 0).sum(-1).double().mean())
     return out
 
 
