@@ -51,7 +51,7 @@ class Args:
     repeats: int = 5
     """Timed repeats per measurement (min / median / max, or the median alone)."""
     threads: int = 1
-    """torch threads for the log-prob benchmark (0 = torch's default)."""
+    """torch threads for every benchmark (0 = torch's default; epochs uses --thread-counts, pools one)."""
     thread_counts: list[int] = field(default_factory=lambda: [1])
     """Epoch benchmark: the thread counts to compare, interleaved (e.g. 1 2)."""
     pool_rows: list[int] = field(default_factory=lambda: [50_000, 200_000, 443_757])
@@ -94,7 +94,7 @@ class Args:
     lvlm_batch_tokens: int = 0
     """LVLM benchmark: padded prompt tokens per forward pass at most (0 = no limit)."""
     lvlm_workers: int = 0
-    """LVLM benchmark: picture threads (0 = one per CPU core, at most 8)."""
+    """LVLM benchmark: picture threads (0 = one per CPU core, shared among a machine's torchrun ranks)."""
     lvlm_compile: bool = True
     """LVLM benchmark: torch.compile the norms, MLPs and vision blocks (CUDA, half precision)."""
     lvlm_static_decode: Literal["off", "inductor", "cudagraphs"] = "off"

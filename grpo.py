@@ -84,11 +84,12 @@ def per_mode(name: str):
 @dataclass
 class Args(TrainArgs):
     init: Path = Path("runs/rce")
-    """Starting selector (run folder or epoch checkpoint); also the frozen KL reference."""
+    """Starting selector (run folder or epoch checkpoint); also the frozen KL reference, unless a budget's warm start
+    runs first (then its selected epoch is both)."""
     out: Annotated[Path | None, alias("--output-dir"), default_is("runs/grpo-<key flags>, e.g. runs/grpo-kl0.1")] = None
     """Run folder."""
     epochs: Annotated[int | None, alias("--num-train-epochs"), per_mode("epochs")] = None
-    """Passes over the training queries; with --lvlm-budget, the epochs its steps spread over."""
+    """Passes over the training queries; with --lvlm-budget, the epochs its calls spread over (planned if not given)."""
     lr: Annotated[float | None, alias("--learning-rate"), per_mode("lr")] = None
     """AdamW learning rate."""
     reward_mode: Annotated[RewardMode | None, per_mode("reward_mode")] = None
@@ -98,7 +99,8 @@ class Args(TrainArgs):
     kl_target: float | None = None
     """Adaptive beta: after a step, x1.5 if its KL > 1.5 x target, /1.5 if below target / 1.5."""
     num_iterations: int = 1
-    """Updates per batch before the old policy is refreshed (1 = purely on-policy, ratio exactly 1)."""
+    """Updates per batch before the old policy is refreshed (1: a fresh group's ratio is exactly 1; a replayed one's
+    is to the policy that sampled it)."""
     epsilon: float = 0.2
     """PPO clip range below 1 (and above, unless --epsilon-high is given)."""
     epsilon_high: float | None = None
@@ -127,7 +129,7 @@ class Args(TrainArgs):
     """Which epoch the run returns: the best on the validation anchors, or the last (docs/flags.md)."""
     item_bias: Annotated[bool | None, DisallowNone, per_mode("item_bias")] = None
     """Also learn a score for each train item, added wherever it is a candidate: remembers which demonstrations
-    helped beyond their embeddings (docs/flags.md)."""
+    helped beyond their embeddings (an --init that has them trains them either way; docs/flags.md)."""
 
     def fixed_length_reason(self) -> str | None:
         if self.lvlm_budget is not None:

@@ -30,13 +30,15 @@ class TrainArgs(RewardArgs, LVLMRun, CpuArgs):
     keep_every: int = 5
     """Keep every N-th epoch's checkpoint besides the best and the last two (0 = only those)."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    """Learning rate over the run: constant, or decayed to 0 at the last step (linear, cosine)."""
+    """Learning rate over the run: constant, or decayed to 0 at the last step (linear, cosine; with --lvlm-budget, at
+    the budget's last call)."""
     seed: int = 0
     """Seed of the init, the train/val split, the shuffling and dropout."""
     val_frac: float = 0.1
     """Share of anchor queries held out (fixed by seed) to select the best epoch."""
     quality: Quality = "all"
-    """Curriculum filter on training queries (tiers: docs/flags.md and the data report)."""
+    """Curriculum filter on training anchors (tiers: docs/flags.md and the data report; online GRPO with --queries
+    train draws its questions unfiltered, and the filter sets how many steps make an epoch)."""
     require_positive: bool = False
     """Train only on queries with at least one correct sequence."""
     allow_truncated: bool = False
