@@ -130,6 +130,18 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
     "online, picks in prompt order": plain(init="rce, picks in prompt order"),
     "offline": ("grpo", {}, "online"),
     "online, can stop": ("grpo", {"online": True, **STOPS}, "online"),
+    "offline, can stop": ("grpo", STOPS, "offline"),
+    "rce, can stop, full data": ("rce", {"can_stop": True}, "rce, can stop"),
+    "online, budget 35k, can stop, full data": (
+        "grpo",
+        {"online": True, "lvlm_budget": 35_000, "init": "rce, can stop, full data"},
+        "online, budget 35k, can stop",
+    ),
+    "online, can stop, from offline": (
+        "grpo",
+        {"online": True, **STOPS, "init": "offline, can stop"},
+        "online, can stop",
+    ),
     "online, budget 35k, can stop": ("grpo", {"online": True, "lvlm_budget": 35_000, **STOPS}, "online, budget 35k"),
     "online, budget 35k, from the retriever": on_budget(init="retriever"),
     "online, budget 35k, no replay": (*no_replay()[:2], "online"),
@@ -198,6 +210,8 @@ class Args:
     """Also train each variant's reference, for its delta (an --init is trained either way)."""
     bootstrap: int = 10000
     """Bootstrap resamples for the CIs."""
+    how_many: Path | None = None
+    """Also draw how many demonstrations the 35k-call selector that may stop gives against what they are worth (PNG)."""
 
 
 def slug(name: str) -> str:
@@ -572,6 +586,55 @@ def demos(args: Args, world: str, seed: int, name: str) -> float:
     return doc["demonstrations"]["800"]["4"]
 
 
+HOW_MANY = "online, budget 35k, can stop"
+
+
+def how_many_figure(args: Args, path: Path) -> None:
+    """Demonstrations the 35k-call selector that may stop gives a question at up to 4 (the mean over the questions of
+    every seed), against what one demonstration can be worth for that question: the best single one's gain over
+    zero-shot (the oracle's 1-shot score minus zero-shot's), and zero-shot's own score; a line per world."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for world in args.worlds:
+        gain, zero, used = [], [], []
+        for s in args.seeds:
+            root = args.out / world / f"seed{s}"
+            path_upto = root / slug(HOW_MANY) / "eval" / "val-upto.json"
+            if not path_upto.is_file():
+                continue
+            z, one = scores(args, world, s, "zero-shot", [1]), scores(args, world, s, "oracle", [1])
+            given = {r["question_id"]: len(r["icds"]) for r in read_eval(path_upto)["results"] if r["shot"] == 4}
+            for q in given:
+                gain.append(100 * (one[q] - z[q]))
+                zero.append(100 * z[q])
+                used.append(given[q])
+        if not used:
+            continue
+        gain, zero, used = map(np.array, (gain, zero, used))
+        for ax, x, edges in ((left, gain, np.linspace(-100, 100, 11)), (right, zero, np.linspace(0, 100, 6))):
+            bins = np.clip(np.digitize(x, edges[1:-1]), 0, len(edges) - 2)
+            mids = [(edges[b] + edges[b + 1]) / 2 for b in range(len(edges) - 1) if (bins == b).sum() >= 20]
+            means = [used[bins == b].mean() for b in range(len(edges) - 1) if (bins == b).sum() >= 20]
+            ax.plot(mids, means, marker="o", label=world)
+    left.set(xlabel="the best single demonstration's gain over zero-shot (points)", ylabel="demonstrations given")
+    right.set(xlabel="zero-shot score of the question (%)")
+    left.set_title("against what the best single demonstration adds", fontsize=10)
+    right.set_title("against how well the question goes without any", fontsize=10)
+    left.legend(fontsize=8, frameon=False)
+    for ax in (left, right):
+        ax.set_ylim(0, 4.1)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{HOW_MANY}, up to 4, seeds {' '.join(map(str, args.seeds))} (bins of 20 questions or more)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(args: Args) -> None:
     if unknown := [n for n in args.only if n not in VARIANTS]:
         raise ValueError(f"--only: unknown variants {unknown}; known: {list(VARIANTS)}")
@@ -582,6 +645,8 @@ def main(args: Args) -> None:
             build(args, world, seed, names)
     tail = [worlds_table(args), budget_table(args), rivals_table(args), stop_table(args)]
     print("\n".join([*[tables(args, w) for w in args.worlds], *tail]))
+    if args.how_many is not None:
+        how_many_figure(args, args.how_many)
 
 
 if __name__ == "__main__":

@@ -124,7 +124,8 @@ class Args(TrainArgs):
     replay_steps: Annotated[int | None, per_mode("replay_steps")] = None
     """Online: also learn, each step, from the groups of the last N steps (0 = off; docs/flags.md)."""
     warm_start: bool = True
-    """Online, where --lvlm-budget cuts the default run short: offline GRPO from --init first (docs/flags.md)."""
+    """Online, where --lvlm-budget cuts the default run short or the selector may stop: offline GRPO from --init first
+    (docs/flags.md)."""
     select_epoch: Annotated[Literal["best", "last"] | None, default_is("last with --lvlm-budget, else best")] = None
     """Which epoch the run returns: the best on the validation anchors, or the last (docs/flags.md)."""
     item_bias: Annotated[bool | None, DisallowNone, per_mode("item_bias")] = None
@@ -171,7 +172,7 @@ def default_out(args: Args) -> Path:
         f"t{args.temperature:g}": args.online and args.temperature != 1.0,
         f"g{args.group_size}": args.online and args.group_size != 16,
         f"budget{args.lvlm_budget}": args.lvlm_budget is not None,
-        "no-warm": args.lvlm_budget is not None and not args.warm_start,
+        "no-warm": args.online and not args.warm_start,
         f"{args.select_epoch}-epoch": args.select_epoch != default_select_epoch(args),
         f"{'' if args.item_bias else 'no-'}items": args.item_bias != defaults["item_bias"],
         f"replay{args.replay_steps}": args.replay_steps != defaults["replay_steps"],
@@ -303,19 +304,34 @@ def reference_dists(ref: PointerSelector, ds: Dataset, split: Split, batch_size:
 
 
 def sample_and_score(
-    policy: PointerSelector, scorer: ScoreCache, ds: Dataset, rows: Tensor, pool: Tensor, args: Args, gen, explore
+    policy: PointerSelector,
+    scorer: ScoreCache,
+    ds: Dataset,
+    rows: Tensor,
+    pool: Tensor,
+    args: Args,
+    gen,
+    explore,
+    fill: bool,
 ) -> tuple[Batch, float]:
-    """Online groups: up to G distinct sequences per query, scored by the backend: the distinct ones of 2G samples
-    from the current policy and, in a budgeted run (`explore`, a generator, given) where those are fewer than G (a
-    policy sure of its choice, such as one that always stops), uniformly random ones (of random lengths for a selector
-    that may stop): its groups never collapse to the one sequence whose score is known, so they keep a signal and
-    spend the calls they were given. rows (B,) train questions, pool (B, K) their candidates (train rows, -1 =
-    padding) -> the batch and the share of random sequences in it."""
+    """Online groups: up to G distinct sequences per query, scored by the backend. From 2G samples of the current
+    policy, the distinct ones; for a selector that may stop, each beside a copy of itself cut short at a uniform length
+    below its own (drawn from `explore`), so that every group weighs going on against stopping where it went on. With
+    `fill` (a budgeted run) and fewer than G distinct (a policy sure of its choice, such as one that always stops),
+    uniformly random sequences too (of random lengths for a selector that may stop): a group never collapses to the one
+    sequence whose score is known, so it keeps a signal and spends its calls. rows (B,) train questions, pool (B, K)
+    their candidates (train rows, -1 = padding) -> the batch and the share of its sequences that are random fills."""
     S, G = ds.seq_len, args.group_size
     emb = ds.emb["train"]
     query, pool_emb, pool_mask = emb[rows], emb[pool.clamp_min(0)], pool >= 0  # (B, d), (B, K, d), (B, K)
     cand, _ = policy.sample(query, pool_emb, pool_mask, S, 2 * G, gen, args.temperature)  # (B, 2G, S)
-    if explore is not None:
+    if policy.cfg.can_stop:
+        n = (cand >= 0).sum(-1)  # (B, 2G) demonstrations in each sample
+        cut = (torch.rand(n.shape, generator=explore, dtype=torch.float64) * n).long()  # (B, 2G) in 0..n-1
+        short = cand.masked_fill(torch.arange(S) >= cut[..., None], -1)  # (B, 2G, S)
+        cand = torch.stack([cand, short], 2).flatten(1, 2)  # (B, 4G, S) each sample, then its shorter copy
+    sampled = cand.shape[1]
+    if fill:
         rand = random_sequences(pool_mask, G, S, explore)  # (B, G, S)
         if policy.cfg.can_stop:
             cut = torch.randint(0, S + 1, rand.shape[:2], generator=explore)  # (B, G) lengths 0..S
@@ -329,7 +345,7 @@ def sample_and_score(
     scored = scorer.score("train", rows.repeat_interleave(G)[flat], icds[flat])
     fields = {k: v.new_zeros(len(flat)).masked_scatter(flat, v).view(len(rows), G) for k, v in scored.items()}
     reward = compute_reward(fields, args).where(ok, 0.0)  # (B, G)
-    return Batch(query, pool_emb, pool_mask, seqs, ok, reward), (order >= 2 * G)[ok].double().mean().item()
+    return Batch(query, pool_emb, pool_mask, seqs, ok, reward), (order >= sampled)[ok].double().mean().item()
 
 
 def pass_batches(train: Tensor, batch: int, shuffle: torch.Generator) -> list[tuple[Tensor, bool]]:
@@ -490,8 +506,8 @@ def online_step(lr: Learner, ds: Dataset, scorer: ScoreCache, queries, idx: Tens
     each sampled from the policy and scored by the backend, plus the replay buffer's groups with --replay-steps."""
     lr.policy.eval()  # sampling and every log-prob (new, old, reference) without dropout
     rows, pool = queries(idx)  # (B,), (B, K)
-    explore = rngs["explore"] if args.lvlm_budget is not None else None
-    b, explored = sample_and_score(lr.policy, scorer, ds, rows, pool, args, rngs["sampler"], explore)
+    fill = args.lvlm_budget is not None
+    b, explored = sample_and_score(lr.policy, scorer, ds, rows, pool, args, rngs["sampler"], rngs["explore"], fill)
     adv = group_advantages(b.reward, b.seq_mask, args.scale_rewards, args.rank_advantage).float()  # (B, G)
     t, t_adv, sampled = with_replay(ds, b, adv, lr.buffer) if args.replay_steps else (b, adv, None)
     with torch.no_grad():
@@ -550,6 +566,13 @@ def epoch_record(epoch: int, loop: dict, means: dict, policy, ds, split, backend
     return record
 
 
+def stops(init: Path) -> bool:
+    """Whether the selector at `init` may stop. Online GRPO of such a selector always starts from its warm start: RCE
+    learns stopping only as its share of a group's weights, so it almost never stops, and as the KL reference it would
+    hold the online run there (offline GRPO learns from each group's advantages whether stopping beat going on)."""
+    return load_selector(init).cfg.can_stop
+
+
 def warm_start_args(args: Args, out: Path) -> Args:
     """The offline GRPO run a short budget starts from: grpo.py's offline defaults from --init, sharing the budgeted
     run's data, seed, validation split and other training flags, but not its schedule or rewards."""
@@ -574,7 +597,7 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
     split = split_queries(ds, args)
     S, steps = ds.seq_len, steps_per_epoch(split, args.batch_size)
     metric, cap = selection_metric(backend), None if ds.is_sim else args.val_max_queries
-    plan, init, warm = None, Path(args.init), None
+    plan, init, warm, short = None, Path(args.init), None, False
     if args.lvlm_budget is not None:
         val_calls = 0 if backend is None else len(split.val[:cap]) * S  # validate() asks 1..S shots of each
 
@@ -585,7 +608,7 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
 
         plan = plan_for(args.lvlm_budget)
         short = plan.steps < (args.epochs or MODE_DEFAULTS["online"]["epochs"]) * steps  # fewer than the default run
-        if short and args.warm_start:  # its calls are known once it has run: the steps are planned on what is left
+        if (short or stops(init)) and args.warm_start:  # its calls, once known, leave the steps' share
             worst = (MODE_DEFAULTS["offline"]["epochs"] + 1) * val_calls
             try:
                 plan_for(args.lvlm_budget - worst)
@@ -594,12 +617,15 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
                     f"--lvlm-budget {args.lvlm_budget} is too small for a warm start whose validations may ask up to "
                     f"{worst} calls and an online run after it: raise it, or pass --no-warm-start"
                 ) from None
-            init = out / "offline"
-            if rank == 0:
-                print(f"warm start: offline GRPO from {args.init} -> {init} (--no-warm-start skips it)", flush=True)
-            train(warm_start_args(args, init), ds, backend, rank, world)
-            warm = {"run": str(init), "lvlm_calls": 0 if backend is None else backend.calls}
+    if args.online and args.warm_start and (short or stops(init)):
+        init = out / "offline"
+        if rank == 0:
+            print(f"warm start: offline GRPO from {args.init} -> {init} (--no-warm-start skips it)", flush=True)
+        train(warm_start_args(args, init), ds, backend, rank, world)
+        warm = {"run": str(init), "lvlm_calls": 0 if backend is None else backend.calls}
+        if plan is not None:
             plan = plan_for(args.lvlm_budget - warm["lvlm_calls"])
+    if plan is not None:
         args, steps = replace(args, epochs=plan.epochs), plan.steps_per_epoch
     total = args.epochs * steps
     first = warm["lvlm_calls"] if warm else 0  # a budget's calls before this run's own (its learning rate's clock)

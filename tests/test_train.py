@@ -203,6 +203,45 @@ def test_offline_ratio_is_one_and_iterations_make_the_clip_bind(small_data, rce_
     assert four["grpo/clip_frac_low"] + four["grpo/clip_frac_high"] > 0
 
 
+@pytest.mark.parametrize("fill", [False, True])
+def test_a_stopping_selectors_groups_pair_each_sample_with_a_shorter_copy(small_data, fill):
+    """For a selector that may stop, every online group weighs going on against stopping there: its first sample comes
+    with a copy of itself cut short at a uniform length below its own; groups hold distinct sequences of distinct pool
+    positions, and the scores are the backend's for each prompt in prompt order."""
+    ds = load_dataset(small_data)
+    policy = PointerSelector(SelectorConfig(dim=512, hidden=32, num_heads=2, can_stop=True)).eval()
+    with torch.no_grad():
+        policy.stop_bias.fill_(-3.0)  # it mostly goes on: samples of several lengths
+    asked = []
+
+    class Scorer:
+        def score(self, split, queries, icds):
+            asked.append(icds.clone())
+            n = (icds >= 0).sum(-1).double()
+            return {f: n / 4 for f in ("acc", "correct", "gt_prob", "rel")}
+
+    rows, pool = ds.groups.queries[:8], ds.groups.pools[:8]
+    args = grpo.resolve(grpo.Args(online=True, group_size=6, lvlm_budget=1000 if fill else None))
+    gens = [torch.Generator().manual_seed(s) for s in (0, 1)]
+    b, _ = grpo.sample_and_score(policy, Scorer(), ds, rows, pool, args, *gens, fill)
+    first, second = b.seqs[:, 0], b.seqs[:, 1]  # (B, S) each
+    n1, n2 = (first >= 0).sum(-1), (second >= 0).sum(-1)
+    going = n1 > 0
+    assert going.any() and (n2[going] < n1[going]).all()
+    assert all(torch.equal(second[i, : n2[i]], first[i, : n2[i]]) for i in going.nonzero()[:, 0].tolist())
+    for group, mask in zip(b.seqs.tolist(), b.seq_mask.tolist()):
+        kept = [tuple(x) for x, m in zip(group, mask) if m]
+        assert len(set(kept)) == len(kept) and all(
+            len({c for c in x if c >= 0}) == sum(c >= 0 for c in x) for x in kept
+        )
+    assert torch.equal(
+        b.reward[b.seq_mask],
+        grpo.compute_reward(
+            {f: ((b.seqs >= 0).sum(-1).double() / 4)[b.seq_mask] for f in ("acc", "correct", "gt_prob", "rel")}, args
+        ),
+    )
+
+
 def test_online_queries_come_from_train_but_never_from_validation_images(small_data, rce_run, tmp_path, monkeypatch):
     asked = []
     real = ScoreCache.score
