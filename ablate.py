@@ -130,17 +130,11 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
     "online, picks in prompt order": plain(init="rce, picks in prompt order"),
     "offline": ("grpo", {}, "online"),
     "online, can stop": ("grpo", {"online": True, **STOPS}, "online"),
-    "offline, can stop": ("grpo", STOPS, "offline"),
     "rce, can stop, full data": ("rce", {"can_stop": True}, "rce, can stop"),
     "online, budget 35k, can stop, full data": (
         "grpo",
         {"online": True, "lvlm_budget": 35_000, "init": "rce, can stop, full data"},
         "online, budget 35k, can stop",
-    ),
-    "online, can stop, from offline": (
-        "grpo",
-        {"online": True, **STOPS, "init": "offline, can stop"},
-        "online, can stop",
     ),
     "online, budget 35k, can stop": ("grpo", {"online": True, "lvlm_budget": 35_000, **STOPS}, "online, budget 35k"),
     "online, budget 35k, from the retriever": on_budget(init="retriever"),
