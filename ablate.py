@@ -529,8 +529,8 @@ def stop_table(args: Args) -> str:
     fills every slot (mean over 1-4 shots, and at 4 shots alone) and against the same training filling every slot (at
     4 shots), pooled over the seeds with paired bootstrap 95% CIs, and the demonstrations it uses at 4; empty until a
     run that may stop has finished."""
-    runs = [n for n in ("online, can stop", "online, budget 35k, can stop") if started(args, [n])]
-    rows = []
+    runs = [n for n in ("rce, can stop", "online, can stop", "online, budget 35k, can stop") if started(args, [n])]
+    rows, seed_rows = [], []
     for world in args.worlds:
         for run in runs:
             stop = f"{run}{UPTO}"
@@ -541,6 +541,13 @@ def stop_table(args: Args) -> str:
             }
             if not all(got[stop]) or not all(got["zero-shot"]):
                 continue
+            seed_rows.append(
+                [world, run]
+                + [
+                    delta([(got["zero-shot"][i], got[stop][i])], args.bootstrap, world, stop, "zero-shot", s)
+                    for i, s in enumerate(args.seeds)
+                ]
+            )
             fixed = [n for n in FIXED if all(got[n])]
             best = max(fixed, key=lambda n: np.mean(list(pooled[n].values())))
             best4 = max(fixed, key=lambda n: np.mean(list(at4[n].values())))
@@ -571,7 +578,8 @@ def stop_table(args: Args) -> str:
         "- the same run filling k, at 4",
     ]
     seeds = " ".join(map(str, args.seeds))
-    return "\n".join([f"## A selector that may stop, seeds {seeds} pooled", "", md_table(head, rows), ""])
+    per_seed = md_table(["world", "run", *[f"seed {s}: - zero-shot" for s in args.seeds]], seed_rows)
+    return "\n".join([f"## A selector that may stop, seeds {seeds} pooled", "", md_table(head, rows), "", per_seed, ""])
 
 
 def demos(args: Args, world: str, seed: int, name: str) -> float:
