@@ -946,11 +946,11 @@ class ReportShapes:
 GPU_SHAPES = ReportShapes(1000, 64, (640, 480), 4, 16, 4, 64, 16, 6, 2, 12, 48, 8, 384)
 SMOKE_SHAPES = ReportShapes(24, 12, None, 2, 4, 2, 8, 4, 2, 1, 8, 6, 2, 24)
 
-# The whole pipeline of README's one-GPU commands at the stages' defaults (OK-VQA: 9,009 train and 5,046 val
-# questions), in LVLM prompts per stage and the processes that load the model.
+# A one-GPU OK-VQA pipeline at the stages' defaults (9,009 train and 5,046 val questions): README's commands plus the
+# random and zero-shot baselines, in LVLM prompts per stage and the processes that load the model.
 PIPELINE = {
     "clip": 9_009 + 5_046,  # questions (and about as many pictures) embedded once, in gen_rl_data.py
-    "data": 800 * 16,  # anchors x sequences (of 4 shots), plus each anchor's zero-shot prompt
+    "data": 800 * 16,  # anchors x sequences (of 4 shots)
     "online": 35_000,  # grpo.py --online --lvlm-budget 35000, training and validation
     "eval_selectors": 4 * 800 * 4,  # random, RICES, RCE and online GRPO: 800 questions x 1-4 shots
     "eval_zero_shot": 800,  # asked once for every shot count
@@ -1274,7 +1274,8 @@ def report_markdown(doc: dict) -> str:
             "## GPU-hours of the whole pipeline, from these rates"
             + (" (smoke: tiny models on the CPU)" if doc["smoke"] else ""),
             "",
-            "OK-VQA at the stages' defaults, README's one-GPU commands: prompts / the stage's rate, plus each of "
+            "OK-VQA at the stages' defaults, README's one-GPU commands and the random and zero-shot baselines: "
+            "prompts / the stage's rate, plus each of "
             f"{PIPELINE['processes']} processes' start-up (the median measured above). RCE and offline GRPO run on "
             "the CPU.",
             "",
