@@ -156,8 +156,7 @@ class Library:
         """A split of OK-VQA or VQAv2 (the official files and COCO pictures, or a parquet export, as gen_rl_data.py
         reads them), embedded by `encoder` once and cached in `<data_root>/.icl-select/`."""
         items = load_vqa_split(dataset, Path(data_root), split, questions, annotations, images)
-        emb, revision = embedded(items, "vqa", Path(data_root) / CACHE, f"{dataset}-{split}", encoder, device)
-        return cls(items, emb, encoder, revision, "vqa", f"{dataset} {split} of {data_root}")
+        return cls.of_split(items, "vqa", dataset, split, Path(data_root), encoder, device)
 
     @classmethod
     def from_captions(
@@ -176,8 +175,16 @@ class Library:
         from icl_select.caption_data import load_caption_split
 
         items = load_caption_split(dataset, Path(data_root), split, captions, images)
-        emb, revision = embedded(items, "caption", Path(data_root) / CACHE, f"{dataset}-{split}", encoder, device)
-        return cls(items, emb, encoder, revision, "caption", f"{dataset} {split} of {data_root}")
+        return cls.of_split(items, "caption", dataset, split, Path(data_root), encoder, device)
+
+    @classmethod
+    def of_split(
+        cls, items: list[dict], task: str, dataset: str, split: str, data_root: Path, encoder: str, device: str
+    ) -> Library:
+        """A split of a dataset's files, its items embedded by `encoder` for `task` once, cached in
+        `<data_root>/.icl-select/`."""
+        emb, revision = embedded(items, task, data_root / CACHE, f"{dataset}-{split}", encoder, device)
+        return cls(items, emb, encoder, revision, task, f"{dataset} {split} of {data_root}")
 
 
 def picture_digests(paths: list[str], stats: Path) -> dict[str, str]:
