@@ -84,8 +84,8 @@ def per_mode(name: str):
 @dataclass
 class Args(TrainArgs):
     init: Path = Path("runs/rce")
-    """Starting selector (run folder or epoch checkpoint); also the frozen KL reference, unless a budget's warm start
-    runs first (then its selected epoch is both)."""
+    """Starting selector (run folder or epoch checkpoint); also the frozen KL reference, unless a warm start runs first
+    (a short budget, or a selector that may stop: then the warm start's selected epoch is both)."""
     out: Annotated[Path | None, alias("--output-dir"), default_is("runs/grpo-<key flags>, e.g. runs/grpo-kl0.1")] = None
     """Run folder."""
     epochs: Annotated[int | None, alias("--num-train-epochs"), per_mode("epochs")] = None
@@ -574,8 +574,8 @@ def stops(init: Path) -> bool:
 
 
 def warm_start_args(args: Args, out: Path) -> Args:
-    """The offline GRPO run a short budget starts from: grpo.py's offline defaults from --init, sharing the budgeted
-    run's data, seed, validation split and other training flags, but not its schedule or rewards."""
+    """The offline GRPO run an online run starts from (a warm start): grpo.py's offline defaults from --init, sharing
+    the online run's data, seed, validation split and other training flags, but not its schedule or rewards."""
     own = {"epochs", "lr", "lr_schedule", *(f.name for f in fields(RewardArgs))}
     shared = {f.name: getattr(args, f.name) for f in fields(TrainArgs) if f.name not in own}
     return resolve(Args(init=args.init, out=out, **shared))
@@ -598,6 +598,7 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
     S, steps = ds.seq_len, steps_per_epoch(split, args.batch_size)
     metric, cap = selection_metric(backend), None if ds.is_sim else args.val_max_queries
     plan, init, warm, short = None, Path(args.init), None, False
+    may_stop = args.online and stops(init)
     if args.lvlm_budget is not None:
         val_calls = 0 if backend is None else len(split.val[:cap]) * S  # validate() asks 1..S shots of each
 
@@ -608,7 +609,7 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
 
         plan = plan_for(args.lvlm_budget)
         short = plan.steps < (args.epochs or MODE_DEFAULTS["online"]["epochs"]) * steps  # fewer than the default run
-        if (short or stops(init)) and args.warm_start:  # its calls, once known, leave the steps' share
+        if (short or may_stop) and args.warm_start:  # its calls, once known, leave the steps' share
             worst = (MODE_DEFAULTS["offline"]["epochs"] + 1) * val_calls
             try:
                 plan_for(args.lvlm_budget - worst)
@@ -617,7 +618,7 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
                     f"--lvlm-budget {args.lvlm_budget} is too small for a warm start whose validations may ask up to "
                     f"{worst} calls and an online run after it: raise it, or pass --no-warm-start"
                 ) from None
-    if args.online and args.warm_start and (short or stops(init)):
+    if args.online and args.warm_start and (short or may_stop):
         init = out / "offline"
         if rank == 0:
             print(f"warm start: offline GRPO from {args.init} -> {init} (--no-warm-start skips it)", flush=True)
