@@ -619,8 +619,8 @@ def how_many_figure(args: Args, path: Path) -> None:
         gain, zero, used = map(np.array, (gain, zero, used))
         for ax, x, edges in ((left, gain, np.linspace(-100, 100, 11)), (right, zero, np.linspace(0, 100, 6))):
             bins = np.clip(np.digitize(x, edges[1:-1]), 0, len(edges) - 2)
-            mids = [(edges[b] + edges[b + 1]) / 2 for b in range(len(edges) - 1) if (bins == b).sum() >= 20]
-            means = [used[bins == b].mean() for b in range(len(edges) - 1) if (bins == b).sum() >= 20]
+            full = [b for b in range(len(edges) - 1) if (bins == b).sum() >= 20]
+            mids, means = [(edges[b] + edges[b + 1]) / 2 for b in full], [used[bins == b].mean() for b in full]
             ax.plot(mids, means, marker="o", label=world)
     left.set(xlabel="the best single demonstration's gain over zero-shot (points)", ylabel="demonstrations given")
     right.set(xlabel="zero-shot score of the question (%)")

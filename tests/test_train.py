@@ -212,11 +212,9 @@ def test_a_stopping_selectors_groups_pair_each_sample_with_a_shorter_copy(small_
     policy = PointerSelector(SelectorConfig(dim=512, hidden=32, num_heads=2, can_stop=True)).eval()
     with torch.no_grad():
         policy.stop_bias.fill_(-3.0)  # it mostly goes on: samples of several lengths
-    asked = []
 
     class Scorer:
         def score(self, split, queries, icds):
-            asked.append(icds.clone())
             n = (icds >= 0).sum(-1).double()
             return {f: n / 4 for f in ("acc", "correct", "gt_prob", "rel")}
 
