@@ -14,7 +14,9 @@ on-policy GRPO, the mode that learns most wherever LVLM calls during training ar
 mode (MODE_DEFAULTS; docs/ablations.md measures them); online, each step also learns from the groups of the last
 few steps (--replay-steps), and the selector learns a score per train item (--item-bias). A --lvlm-budget that cuts
 the default online run short first trains offline GRPO from --init, then the online run from it (--warm-start): no
-flag to add for a small budget.
+flag to add for a small budget. A selector that may stop (rce.py --can-stop) trains online only, always after that
+warm start: PPO trains its picks given that it goes on, and its stop learns from each group's greedy pair, the greedy
+sequence with every slot filled against a copy of it cut short (`stop_loss`).
 
 Usage:
     python grpo.py --kl-beta 0.1 --no-rank-advantage         # offline, init runs/rce -> runs/grpo-kl0.1
@@ -48,7 +50,18 @@ from icl_select.pools import first_distinct, query_pools, random_sequences
 from icl_select.runs import RunFolder, check_width, load_selector, new_loop
 from icl_select.train_args import TrainArgs, check_train_args
 from icl_select.validation import dataset_backend, greedy_icds, selection_metric, validate, validation_backend
-from model import PointerSelector, exact_kl, group_advantages, k3_kl, ppo_clip_loss, reward_spread, slices
+from model import (
+    PointerSelector,
+    Steps,
+    exact_kl,
+    going_on_logp,
+    group_advantages,
+    k3_kl,
+    ppo_clip_loss,
+    reward_spread,
+    slices,
+    stop_loss,
+)
 
 # What moves in GRPO, on the progress bar and the epoch line (the loss is ~beta * KL: the PPO term is ~0 at ratio 1).
 SHOWN = ("grpo/reward_mean", "grpo/kl_ref", "grpo/entropy")
@@ -303,6 +316,27 @@ def reference_dists(ref: PointerSelector, ds: Dataset, split: Split, batch_size:
     return out
 
 
+# A selector that may stop, online, pairs each sample with a copy of it cut short as often as such copies have lately
+# beaten going on, and never less often than this: where going on has always won, stopping is still tried now and then.
+MIN_PAIR_RATE = 1 / 8
+
+
+@dataclass
+class GreedyPair:
+    """A selector that may stop, online: each group's first two sequences are the policy's greedy one with every slot
+    filled and a copy of it cut short, the pair its stop learns from (`stop_loss`). cut (B,) the copy's length, gain
+    (B,) its reward minus the full sequence's."""
+
+    cut: Tensor
+    gain: Tensor
+
+
+def pair_rate(state: dict) -> float:
+    """The share of samples given a cut copy: the share of greedy pairs whose copy won, averaged over steps (each
+    weighing a tenth; 1 before the first), at least MIN_PAIR_RATE."""
+    return 1.0 if state.get("stop_wins") is None else max(MIN_PAIR_RATE, state["stop_wins"])
+
+
 def sample_and_score(
     policy: PointerSelector,
     scorer: ScoreCache,
@@ -313,29 +347,38 @@ def sample_and_score(
     gen,
     explore,
     fill: bool,
-) -> tuple[Batch, float]:
+    rate: float = 1.0,
+) -> tuple[Batch, float, GreedyPair | None]:
     """Online groups: up to G distinct sequences per query, scored by the backend. From 2G samples of the current
-    policy, the distinct ones; for a selector that may stop, each beside a copy of itself cut short at a uniform length
-    below its own (drawn from `explore`), so that every group weighs going on against stopping where it went on. With
-    `fill` (a budgeted run) and fewer than G distinct (a policy sure of its choice, such as one that always stops),
-    uniformly random sequences too (of random lengths for a selector that may stop): a group never collapses to the one
-    sequence whose score is known, so it keeps a signal and spends its calls. rows (B,) train questions, pool (B, K)
-    their candidates (train rows, -1 = padding) -> the batch and the share of its sequences that are random fills."""
+    policy, the distinct ones. For a selector that may stop, first its greedy pair (GreedyPair: the full greedy
+    sequence and a copy cut at a uniform length below S), then each sample beside, with probability `rate`, a copy of
+    itself cut at a uniform length below its own (lengths drawn from `explore`), so that groups weigh going on against
+    stopping where the policy went on. With `fill` (a budgeted run) and fewer than G distinct (a policy sure of its
+    choice, such as one that always stops), uniformly random sequences too (of random lengths for a selector that may
+    stop): a group never collapses to the one sequence whose score is known, so it keeps a signal and spends its calls.
+    rows (B,) train questions, pool (B, K) their candidates (train rows, -1 = padding) -> the batch, the share of its
+    sequences that are random fills, and the greedy pairs of a selector that may stop."""
     S, G = ds.seq_len, args.group_size
     emb = ds.emb["train"]
     query, pool_emb, pool_mask = emb[rows], emb[pool.clamp_min(0)], pool >= 0  # (B, d), (B, K, d), (B, K)
     cand, _ = policy.sample(query, pool_emb, pool_mask, S, 2 * G, gen, args.temperature)  # (B, 2G, S)
+    steps = torch.arange(S)
     if policy.cfg.can_stop:
         n = (cand >= 0).sum(-1)  # (B, 2G) demonstrations in each sample
         cut = (torch.rand(n.shape, generator=explore, dtype=torch.float64) * n).long()  # (B, 2G) in 0..n-1
-        short = cand.masked_fill(torch.arange(S) >= cut[..., None], -1)  # (B, 2G, S)
-        cand = torch.stack([cand, short], 2).flatten(1, 2)  # (B, 4G, S) each sample, then its shorter copy
+        paired = torch.rand(n.shape, generator=explore, dtype=torch.float64) < rate  # (B, 2G)
+        short = cand.masked_fill((steps >= cut[..., None]) & paired[..., None], -1)  # (B, 2G, S) unpaired: a repeat
+        cand = torch.stack([cand, short], 2).flatten(1, 2)  # (B, 4G, S) each sample, then its copy
+        full, _ = policy.greedy(query, pool_emb, pool_mask, S, S)  # (B, S)
+        greedy_cut = torch.randint(0, S, (len(rows),), generator=explore)  # (B,) in 0..S-1
+        pair = torch.stack([full, full.masked_fill(steps >= greedy_cut[:, None], -1)], 1)  # (B, 2, S) always distinct
+        cand = torch.cat([pair, cand], 1)  # so they are each group's first two sequences
     sampled = cand.shape[1]
     if fill:
         rand = random_sequences(pool_mask, G, S, explore)  # (B, G, S)
         if policy.cfg.can_stop:
             cut = torch.randint(0, S + 1, rand.shape[:2], generator=explore)  # (B, G) lengths 0..S
-            rand = rand.masked_fill(torch.arange(S) >= cut[..., None], -1)
+            rand = rand.masked_fill(steps >= cut[..., None], -1)
         cand = torch.cat([cand, rand], 1)  # the samples' distinct ones first
     order, ok = first_distinct(cand, G)  # (B, G)
     seqs = cand.gather(1, order[..., None].expand(-1, -1, S)).masked_fill(~ok[..., None], -1)  # (B, G, S)
@@ -345,7 +388,9 @@ def sample_and_score(
     scored = scorer.score("train", rows.repeat_interleave(G)[flat], icds[flat])
     fields = {k: v.new_zeros(len(flat)).masked_scatter(flat, v).view(len(rows), G) for k, v in scored.items()}
     reward = compute_reward(fields, args).where(ok, 0.0)  # (B, G)
-    return Batch(query, pool_emb, pool_mask, seqs, ok, reward), (order >= sampled)[ok].double().mean().item()
+    greedy = GreedyPair(greedy_cut, reward[:, 1] - reward[:, 0]) if policy.cfg.can_stop else None
+    explored = (order >= sampled)[ok].double().mean().item()
+    return Batch(query, pool_emb, pool_mask, seqs, ok, reward), explored, greedy
 
 
 def pass_batches(train: Tensor, batch: int, shuffle: torch.Generator) -> list[tuple[Tensor, bool]]:
@@ -438,22 +483,35 @@ class Learner:
     buffer: list[dict[str, Tensor]]  # --replay-steps: the last steps' groups, oldest first
 
 
-def update(lr: Learner, b: Batch, adv: Tensor, t: Batch, t_adv: Tensor, sampled, ref_dist: Tensor, args, loop, last):
+def seq_logp(policy: PointerSelector, steps: Steps, seqs: Tensor) -> Tensor:
+    """What PPO's ratio is taken on, (B, G): each sequence's log-prob; for a selector that may stop, of its picks
+    given that it went on (`going_on_logp`). Its stop learns from the greedy pairs alone (`stop_loss`): in PPO's
+    ratio, where stopping wins most groups, the stop went to certainty on some seeds against what the pairs showed."""
+    return going_on_logp(steps, seqs) if policy.cfg.can_stop else steps.logp.sum(-1)
+
+
+def update(
+    lr: Learner, b: Batch, adv: Tensor, t: Batch, t_adv: Tensor, sampled, ref_dist: Tensor, args, loop, last, pair=None
+):
     """--num-iterations PPO-clipped updates with beta * exact KL to the reference, on the groups `t` (the batch `b`,
-    then any replayed groups, `sampled` their sampling log-probs) against the policy as it was before them; then the
-    adaptive beta, if asked for. Returns the step's metrics and the log-probs the batch was sampled with, (B, G)."""
+    then any replayed groups, `sampled` their sampling log-probs) against the policy as it was before them, plus the
+    stop loss of the batch's greedy pairs (`pair`, a selector that may stop online); then the adaptive beta, if asked
+    for. Returns the step's metrics and the log-probs the batch was sampled with, (B, G)."""
     m, tm = b.seq_mask, t.seq_mask  # (B, G), (B', G)
     temp = args.temperature if args.online else 1.0
     beta = loop["state"]["beta"]
     old, extra = None, {}
     for _ in range(args.num_iterations):
         cur = lr.policy(t.query, t.pool, t.pool_mask, t.seqs, tm, True, temp)
-        logp = cur.logp.sum(-1)  # (B', G)
+        logp = seq_logp(lr.policy, cur, t.seqs)  # (B', G)
         if old is None:  # a replayed group's ratio is to the policy that sampled it
             old = logp.detach() if sampled is None else replay_old(logp, sampled)
         ppo, st = ppo_clip_loss(logp, old, t_adv, tm, args.epsilon, args.epsilon_high)
         kl = exact_kl(cur.log_dist, ref_dist, cur.taken)[tm].mean()  # over each step taken, a stop included
         loss = ppo + beta * kl
+        if pair is not None:  # its cut copy's stop, at the step it stopped
+            stop = stop_loss(cur.log_dist[torch.arange(len(m)), 1, pair.cut, -1], pair.gain)
+            loss, extra["grpo/stop_loss"] = loss + stop, stop.item()
         lr.opt.zero_grad(set_to_none=True)
         if last:  # once per epoch, where the policy has left the reference
             extra["grpo/kl_grad_share"] = kl_grad_share(lr.params, ppo, beta * kl)
@@ -463,7 +521,7 @@ def update(lr: Learner, b: Batch, adv: Tensor, t: Batch, t_adv: Tensor, sampled,
             lr.opt.step()
     if last:  # how far one batch's updates moved the policy, KL(old || new)
         with torch.no_grad():
-            new = lr.policy(b.query, b.pool, b.pool_mask, b.seqs, m, temperature=temp).logp.sum(-1)
+            new = seq_logp(lr.policy, lr.policy(b.query, b.pool, b.pool_mask, b.seqs, m, True, temp), b.seqs)
         extra["grpo/approx_kl_old"] = k3_kl(old[: len(m)], new, m).item()
     if args.kl_target is not None:  # adaptive beta, only on request
         if kl.item() > 1.5 * args.kl_target:
@@ -506,17 +564,24 @@ def online_step(lr: Learner, ds: Dataset, scorer: ScoreCache, queries, idx: Tens
     each sampled from the policy and scored by the backend, plus the replay buffer's groups with --replay-steps."""
     lr.policy.eval()  # sampling and every log-prob (new, old, reference) without dropout
     rows, pool = queries(idx)  # (B,), (B, K)
-    fill = args.lvlm_budget is not None
-    b, explored = sample_and_score(lr.policy, scorer, ds, rows, pool, args, rngs["sampler"], rngs["explore"], fill)
+    fill, state, rate = args.lvlm_budget is not None, loop["state"], pair_rate(loop["state"])
+    b, explored, pair = sample_and_score(
+        lr.policy, scorer, ds, rows, pool, args, rngs["sampler"], rngs["explore"], fill, rate
+    )
+    stopping = {}
+    if pair is not None:
+        won = (pair.gain > 0).double().mean().item()
+        state["stop_wins"] = won if state.get("stop_wins") is None else 0.9 * state["stop_wins"] + 0.1 * won
+        stopping = {"grpo/stop_wins": won, "grpo/pair_rate": rate}
     adv = group_advantages(b.reward, b.seq_mask, args.scale_rewards, args.rank_advantage).float()  # (B, G)
     t, t_adv, sampled = with_replay(ds, b, adv, lr.buffer) if args.replay_steps else (b, adv, None)
     with torch.no_grad():
         ref_dist = lr.ref(t.query, t.pool, t.pool_mask, t.seqs, t.seq_mask, True, args.temperature).log_dist
-    metrics, logp = update(lr, b, adv, t, t_adv, sampled, ref_dist, args, loop, last)
+    metrics, logp = update(lr, b, adv, t, t_adv, sampled, ref_dist, args, loop, last, pair)
     if args.replay_steps:  # the fresh groups with the log-probs they were sampled with
         fresh = {"rows": rows, "pool": pool, "seqs": b.seqs, "mask": b.seq_mask, "adv": adv, "logp": logp}
         lr.buffer = [*lr.buffer, fresh][-args.replay_steps :]
-    return metrics | {"grpo/explored": explored}
+    return metrics | {"grpo/explored": explored} | stopping
 
 
 def online_queries(ds: Dataset, split: Split, args: Args, draws: torch.Generator):
@@ -567,9 +632,10 @@ def epoch_record(epoch: int, loop: dict, means: dict, policy, ds, split, backend
 
 
 def stops(init: Path) -> bool:
-    """Whether the selector at `init` may stop. Online GRPO of such a selector always starts from its warm start: RCE
-    learns stopping only as its share of a group's weights, so it almost never stops, and as the KL reference it would
-    hold the online run there (offline GRPO learns from each group's advantages whether stopping beat going on)."""
+    """Whether the selector at `init` may stop. GRPO trains such a selector's stop online only, from its greedy pairs:
+    offline groups hold no pair, and in PPO's ratio the stop went to certainty on some seeds. So it is refused offline,
+    and online it always starts from its warm start, whose offline GRPO trains its picks on the scored groups at no
+    call and leaves its stop where RCE put it (it almost never stops) for the online run to learn."""
     return load_selector(init).cfg.can_stop
 
 
@@ -584,6 +650,11 @@ def warm_start_args(args: Args, out: Path) -> Args:
 def main(args: Args) -> None:
     args = resolve(args)
     check_args(args)
+    if not args.online and stops(args.init):
+        raise ValueError(
+            f"--init {args.init} may stop, and GRPO learns when to stop online only: add --online (offline, it trains "
+            "the picks of a selector that may stop as its warm start)"
+        )
     ds = load_dataset(args.data, args.allow_truncated)
     rank, world = sharding.init()  # every rank trains the same policy on the same batches; RunFolder: rank 0 writes
     train(args, ds, validation_backend(ds, args), rank, world)

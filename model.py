@@ -11,8 +11,8 @@ candidate.
 Each query and its pool are encoded once and shared by all G sequences of its group: teacher forcing is vectorised
 over queries x sequences, with a Python loop only over the S steps, whose state is sequential. Log-distributions keep
 -inf on chosen and padded candidates (probability exactly 0); every consumer here masks before multiplying, so no NaN
-reaches values or gradients. The RL math (`group_advantages`, `ppo_clip_loss`, `exact_kl`, `k3_kl`, `rce_weights`)
-is pure functions of tensors.
+reaches values or gradients. The RL math (`group_advantages`, `ppo_clip_loss`, `going_on_logp`, `stop_loss`,
+`exact_kl`, `k3_kl`, `rce_weights`) is pure functions of tensors.
 """
 
 from __future__ import annotations
@@ -650,6 +650,26 @@ def ppo_clip_loss(
             "ratio_mean": _masked_mean(ratio, mask),
         }
     return loss, stats
+
+
+def going_on_logp(steps: Steps, seqs: Tensor) -> Tensor:
+    """Each sequence's log-prob of its picks given that it went on at each, (B, G): the sum over its picks of
+    log p(pick) - log(1 - p(stop)), from `forward(..., with_dists=True)`'s steps on seqs (B, G, S). Where a selector
+    that may stop is trained by PPO on this, its stop is left to `stop_loss`."""
+    picks = steps.taken & (torch.arange(seqs.shape[-1], device=seqs.device) < (seqs >= 0).sum(-1, keepdim=True))
+    going = steps.log_dist[..., :-1].logsumexp(-1)  # (B, G, S) log(1 - p(stop)), exact where p(stop) is near 1
+    return (steps.logp - going).where(picks, 0.0).sum(-1)
+
+
+def stop_loss(stop_logp: Tensor, gain: Tensor) -> Tensor:
+    """Cross-entropy of the stop against whether stopping won, weighted by how much it won or lost by: stop_logp (P,)
+    log p(stop) where a sequence was cut short, gain (P,) its reward minus going on's. For one stop probability p
+    shared by all P, the loss is least at p = (sum of wins) / (sum of |gain|), so p >= 1/2 (where greedy decoding
+    stops) exactly where stopping gains on average, however rare or large its wins. 0 where every gain is 0."""
+    logp = stop_logp.double().clamp(max=-1e-9)  # (P,) log 1 would make the other side's log -inf
+    ce = -torch.where(gain > 0, logp, torch.log(-torch.expm1(logp)))  # (P,)
+    w = gain.double().abs()  # (P,)
+    return (w * ce).sum() / w.sum().clamp_min(1e-12)
 
 
 def exact_kl(logp_dist: Tensor, ref_logp_dist: Tensor, step_mask: Tensor) -> Tensor:

@@ -114,6 +114,15 @@ REFUSED = [
         r"^--retriever scores each demonstration alone",
         {"selector": "retriever", "can_stop": True},
     ),
+    Refused(
+        ("can_stop", "training"),
+        "can_stop with training offline",
+        lambda r: r["can_stop"] and r["training"] == "offline",
+        "a selector's stop learns from its greedy pairs, which only online groups hold",
+        "grpo.py",
+        r"^--init \S+ may stop, and GRPO learns when to stop online only: add --online",
+        {"can_stop": True, "training": "offline"},
+    ),
 ]
 
 

@@ -312,8 +312,12 @@ def test_a_refused_combination_stops_in_one_line_before_any_work(rule, small_dat
     if rule.stage == "gen_rl_data.py":
         module, argv = gen_rl_data, ["--out", out, *data_flags(row, {}, tmp_path)]
         argv += ["--init", tmp_path / "selector"] * (row["init"] == "data")
-    else:
+    elif rule.stage == "rce.py":
         module, argv = rce, ["--data", small_data, "--out", out, *selector_flags(row, 4)]
+    else:  # grpo.py, from the selector the row's rce.py makes
+        Kit(tmp_path, 1)(rce, "--data", small_data, "--out", tmp_path / "rce", *selector_flags(row, 4))
+        capsys.readouterr()  # its progress bars
+        module, argv = grpo, ["--data", small_data, "--init", tmp_path / "rce", "--out", out, *grpo_flags(row)]
     with patch.object(sys, "argv", [rule.stage, *map(str, argv)]), pytest.raises(SystemExit) as stop:
         run_cli(module.main, module.Args)
     err = capsys.readouterr().err.strip().split("\n")[-1]

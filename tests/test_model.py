@@ -15,7 +15,7 @@ from strategies import rng, seeds
 from torch import Tensor
 
 from icl_select.runs import load_selector
-from model import PointerSelector, SelectorConfig
+from model import PointerSelector, SelectorConfig, going_on_logp
 
 CFG = SelectorConfig(dim=12, hidden=16, num_heads=2, num_layers=2, dropout=0.3)
 
@@ -506,6 +506,31 @@ def test_stopped_sequences_are_scored_pick_by_pick_and_then_the_stop(batch):
         want = by_hand(model, query[b : b + 1], pool[b : b + 1], pool_mask[b : b + 1], seq, S)
         assert out.logp[b, g].sum().item() == pytest.approx(want, abs=1e-4)
     assert not out.taken[~seq_mask].any() and (out.logp[~seq_mask] == 0).all()
+
+
+@given(stopped_batches())
+def test_going_on_scores_the_picks_among_the_candidates_alone_and_leaves_the_stop_untouched(batch):
+    """going_on_logp of a sequence = the sum of its picks' log-probs among the candidates left, the stop ruled out
+    (from the step distributions, one step at a time); no gradient reaches the stop's own parameters, which the plain
+    log-prob moves (GRPO leaves a may-stop selector's stop to its stop loss)."""
+    query, pool, pool_mask, seqs, seq_mask, seed = batch
+    model = stopping(seed)
+    S, K = seqs.shape[2], pool.shape[1]
+    out = model(query, pool, pool_mask, seqs, seq_mask, with_dists=True)
+    got = going_on_logp(out, seqs)  # (B, G)
+    with torch.no_grad():
+        for b, g in itertools.product(range(len(query)), range(seqs.shape[1])):
+            picks = [c for c in seqs[b, g].tolist() if c >= 0] if seq_mask[b, g] else []
+            want = 0.0
+            for t, c in enumerate(picks):
+                prefix = torch.tensor(picks[:t] + [-1] * (S - t))[None, None]
+                one = model(query[b : b + 1], pool[b : b + 1], pool_mask[b : b + 1], prefix, seq_mask[:1, :1], True)
+                want += float(one.log_dist[0, 0, t, c] - one.log_dist[0, 0, t, :K].logsumexp(-1))
+            assert got[b, g].item() == pytest.approx(want, abs=1e-4)
+    stop_grad = torch.autograd.grad(got.sum(), model.stop_bias, retain_graph=True)[0]
+    plain_grad = torch.autograd.grad(out.logp.sum(), model.stop_bias)[0]
+    assert stop_grad.abs().max() <= 1e-5 * max(1.0, plain_grad.abs().max().item())
+    assert plain_grad.abs().max() > 0 or not (seqs >= 0).any()
 
 
 @given(stopped_batches())

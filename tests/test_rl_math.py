@@ -1,14 +1,23 @@
-"""Property tests for the RL math in model.py: advantages, PPO clip, exact/k3 KL, RCE weights."""
+"""Property tests for the RL math in model.py: advantages, PPO clip, the stop loss, exact/k3 KL, RCE weights."""
 
 import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 from strategies import group_batches, rng, seeds
 
-from model import demo_credits, exact_kl, group_advantages, k3_kl, ppo_clip_loss, rce_weights, reward_spread
+from model import (
+    demo_credits,
+    exact_kl,
+    group_advantages,
+    k3_kl,
+    ppo_clip_loss,
+    rce_weights,
+    reward_spread,
+    stop_loss,
+)
 
 SCALES = st.sampled_from(["group", "batch", "none"])
 
@@ -189,6 +198,35 @@ def test_ppo_by_hand_and_bad_eps():
     assert math.isclose(float(stats["clip_frac_high"]), 1 / 3, rel_tol=1e-6)
     with pytest.raises(ValueError, match="eps"):
         ppo_clip_loss(logp, old, adv, torch.ones(1, 3, dtype=torch.bool), 0.0)
+
+
+# ---------------------------------------------------------------------------------------------- stop loss
+@given(seeds, st.integers(1, 12), st.floats(-6, 6))
+def test_stop_loss_puts_p_stop_at_one_half_exactly_where_stopping_gains_on_average(seed, P, logit):
+    """For one stop probability p = sigmoid(x) shared by every pair, d loss / dx = p - wins / (wins + losses) (sums of
+    the positive gains and of the negative ones' sizes): least at that share, so p >= 1/2 iff the mean gain >= 0,
+    whatever the split into many small wins and few large losses."""
+    g = rng(seed)
+    gain = torch.randn(P, generator=g, dtype=torch.float64) * torch.rand(P, generator=g, dtype=torch.float64) * 3
+    gain = gain.where(torch.rand(P, generator=g) < 0.8, 0.0)  # some pairs tie
+    assume(gain.abs().sum() > 1e-6)
+    x = torch.tensor(logit, dtype=torch.float64, requires_grad=True)
+    loss = stop_loss(torch.nn.functional.logsigmoid(x).expand(P), gain)
+    (grad,) = torch.autograd.grad(loss, x)
+    share = gain.clamp_min(0).sum() / gain.abs().sum()
+    assert grad.item() == pytest.approx(torch.sigmoid(x).item() - share.item(), abs=1e-9)
+    half = torch.zeros((), dtype=torch.float64, requires_grad=True)  # p = 1/2: the loss pushes p up iff stopping gains
+    (grad,) = torch.autograd.grad(stop_loss(torch.nn.functional.logsigmoid(half).expand(P), gain), half)
+    assert (grad.item() < 0) == (gain.sum().item() > 1e-12) or abs(gain.sum().item()) <= 1e-12
+
+
+def test_stop_loss_by_hand_and_zero_where_nothing_is_at_stake():
+    logp = torch.log(torch.tensor([0.25, 0.25, 0.9], dtype=torch.float64))
+    gain = torch.tensor([2.0, -1.0, 0.0])  # won by 2, lost by 1, a tie (no weight)
+    want = (2 * -math.log(0.25) + 1 * -math.log(0.75)) / 3
+    assert stop_loss(logp, gain).item() == pytest.approx(want, rel=1e-9)
+    assert stop_loss(logp, torch.zeros(3)).item() == 0.0
+    assert torch.isfinite(stop_loss(torch.zeros(2), torch.tensor([1.0, -1.0])))  # p = 1: finite, not inf
 
 
 # ---------------------------------------------------------------------------------------------- KL

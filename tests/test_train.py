@@ -30,6 +30,7 @@ from icl_select.runs import load_selector, save_checkpoint
 from model import PointerSelector, SelectorConfig
 
 FAST = dict(batch_size=8, val_frac=0.25, keep_every=1)
+FIELDS = ("acc", "correct", "gt_prob", "rel")
 
 
 def records(run, kind=None):
@@ -204,10 +205,12 @@ def test_offline_ratio_is_one_and_iterations_make_the_clip_bind(small_data, rce_
 
 
 @pytest.mark.parametrize("fill", [False, True])
-def test_a_stopping_selectors_groups_pair_each_sample_with_a_shorter_copy(small_data, fill):
-    """For a selector that may stop, every online group weighs going on against stopping there: its first sample comes
-    with a copy of itself cut short at a uniform length below its own; groups hold distinct sequences of distinct pool
-    positions, and the scores are the backend's for each prompt in prompt order."""
+@pytest.mark.parametrize("rate", [1.0, 0.0])
+def test_a_stopping_selectors_groups_open_with_its_greedy_pair(small_data, fill, rate):
+    """For a selector that may stop, every online group opens with its greedy pair: the greedy sequence with every
+    slot filled, then a copy of it cut short at a uniform length below S; the pair's gain is the copy's reward minus
+    the full one's. Samples come with cut copies of themselves at the pair rate (none at 0); groups hold distinct
+    sequences of distinct pool positions, and the scores are the backend's for each prompt in prompt order."""
     ds = load_dataset(small_data)
     policy = PointerSelector(SelectorConfig(dim=512, hidden=32, num_heads=2, can_stop=True)).eval()
     with torch.no_grad():
@@ -216,28 +219,28 @@ def test_a_stopping_selectors_groups_pair_each_sample_with_a_shorter_copy(small_
     class Scorer:
         def score(self, split, queries, icds):
             n = (icds >= 0).sum(-1).double()
-            return {f: n / 4 for f in ("acc", "correct", "gt_prob", "rel")}
+            return dict.fromkeys(FIELDS, n / 4 + queries / 1000)  # a score that tells prompts and questions apart
 
-    rows, pool = ds.groups.queries[:8], ds.groups.pools[:8]
+    rows, pool = ds.groups.queries[:24], ds.groups.pools[:24]
     args = grpo.resolve(grpo.Args(online=True, group_size=6, lvlm_budget=1000 if fill else None))
     gens = [torch.Generator().manual_seed(s) for s in (0, 1)]
-    b, _ = grpo.sample_and_score(policy, Scorer(), ds, rows, pool, args, *gens, fill)
-    first, second = b.seqs[:, 0], b.seqs[:, 1]  # (B, S) each
-    n1, n2 = (first >= 0).sum(-1), (second >= 0).sum(-1)
-    going = n1 > 0
-    assert going.any() and (n2[going] < n1[going]).all()
-    assert all(torch.equal(second[i, : n2[i]], first[i, : n2[i]]) for i in going.nonzero()[:, 0].tolist())
+    b, _, pair = grpo.sample_and_score(policy, Scorer(), ds, rows, pool, args, *gens, fill, rate)
+    S = ds.seq_len
+    full, copy = b.seqs[:, 0], b.seqs[:, 1]  # (B, S) each
+    greedy, _ = policy.greedy(b.query, b.pool, b.pool_mask, S, S)
+    assert torch.equal(full, greedy) and b.seq_mask[:, :2].all()
+    assert torch.equal((copy >= 0).sum(-1), pair.cut) and set(pair.cut.tolist()) == set(range(S))
+    assert torch.equal(copy.where(copy >= 0, full), full)  # a prefix of the full one
+    assert torch.equal(pair.gain, b.reward[:, 1] - b.reward[:, 0])
     for group, mask in zip(b.seqs.tolist(), b.seq_mask.tolist()):
         kept = [tuple(x) for x, m in zip(group, mask) if m]
         assert len(set(kept)) == len(kept) and all(
             len({c for c in x if c >= 0}) == sum(c >= 0 for c in x) for x in kept
         )
-    assert torch.equal(
-        b.reward[b.seq_mask],
-        grpo.compute_reward(
-            {f: ((b.seqs >= 0).sum(-1).double() / 4)[b.seq_mask] for f in ("acc", "correct", "gt_prob", "rel")}, args
-        ),
-    )
+    n = (b.seqs[:, 2:] >= 0).sum(-1)[b.seq_mask[:, 2:]]  # the samples' lengths, and their copies'
+    assert (n < S).any() if rate == 1 else fill or (n == S).double().mean() > 0.9, n
+    want = ((b.seqs >= 0).sum(-1).double() / 4 + rows[:, None].double() / 1000)[b.seq_mask]  # each prompt's score
+    assert torch.allclose(b.reward[b.seq_mask], grpo.compute_reward(dict.fromkeys(FIELDS, want), args))
 
 
 def test_online_queries_come_from_train_but_never_from_validation_images(small_data, rce_run, tmp_path, monkeypatch):
@@ -295,6 +298,21 @@ def test_grpo_online_and_resume_bit_identical(small_data, rce_run, tmp_path, mon
     full = whole_and_resumed(monkeypatch, tmp_path, data=small_data, init=rce_run, **flags)
     rec = records(full)[-1]
     assert 1 < rec["grpo/group_size"] <= 6 and 0 <= rec["grpo/explored"] <= 1
+
+
+def test_a_selector_that_may_stop_trains_online_only_and_resumes_bit_identical(small_data, tmp_path, monkeypatch):
+    """Its stop learns from the greedy pairs (the stop loss; the pair rate, kept in the checkpoint's loop state): a
+    run killed after epoch 1 resumes to the same bytes. Offline GRPO of it is refused in one line before any work."""
+    rce.main(rce.Args(data=small_data, out=tmp_path / "rce", can_stop=True, epochs=1, **FAST))
+    with pytest.raises(
+        ValueError, match=r"^--init \S+ may stop, and GRPO learns when to stop online only: add --online"
+    ):
+        grpo.main(grpo.Args(data=small_data, init=tmp_path / "rce", out=tmp_path / "offline", epochs=1, **FAST))
+    assert not (tmp_path / "offline").exists()
+    flags = dict(online=True, group_size=6, epochs=2, warm_start=False, **FAST)
+    full = whole_and_resumed(monkeypatch, tmp_path, data=small_data, init=tmp_path / "rce", **flags)
+    last = records(full)[-1]
+    assert last["grpo/stop_loss"] > 0 and grpo.MIN_PAIR_RATE <= last["grpo/pair_rate"] < 1, last
 
 
 def test_item_bias_learns_a_score_per_train_item_resumes_bit_identical_and_evaluates(
@@ -411,9 +429,10 @@ def short_data(tmp_path_factory):
 def test_a_selector_keeps_the_picks_it_was_made_with_through_every_stage(short_data, tmp_path, can_stop):
     """Lever-LM's recipe (2-shot sequences, asked for 4: rce.py --picks 4) and a selector that may stop, then GRPO and
     RCE from it: each keeps its 4 picks (GRPO once rebuilt it with its data's 2; with a stop bias of 4 entries the
-    saved selector no longer loaded), loads, and evaluates at 1-4 shots."""
+    saved selector no longer loaded), loads, and evaluates at 1-4 shots. (GRPO of one that may stop: online.)"""
     rce.main(rce.Args(data=short_data, out=tmp_path / "rce", picks=4, can_stop=can_stop, epochs=1, **FAST))
-    grpo.main(grpo.Args(data=short_data, init=tmp_path / "rce", out=tmp_path / "grpo", epochs=1, **FAST))
+    online = dict(online=True, group_size=4, warm_start=False) if can_stop else {}
+    grpo.main(grpo.Args(data=short_data, init=tmp_path / "rce", out=tmp_path / "grpo", epochs=1, **online, **FAST))
     rce.main(rce.Args(data=short_data, init=tmp_path / "grpo", out=tmp_path / "again", epochs=1, **FAST))
     for run in ("rce", "grpo", "again"):
         model = PointerSelector.load(tmp_path / run)
