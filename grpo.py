@@ -362,23 +362,23 @@ def sample_and_score(
     emb = ds.emb["train"]
     query, pool_emb, pool_mask = emb[rows], emb[pool.clamp_min(0)], pool >= 0  # (B, d), (B, K, d), (B, K)
     cand, _ = policy.sample(query, pool_emb, pool_mask, S, 2 * G, gen, args.temperature)  # (B, 2G, S)
-    steps = torch.arange(S)
+    t = torch.arange(S)  # (S,) slot indices
     if policy.cfg.can_stop:
         n = (cand >= 0).sum(-1)  # (B, 2G) demonstrations in each sample
         cut = (torch.rand(n.shape, generator=explore, dtype=torch.float64) * n).long()  # (B, 2G) in 0..n-1
         paired = torch.rand(n.shape, generator=explore, dtype=torch.float64) < rate  # (B, 2G)
-        short = cand.masked_fill((steps >= cut[..., None]) & paired[..., None], -1)  # (B, 2G, S) unpaired: a repeat
+        short = cand.masked_fill((t >= cut[..., None]) & paired[..., None], -1)  # (B, 2G, S) unpaired: a repeat
         cand = torch.stack([cand, short], 2).flatten(1, 2)  # (B, 4G, S) each sample, then its copy
         full, _ = policy.greedy(query, pool_emb, pool_mask, S, S)  # (B, S)
         greedy_cut = torch.randint(0, S, (len(rows),), generator=explore)  # (B,) in 0..S-1
-        pair = torch.stack([full, full.masked_fill(steps >= greedy_cut[:, None], -1)], 1)  # (B, 2, S) always distinct
+        pair = torch.stack([full, full.masked_fill(t >= greedy_cut[:, None], -1)], 1)  # (B, 2, S) always distinct
         cand = torch.cat([pair, cand], 1)  # so they are each group's first two sequences
     sampled = cand.shape[1]
     if fill:
         rand = random_sequences(pool_mask, G, S, explore)  # (B, G, S)
         if policy.cfg.can_stop:
             cut = torch.randint(0, S + 1, rand.shape[:2], generator=explore)  # (B, G) lengths 0..S
-            rand = rand.masked_fill(steps >= cut[..., None], -1)
+            rand = rand.masked_fill(t >= cut[..., None], -1)
         cand = torch.cat([cand, rand], 1)  # the samples' distinct ones first
     order, ok = first_distinct(cand, G)  # (B, G)
     seqs = cand.gather(1, order[..., None].expand(-1, -1, S)).masked_fill(~ok[..., None], -1)  # (B, G, S)
@@ -485,8 +485,8 @@ class Learner:
 
 def seq_logp(policy: PointerSelector, steps: Steps, seqs: Tensor) -> Tensor:
     """What PPO's ratio is taken on, (B, G): each sequence's log-prob; for a selector that may stop, of its picks
-    given that it went on (`going_on_logp`). Its stop learns from the greedy pairs alone (`stop_loss`): in PPO's
-    ratio, where stopping wins most groups, the stop went to certainty on some seeds against what the pairs showed."""
+    given that it went on (`going_on_logp`), its stop learning from the greedy pairs alone (`stop_loss`): in PPO's
+    ratio, where stopping wins most groups, the stop goes to certainty (docs/ablations.md)."""
     return going_on_logp(steps, seqs) if policy.cfg.can_stop else steps.logp.sum(-1)
 
 
@@ -509,11 +509,12 @@ def update(
         ppo, st = ppo_clip_loss(logp, old, t_adv, tm, args.epsilon, args.epsilon_high)
         kl = exact_kl(cur.log_dist, ref_dist, cur.taken)[tm].mean()  # over each step taken, a stop included
         loss = ppo + beta * kl
-        if pair is not None:  # its cut copy's stop, at the step it stopped
-            stop = stop_loss(cur.log_dist[torch.arange(len(m)), 1, pair.cut, -1], pair.gain)
+        if pair is not None:  # its cut copy's stop at the step it stopped, at temperature 1 as greedy decoding sees it
+            dist = cur.log_dist if temp == 1 else lr.policy(t.query, t.pool, t.pool_mask, t.seqs, tm, True).log_dist
+            stop = stop_loss(dist[torch.arange(len(m)), 1, pair.cut, -1], pair.gain)
             loss, extra["grpo/stop_loss"] = loss + stop, stop.item()
         lr.opt.zero_grad(set_to_none=True)
-        if last:  # once per epoch, where the policy has left the reference
+        if last:  # once per epoch, where the policy has left the reference (the stop loss aside)
             extra["grpo/kl_grad_share"] = kl_grad_share(lr.params, ppo, beta * kl)
         loss.backward()
         norm = float(torch.nn.utils.clip_grad_norm_(lr.params, args.grad_clip or math.inf))
@@ -564,13 +565,14 @@ def online_step(lr: Learner, ds: Dataset, scorer: ScoreCache, queries, idx: Tens
     each sampled from the policy and scored by the backend, plus the replay buffer's groups with --replay-steps."""
     lr.policy.eval()  # sampling and every log-prob (new, old, reference) without dropout
     rows, pool = queries(idx)  # (B,), (B, K)
-    fill, state, rate = args.lvlm_budget is not None, loop["state"], pair_rate(loop["state"])
+    fill = args.lvlm_budget is not None
+    rate = pair_rate(loop["state"])  # as this step's pairs found it
     b, explored, pair = sample_and_score(
         lr.policy, scorer, ds, rows, pool, args, rngs["sampler"], rngs["explore"], fill, rate
     )
     stopping = {}
     if pair is not None:
-        won = (pair.gain > 0).double().mean().item()
+        won, state = (pair.gain > 0).double().mean().item(), loop["state"]
         state["stop_wins"] = won if state.get("stop_wins") is None else 0.9 * state["stop_wins"] + 0.1 * won
         stopping = {"grpo/stop_wins": won, "grpo/pair_rate": rate}
     adv = group_advantages(b.reward, b.seq_mask, args.scale_rewards, args.rank_advantage).float()  # (B, G)
@@ -632,10 +634,9 @@ def epoch_record(epoch: int, loop: dict, means: dict, policy, ds, split, backend
 
 
 def stops(init: Path) -> bool:
-    """Whether the selector at `init` may stop. GRPO trains such a selector's stop online only, from its greedy pairs:
-    offline groups hold no pair, and in PPO's ratio the stop went to certainty on some seeds. So it is refused offline,
-    and online it always starts from its warm start, whose offline GRPO trains its picks on the scored groups at no
-    call and leaves its stop where RCE put it (it almost never stops) for the online run to learn."""
+    """Whether the selector at `init` may stop. GRPO trains such a selector's stop online only, from its greedy pairs,
+    which offline groups lack: so it is refused offline, and online it always starts from its warm start, whose offline
+    GRPO trains its picks on the scored groups at no call and leaves its stop to the online run."""
     return load_selector(init).cfg.can_stop
 
 

@@ -656,7 +656,7 @@ def going_on_logp(steps: Steps, seqs: Tensor) -> Tensor:
     """Each sequence's log-prob of its picks given that it went on at each, (B, G): the sum over its picks of
     log p(pick) - log(1 - p(stop)), from `forward(..., with_dists=True)`'s steps on seqs (B, G, S). Where a selector
     that may stop is trained by PPO on this, its stop is left to `stop_loss`."""
-    picks = steps.taken & (torch.arange(seqs.shape[-1], device=seqs.device) < (seqs >= 0).sum(-1, keepdim=True))
+    picks = steps.taken & (seqs >= 0)  # (B, G, S) a sequence's picks come first, -1 after its last
     going = steps.log_dist[..., :-1].logsumexp(-1)  # (B, G, S) log(1 - p(stop)), exact where p(stop) is near 1
     return (steps.logp - going).where(picks, 0.0).sum(-1)
 
