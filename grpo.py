@@ -510,8 +510,8 @@ def update(
         kl = exact_kl(cur.log_dist, ref_dist, cur.taken)[tm].mean()  # over each step taken, a stop included
         loss = ppo + beta * kl
         if pair is not None:  # its cut copy's stop at the step it stopped, at temperature 1 as greedy decoding sees it
-            dist = cur.log_dist if temp == 1 else lr.policy(t.query, t.pool, t.pool_mask, t.seqs, tm, True).log_dist
-            stop = stop_loss(dist[torch.arange(len(m)), 1, pair.cut, -1], pair.gain)
+            copies = cur if temp == 1 else lr.policy(b.query, b.pool, b.pool_mask, b.seqs[:, :2], m[:, :2], True)
+            stop = stop_loss(copies.log_dist[torch.arange(len(m)), 1, pair.cut, -1], pair.gain)
             loss, extra["grpo/stop_loss"] = loss + stop, stop.item()
         lr.opt.zero_grad(set_to_none=True)
         if last:  # once per epoch, where the policy has left the reference (the stop loss aside)
