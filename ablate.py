@@ -79,16 +79,15 @@ def no_replay(**flags) -> tuple[str, dict, str]:
 
 # Datasets of other recipes than the seed's own: Lever-LM's InfoScore beams over each anchor's pool as published
 # (5,000 anchors, beam 5, 2-shot sequences; docs/rivals.md) and cut to about 35k LVLM calls (90 anchors of 386 calls
-# each); and groups with shorter sequences and the zero-shot prompt, for a selector that may stop.
+# each).
 DATASETS = {
     "infoscore": {"groups": "infoscore", "group_size": 5, "seq_len": 2, "num_queries": 5000},
     "infoscore, 35k calls": {"groups": "infoscore", "group_size": 5, "seq_len": 2, "num_queries": 90},
-    "min-shots 0": {"min_shots": 0},
 }
 # ICD-LM's cross-entropy on Lever-LM's data, asked for 4 picks; its first pick next to the query (weighed on seeds 0-1
 # against the prompt order ICD-LM generates in: "lever-lm, as published")
 LEVER_LM = {"data": "infoscore", "weights": "uniform", "quality": "all", "pick_order": "nearest_first", "picks": 4}
-STOPS = {"data": "min-shots 0", "init": "rce, can stop"}  # GRPO of a selector that may stop
+STOPS = {"init": "rce, can stop"}  # GRPO of a selector that may stop
 
 
 def rival(baseline: str, **flags) -> tuple[str, dict, str]:
@@ -105,7 +104,7 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
     "lever-lm": ("rce", LEVER_LM, "rce"),
     "lever-lm, as published": ("rce", LEVER_LM | {"pick_order": "prompt"}, "lever-lm"),
     "lever-lm, 35k calls": ("rce", LEVER_LM | {"data": "infoscore, 35k calls"}, "lever-lm"),
-    "rce, can stop": ("rce", {"data": "min-shots 0", "can_stop": True}, "rce"),
+    "rce, can stop": ("rce", {"can_stop": True}, "rce"),
     "mmices, prefilter 8": rival("mmices", prefilter=8),
     "mmices, prefilter 16": rival("mmices", prefilter=16),
     "mmr, lambda 0.25": rival("mmr", mmr_lambda=0.25),
@@ -130,12 +129,6 @@ VARIANTS: dict[str, tuple[str, dict, str | None]] = {
     "online, picks in prompt order": plain(init="rce, picks in prompt order"),
     "offline": ("grpo", {}, "online"),
     "online, can stop": ("grpo", {"online": True, **STOPS}, "online"),
-    "rce, can stop, full data": ("rce", {"can_stop": True}, "rce, can stop"),
-    "online, budget 35k, can stop, full data": (
-        "grpo",
-        {"online": True, "lvlm_budget": 35_000, "init": "rce, can stop, full data"},
-        "online, budget 35k, can stop",
-    ),
     "online, budget 35k, can stop": ("grpo", {"online": True, "lvlm_budget": 35_000, **STOPS}, "online, budget 35k"),
     "online, budget 35k, from the retriever": on_budget(init="retriever"),
     "online, budget 35k, no replay": (*no_replay()[:2], "online"),

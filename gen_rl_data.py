@@ -102,7 +102,7 @@ class Args(RewardArgs, LVLMOptions, CpuArgs):
     """Demonstrations per sequence (S), i.e. the largest shot count."""
     min_shots: Annotated[int | None, default_is("--seq-len")] = None
     """Fewest demonstrations in a sampled sequence: random ones get lengths from here to S, 0 adds the zero-shot prompt
-    to every group (data for a selector that may stop, rce.py --can-stop)."""
+    to every group. RCE and offline GRPO learn from the full-length sequences alone, a selector that may stop too."""
     sampler: Literal["random", "image", "text", "mix"] = "random"
     """How pools are built: random, most image-similar, most text-similar, or half of each."""
     groups: Literal["sampled", "infoscore"] = "sampled"

@@ -14,9 +14,10 @@ on-policy GRPO, the mode that learns most wherever LVLM calls during training ar
 mode (MODE_DEFAULTS; docs/ablations.md measures them); online, each step also learns from the groups of the last
 few steps (--replay-steps), and the selector learns a score per train item (--item-bias). A --lvlm-budget that cuts
 the default online run short first trains offline GRPO from --init, then the online run from it (--warm-start): no
-flag to add for a small budget. A selector that may stop (rce.py --can-stop) trains online only, always after that
-warm start: PPO trains its picks given that it goes on, and its stop learns from each group's greedy pair, the greedy
-sequence with every slot filled against a copy of it cut short (`stop_loss`).
+flag to add for a small budget. A selector that may stop (rce.py --can-stop) learns its stop online only, always after
+that warm start (which trains its picks alone): its samples fill every slot, PPO and the KL take its picks given that it
+goes on, and its stop learns from each group's greedy pair: a copy of the greedy sequence cut short at a uniform
+length against going on past the cut and then stopping where greedy decoding stops (`stop_loss`).
 
 Usage:
     python grpo.py --kl-beta 0.1 --no-rank-advantage         # offline, init runs/rce -> runs/grpo-kl0.1
@@ -57,6 +58,7 @@ from model import (
     going_on_logp,
     group_advantages,
     k3_kl,
+    picks_given_going_on,
     ppo_clip_loss,
     reward_spread,
     slices,
@@ -323,9 +325,10 @@ MIN_PAIR_RATE = 1 / 8
 
 @dataclass
 class GreedyPair:
-    """A selector that may stop, online: each group's first two sequences are the policy's greedy one with every slot
-    filled and a copy of it cut short, the pair its stop learns from (`stop_loss`). cut (B,) the copy's length, gain
-    (B,) its reward minus the full sequence's."""
+    """A selector that may stop, online: each group's first two sequences are the policy's greedy one made to go on
+    past a uniform cut below S (then stopping where greedy decoding stops) and its copy cut there, the pair its stop
+    learns from (`stop_loss`): the stop at the cut weighed against going on as the policy would. cut (B,) the copy's
+    length, gain (B,) its reward minus going on's."""
 
     cut: Tensor
     gain: Tensor
@@ -350,27 +353,26 @@ def sample_and_score(
     rate: float = 1.0,
 ) -> tuple[Batch, float, GreedyPair | None]:
     """Online groups: up to G distinct sequences per query, scored by the backend. From 2G samples of the current
-    policy, the distinct ones. For a selector that may stop, first its greedy pair (GreedyPair: the full greedy
-    sequence and a copy cut at a uniform length below S), then each sample beside, with probability `rate`, a copy of
-    itself cut at a uniform length below its own (lengths drawn from `explore`), so that groups weigh going on against
-    stopping where the policy went on. With `fill` (a budgeted run) and fewer than G distinct (a policy sure of its
-    choice, such as one that always stops), uniformly random sequences too (of random lengths for a selector that may
+    policy, the distinct ones, every slot filled. For a selector that may stop, first its greedy pair (GreedyPair),
+    then each sample beside, with probability `rate`, a copy of itself cut at a uniform length below S (lengths drawn
+    from `explore`), so that groups weigh going on against stopping. With `fill` (a budgeted run) and fewer than G
+    distinct (a policy sure of its choice), uniformly random sequences too (of random lengths for a selector that may
     stop): a group never collapses to the one sequence whose score is known, so it keeps a signal and spends its calls.
     rows (B,) train questions, pool (B, K) their candidates (train rows, -1 = padding) -> the batch, the share of its
     sequences that are random fills, and the greedy pairs of a selector that may stop."""
     S, G = ds.seq_len, args.group_size
     emb = ds.emb["train"]
     query, pool_emb, pool_mask = emb[rows], emb[pool.clamp_min(0)], pool >= 0  # (B, d), (B, K, d), (B, K)
-    cand, _ = policy.sample(query, pool_emb, pool_mask, S, 2 * G, gen, args.temperature)  # (B, 2G, S)
+    cand, _ = policy.sample(query, pool_emb, pool_mask, S, 2 * G, gen, args.temperature, S)  # (B, 2G, S) all filled
     t = torch.arange(S)  # (S,) slot indices
     if policy.cfg.can_stop:
-        n = (cand >= 0).sum(-1)  # (B, 2G) demonstrations in each sample
-        cut = (torch.rand(n.shape, generator=explore, dtype=torch.float64) * n).long()  # (B, 2G) in 0..n-1
-        paired = torch.rand(n.shape, generator=explore, dtype=torch.float64) < rate  # (B, 2G)
+        cut = (torch.rand(cand.shape[:2], generator=explore, dtype=torch.float64) * S).long()  # (B, 2G) in 0..S-1
+        paired = torch.rand(cut.shape, generator=explore, dtype=torch.float64) < rate  # (B, 2G)
         short = cand.masked_fill((t >= cut[..., None]) & paired[..., None], -1)  # (B, 2G, S) unpaired: a repeat
         cand = torch.stack([cand, short], 2).flatten(1, 2)  # (B, 4G, S) each sample, then its copy
-        full, _ = policy.greedy(query, pool_emb, pool_mask, S, S)  # (B, S)
         greedy_cut = torch.randint(0, S, (len(rows),), generator=explore)  # (B,) in 0..S-1
+        on = torch.stack([policy.greedy(query, pool_emb, pool_mask, S, c + 1)[0] for c in range(S)], 1)  # (B, S, S)
+        full = on[torch.arange(len(rows)), greedy_cut]  # (B, S) on past the cut, then as greedy decoding goes
         pair = torch.stack([full, full.masked_fill(t >= greedy_cut[:, None], -1)], 1)  # (B, 2, S) always distinct
         cand = torch.cat([pair, cand], 1)  # so they are each group's first two sequences
     sampled = cand.shape[1]
@@ -507,7 +509,11 @@ def update(
         if old is None:  # a replayed group's ratio is to the policy that sampled it
             old = logp.detach() if sampled is None else replay_old(logp, sampled)
         ppo, st = ppo_clip_loss(logp, old, t_adv, tm, args.epsilon, args.epsilon_high)
-        kl = exact_kl(cur.log_dist, ref_dist, cur.taken)[tm].mean()  # over each step taken, a stop included
+        if lr.policy.cfg.can_stop:  # over the picks given going on: the stop learns from its pairs alone
+            kl = exact_kl(picks_given_going_on(cur.log_dist), picks_given_going_on(ref_dist), cur.taken & (t.seqs >= 0))
+            kl = kl[tm].mean()
+        else:
+            kl = exact_kl(cur.log_dist, ref_dist, cur.taken)[tm].mean()  # over each step taken
         loss = ppo + beta * kl
         if pair is not None:  # its cut copy's stop at the step it stopped, at temperature 1 as greedy decoding sees it
             copies = cur if temp == 1 else lr.policy(b.query, b.pool, b.pool_mask, b.seqs[:, :2], m[:, :2], True)
@@ -616,6 +622,8 @@ def learner(args: Args, ds: Dataset, split: Split, init: Path) -> Learner:
     if args.freeze_backbone:
         for p in policy.backbone_parameters():
             p.requires_grad_(False)
+    for p in [] if args.online else policy.stop_parameters():  # offline, no pair scores a stop
+        p.requires_grad_(False)
     params = [p for p in policy.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     ref_cache = None if args.online else reference_dists(ref, ds, split, args.batch_size)  # (Q, G, S, K)

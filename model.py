@@ -6,7 +6,9 @@ the query attends over its pool (L cross-attention layers, residual + LayerNorm)
 projected (near-identity init) and L2-normalised, step t is a softmax over the unchosen, unpadded pool of
 cosine / temperature, and the state absorbs each pick through a gate: g = sigma(W[s; c]), s <- norm(g*s + (1-g)*c).
 With an item memory (grpo.py --item-bias), a learned score of each train item adds to its cosine wherever it is a
-candidate.
+candidate. A selector that may stop (--can-stop) decides at each step first whether to stop, p(stop) =
+sigmoid((s . w + b_t) / temperature), then which candidate given that it goes on: how sure it is of its picks never
+decides whether it stops. Its stop starts at w = b = 0, a coin flip that greedy decoding resolves by going on.
 
 Each query and its pool are encoded once and shared by all G sequences of its group: teacher forcing is vectorised
 over queries x sequences, with a Python loop only over the S steps, whose state is sequential. Log-distributions keep
@@ -233,8 +235,8 @@ class PointerSelector(
         self.query_proj = _near_identity(cfg.hidden)
         self.cand_proj = _near_identity(cfg.hidden)
         self.gate = nn.Linear(2 * cfg.hidden, cfg.hidden)
-        if cfg.can_stop:  # stopping scores cos(state, stop_key) + stop_bias[t], like a candidate's cosine
-            self.stop_key = nn.Parameter(torch.randn(cfg.hidden) / cfg.hidden**0.5)
+        if cfg.can_stop:  # stopping against going on: logit (state . stop_weight + stop_bias[t]) / temperature
+            self.stop_weight = nn.Parameter(torch.zeros(cfg.hidden))  # untrained: a coin flip, and greedy goes on
             self.stop_bias = nn.Parameter(torch.zeros(cfg.picks))
         self.items: ItemMemory | None = None  # remember_items, or a loaded selector that has one
 
@@ -254,6 +256,10 @@ class PointerSelector(
             bias = self.stop_bias.data
             self.stop_bias = nn.Parameter(torch.cat([bias, bias[-1:].expand(max(picks - len(bias), 0))])[:picks])
         self.cfg = replace(self.cfg, picks=picks)
+
+    def stop_parameters(self) -> list[nn.Parameter]:
+        """The stop choice's weight and per-step bias (none for a selector that fills every slot)."""
+        return [self.stop_weight, self.stop_bias] if self.cfg.can_stop else []
 
     def backbone_parameters(self) -> list[nn.Parameter]:
         """Input projection and cross-attention: what `--freeze-backbone` freezes."""
@@ -282,11 +288,16 @@ class PointerSelector(
         scores = torch.einsum("bmh,bkh->bmk", s, keys)  # (B, M, K)
         if prior is not None:
             scores = scores + prior[:, None, :]
-        if self.cfg.can_stop:
-            stop = s @ F.normalize(self.stop_key, dim=0) + self.stop_bias[min(t, len(self.stop_bias) - 1)]  # (B, M)
-            scores = torch.cat([scores, stop[..., None]], -1)  # (B, M, K + 1)
-        scores = scores / (self.cfg.temperature * temperature)
-        return scores.masked_fill(~avail, float("-inf")).log_softmax(-1)
+        if not self.cfg.can_stop:
+            return (scores / (self.cfg.temperature * temperature)).masked_fill(~avail, float("-inf")).log_softmax(-1)
+        can_go, can_stop = avail[..., :-1].any(-1), avail[..., -1]  # (B, M) x2
+        picks = (scores / self.cfg.temperature).masked_fill(~avail[..., :-1], float("-inf"))  # (B, M, K)
+        picks = picks.masked_fill(~can_go[..., None], 0.0).log_softmax(-1)  # which candidate, given going on
+        z = (s @ self.stop_weight + self.stop_bias[min(t, len(self.stop_bias) - 1)]) / self.cfg.temperature  # (B, M)
+        go = F.logsigmoid(-z).where(can_stop, 0.0)  # (B, M) log p(go on), 0 where it must
+        stop = F.logsigmoid(z).where(can_go, 0.0)  # (B, M) log p(stop), 0 where it must
+        log_dist = torch.cat([picks + go[..., None], stop[..., None]], -1).masked_fill(~avail, float("-inf"))
+        return log_dist if temperature == 1 else (log_dist / temperature).log_softmax(-1)  # as `sample` draws
 
     def advance(self, s: Tensor, keys: Tensor, pick: Tensor) -> Tensor:
         """Gated state update with the picked candidates: s (B, M, H), pick (B, M) -> s (B, M, H); the state as it was
@@ -359,9 +370,8 @@ class PointerSelector(
     ) -> tuple[Tensor, Tensor]:
         """Greedy decoding: -> picks (B, S) and their summed log-prob (B,). A selector that can stop may end once it
         has made `min_picks` picks (0: anywhere; `steps`: never, every slot filled), -1 after its last. Each step is the
-        more likely branch of two decisions in turn: to stop or go on (it stops where stopping is at least as likely
-        as going on, p >= 1/2), then which candidate. Against every candidate one by one, the stop would win wherever
-        the candidates share the rest of the mass, however likely going on is."""
+        more likely branch of two decisions in turn: to stop or go on (it stops where stopping is more likely than
+        going on, p > 1/2), then which candidate."""
         check_shapes(query, pool, pool_mask)
         decode = functools.partial(self._decode, steps=steps, num=1, choose=self.most_likely, min_picks=min_picks)
         seqs, logp = in_chunks(decode, query, pool, pool_mask)
@@ -369,11 +379,11 @@ class PointerSelector(
 
     def most_likely(self, log_dist: Tensor) -> Tensor:
         """Greedy choice of `_decode`: (B, N, A) -> (B, N); with a stop choice (the last column), the stop where its
-        probability is at least 1/2, else the most likely candidate."""
+        probability is above 1/2, else the most likely candidate."""
         if not self.cfg.can_stop:
             return log_dist.argmax(-1)
         stop = log_dist.shape[-1] - 1
-        return log_dist[..., :stop].argmax(-1).where(log_dist[..., stop] < math.log(0.5), stop)
+        return log_dist[..., :stop].argmax(-1).where(log_dist[..., stop] <= math.log(0.5), stop)
 
     @torch.no_grad()
     def sample(
@@ -659,6 +669,12 @@ def going_on_logp(steps: Steps, seqs: Tensor) -> Tensor:
     picks = steps.taken & (seqs >= 0)  # (B, G, S) a sequence's picks come first, -1 after its last
     going = steps.log_dist[..., :-1].logsumexp(-1)  # (B, G, S) log(1 - p(stop)), exact where p(stop) is near 1
     return (steps.logp - going).where(picks, 0.0).sum(-1)
+
+
+def picks_given_going_on(log_dist: Tensor) -> Tensor:
+    """A may-stop selector's log-distribution over its candidates given that it goes on: (..., K + 1) -> (..., K);
+    -inf throughout where none is left."""
+    return log_dist[..., :-1] - log_dist[..., :-1].logsumexp(-1, keepdim=True).clamp_min(-1e30)
 
 
 def stop_loss(stop_logp: Tensor, gain: Tensor) -> Tensor:

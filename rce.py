@@ -4,7 +4,9 @@ Loss per query: sum_i w_i * (-log pi(seq_i)) over its group of scored sequences,
 group's valid sequences, tau annealed linearly from --temp-start to --temp-end over all steps. `--weights top1` is plain
 cross-entropy on each group's best sequence (a supervised baseline), `--weights uniform` on every sequence alike
 (ICD-LM's objective on Lever-LM's InfoScore beams, docs/rivals.md). It trains on the groups whose rewards differ and
-keeps the best epoch on held-out anchors; docs/design.md says why each choice differs from Lever-Plus.
+keeps the best epoch on held-out anchors; docs/design.md says why each choice differs from Lever-Plus. A selector that
+may stop (--can-stop) learns its picks here as one that fills every slot does, from the same loss on its picks given
+that it goes on; its stop stays as it was (untrained when fresh: greedy decoding goes on) until grpo.py --online.
 
 `--retriever` trains a bi-encoder on the same scored groups instead (MSIER / EPR): no cross-attention and no state
 update, so the query scores each candidate alone and the top k are its picks. Each demonstration is credited with a
@@ -37,7 +39,7 @@ from icl_select.epochs import EpochMeans, log_line, lr_factor, stop_if_diverged
 from icl_select.runs import RunFolder, check_width, load_selector, new_loop
 from icl_select.train_args import TrainArgs, check_train_args
 from icl_select.validation import selection_metric, validate, validation_backend
-from model import Credit, PointerSelector, SelectorConfig, demo_credits, rce_weights
+from model import Credit, PointerSelector, SelectorConfig, demo_credits, going_on_logp, rce_weights
 
 SHOWN = ("train/loss", "train/tau")  # on the progress bar and the epoch line
 
@@ -82,7 +84,10 @@ def top1_weights(reward: Tensor, mask: Tensor) -> Tensor:
 
 def sequence_loss(model: PointerSelector, b: Batch, args: Args, tau: float) -> Tensor:
     """sum_i w_i * (-log pi(seq_i)) per group, averaged over the batch; w by --weights."""
-    logp = model.log_probs(b.query, b.pool, b.pool_mask, b.seqs, b.seq_mask).sum(-1)  # (B, G)
+    if model.cfg.can_stop:
+        logp = going_on_logp(model(b.query, b.pool, b.pool_mask, b.seqs, b.seq_mask, True), b.seqs)
+    else:
+        logp = model.log_probs(b.query, b.pool, b.pool_mask, b.seqs, b.seq_mask).sum(-1)  # (B, G)
     if args.weights == "top1":
         w = top1_weights(b.reward, b.seq_mask)
     elif args.weights == "uniform":
@@ -162,7 +167,10 @@ def main(args: Args) -> None:
             if args.retriever:  # the query scores each candidate alone: the top k are its picks
                 settings |= {"num_layers": 0, "state_update": False}
             model = PointerSelector(SelectorConfig(**settings))
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        for p in model.stop_parameters():  # no data scores a stop against going on: it learns online
+            p.requires_grad_(False)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay)
 
         # resume
         rngs = {"shuffle": torch.Generator().manual_seed(args.seed + 1)}

@@ -71,10 +71,10 @@ class Batch:
 
 def make_batch(ds: Dataset, idx: Tensor, reward: Tensor, cfg: SelectorConfig) -> Batch:
     """Gather the embeddings of the queries `idx` (indices into ds.groups), their pools, and their scored sequences
-    in the pick order of a selector configured by `cfg`; a selector that cannot stop learns from the sequences of
-    full length alone."""
+    in the pick order of a selector configured by `cfg`. Every selector learns from the sequences of full length
+    alone: one that may stop learns its picks as one that cannot, and its stop online (grpo.py)."""
     g, emb = ds.groups, ds.emb["train"]
     pool_ids = g.pools[idx]  # (B, K)
     seqs = cfg.from_prompt(g.seqs[idx])  # (B, G, S)
-    mask = g.seq_mask[idx] if cfg.can_stop else g.seq_mask[idx] & (seqs >= 0).all(-1)  # (B, G)
+    mask = g.seq_mask[idx] & (seqs >= 0).all(-1)  # (B, G)
     return Batch(emb[g.queries[idx]], emb[pool_ids.clamp_min(0)], g.pool_mask[idx], seqs, mask, reward[idx])

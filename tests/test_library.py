@@ -111,25 +111,27 @@ def test_pools_built_afresh_pick_what_evaluate_picks(image_run):
 
 @pytest.fixture(scope="module")
 def stopping_run(tmp_path_factory):
-    """A selector that may stop, trained by RCE on groups of 0..4 demonstrations, its stop bias then set where its
-    greedy choice gives some questions none, some a few and some four (a trained one need not be so varied), saved
-    and evaluated exactly k and up to k."""
+    """A selector that may stop, its picks trained by RCE, its stop then set where its greedy choice gives some
+    questions none, some a few and some four (a trained one need not be so varied), saved and evaluated exactly k and
+    up to k."""
     root = tmp_path_factory.mktemp("lib-stop")
     small = dict(num_train=600, num_val=100, num_queries=48, group_size=8, pool_size=24)
-    generate(GenArgs(out=root / "data", min_shots=0, **small))
+    generate(GenArgs(out=root / "data", **small))
     run = root / "rce"
     rce.main(rce.Args(data=root / "data", out=run, can_stop=True, epochs=1, batch_size=8, val_frac=0.25))
     model, ds = PointerSelector.load(run), load_dataset(root / "data")
     pool = ds.eval_pools
     query, pool_emb = ds.emb["val"], ds.emb["train"][pool]
+    with torch.no_grad():  # a stop that differs by question
+        model.stop_weight.copy_(0.1 * torch.randn(model.cfg.hidden, generator=torch.Generator().manual_seed(0)))
     lengths = {}
-    for start in torch.linspace(-3, 3, 61).tolist():  # stopping a little likelier at each step
+    for start in torch.linspace(-0.3, 0.3, 61).tolist():  # stopping a little likelier at each step
         with torch.no_grad():
-            model.stop_bias.copy_(start + 0.1 * torch.arange(4))
+            model.stop_bias.copy_(start + 0.01 * torch.arange(4))
         n = (model.greedy(query, pool_emb, pool >= 0, 4)[0] >= 0).sum(-1)  # (V,) demonstrations given
         lengths[start] = len(n.unique())
     with torch.no_grad():
-        model.stop_bias.copy_(max(lengths, key=lengths.get) + 0.1 * torch.arange(4))
+        model.stop_bias.copy_(max(lengths, key=lengths.get) + 0.01 * torch.arange(4))
     model.save(run)
     evaluate.main(evaluate.Args(runs=[run], data=root / "data", num_samples=[100]))
     return run, *(json.loads((run / "eval" / f"val{s}.json").read_text()) for s in ("", "-upto"))

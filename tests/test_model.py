@@ -451,10 +451,12 @@ STOP = replace(CFG, can_stop=True, picks=4)
 
 
 def stopping(seed: int) -> PointerSelector:
-    """A selector that may stop, its stop scores drawn away from zero so that stopping has a real probability."""
+    """A selector that may stop, its stop drawn away from the untrained coin flip: stopping is likelier at some steps
+    and for some states than at others."""
     model = make_model(seed, STOP)
     with torch.no_grad():
-        model.stop_bias.copy_(torch.randn(STOP.picks, generator=rng(seed + 2)))
+        model.stop_bias.copy_(STOP.temperature * torch.randn(STOP.picks, generator=rng(seed + 2)))
+        model.stop_weight.copy_(STOP.temperature * torch.randn(STOP.hidden, generator=rng(seed + 3)))
     return model
 
 
@@ -527,15 +529,42 @@ def test_going_on_scores_the_picks_among_the_candidates_alone_and_leaves_the_sto
                 one = model(query[b : b + 1], pool[b : b + 1], pool_mask[b : b + 1], prefix, seq_mask[:1, :1], True)
                 want += float(one.log_dist[0, 0, t, c] - one.log_dist[0, 0, t, :K].logsumexp(-1))
             assert got[b, g].item() == pytest.approx(want, abs=1e-4)
-    stop_grad = torch.autograd.grad(got.sum(), model.stop_bias, retain_graph=True)[0]
-    plain_grad = torch.autograd.grad(out.logp.sum(), model.stop_bias)[0]
+    stop_grad = torch.cat(torch.autograd.grad(got.sum(), model.stop_parameters(), retain_graph=True))
+    plain_grad = torch.cat(torch.autograd.grad(out.logp.sum(), model.stop_parameters()))
     assert stop_grad.abs().max() <= 1e-5 * max(1.0, plain_grad.abs().max().item())
     assert plain_grad.abs().max() > 0 or not (seqs >= 0).any()
 
 
+@given(batches())
+def test_the_stop_is_a_coin_of_its_own_beside_the_picks_of_the_selector_that_fills_every_slot(batch):
+    """At each step p(stop) = sigmoid((s . w + b_t) / temperature) of the state s (by hand), and the picks given going
+    on are exactly those of the selector with the same weights that cannot stop, whatever the stop's parameters: how
+    sure it is of its picks never decides whether it stops (scored among the candidates, a stop buried under sharp
+    picks never rose within a budget). Untrained, its stop is a coin flip and greedy decoding fills every slot as the
+    selector that cannot stop does."""
+    query, pool, pool_mask, seqs, seq_mask, seed = batch  # full-length sequences
+    S, K = seqs.shape[2], pool.shape[1]
+    model = stopping(seed)
+    plain = PointerSelector(replace(STOP, can_stop=False)).eval()
+    plain.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("stop_")})
+    out = model(query, pool, pool_mask, seqs, seq_mask, with_dists=True).log_dist[seq_mask]  # (N, S, K + 1)
+    want = plain(query, pool, pool_mask, seqs, seq_mask, with_dists=True).log_dist[seq_mask]  # (N, S, K)
+    going = out[..., :K] - out[..., :K].logsumexp(-1, keepdim=True)
+    assert torch.allclose(going.exp(), want.exp(), atol=1e-6)
+    with torch.no_grad():  # the state step by step, as the selector advances it on its picks
+        s, keys, _ = model.encode(query, pool, pool_mask)
+        s = s[:, None].expand(-1, seqs.shape[1], -1)  # (B, G, H)
+        for t in range(S):
+            z = (s @ model.stop_weight + model.stop_bias[t]) / STOP.temperature  # (B, G)
+            assert torch.allclose(out[:, t, K].exp(), torch.sigmoid(z)[seq_mask], atol=1e-6)
+            s = model.advance(s, keys, seqs[..., t].clamp_min(0))
+    fresh, cannot = make_model(seed, STOP), make_model(seed, replace(STOP, can_stop=False))
+    assert torch.equal(fresh.greedy(query, pool, pool_mask, S)[0], cannot.greedy(query, pool, pool_mask, S)[0])
+
+
 @given(stopped_batches())
 def test_greedy_and_sampling_may_stop_and_are_scored_as_teacher_forcing_scores_them(batch):
-    """Greedy decoding stops where the stop is at least as likely as going on (p >= 1/2), else takes the most likely
+    """Greedy decoding stops where the stop is more likely than going on (p > 1/2), else takes the most likely
     candidate (checked step by step on the teacher-forced distributions); it and sampling are scored as teacher
     forcing scores them; exactly S never stops; a beam of one ranks the stop against each candidate instead."""
     query, pool, pool_mask, seqs, _, seed = batch
@@ -549,7 +578,7 @@ def test_greedy_and_sampling_may_stop_and_are_scored_as_teacher_forcing_scores_t
         n = int((picks[b] >= 0).sum())
         for t in range(min(n + 1, S)):
             p = out.log_dist[b, 0, t].exp()
-            assert (p[-1] >= 0.5) == (t == n) and (t == n or int(picks[b, t]) == int(p[:-1].argmax()))
+            assert (p[-1] > 0.5) == (t == n) and (t == n or int(picks[b, t]) == int(p[:-1].argmax()))
     beam, score = model.beam_search(query, pool, pool_mask, S, 1)
     tf = model.log_probs(query, pool, pool_mask, beam, every).sum(-1)[:, 0]
     assert torch.allclose(score[:, 0], tf, atol=1e-5)
