@@ -1011,8 +1011,8 @@ def test_a_runs_lvlm_calls_add_up_along_its_init_chain(small_data, tmp_path, mon
 @pytest.mark.parametrize("help_base, stops", [(-2.0, True), (1.0, False)])
 def test_a_selector_that_may_stop_learns_when_to(tmp_path, help_base, stops):
     """Planted worlds: where every demonstration hurts (help_base -2) the selector learns to stop at once; where every
-    one helps (+1) it fills its k slots. RCE warms it up on groups with shorter sequences and the zero-shot prompt,
-    online GRPO then learns from its own stops; the first step's ratio is 1 and its KL to the reference 0."""
+    one helps (+1) it fills its k slots. RCE warms its picks up on the full-length sequences of groups that hold shorter
+    ones too (--min-shots 0: those train nothing), online GRPO then learns its stop from the greedy pairs."""
     data = tmp_path / "data"
     sim = dict(num_train=600, num_val=150, num_queries=96, group_size=8, pool_size=24)
     gen_rl_data.generate(gen_rl_data.Args(out=data, min_shots=0, sim_set=[f"help_base={help_base}"], **sim))
