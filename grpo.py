@@ -17,7 +17,8 @@ the default online run short first trains offline GRPO from --init, then the onl
 flag to add for a small budget. A selector that may stop (rce.py --can-stop) learns its stop online only, always after
 that warm start (which trains its picks alone): its samples fill every slot, PPO and the KL take its picks given that it
 goes on, and its stop learns from each group's greedy pair: a copy of the greedy sequence cut short at a uniform
-length against going on past the cut and then stopping where greedy decoding stops (`stop_loss`).
+length up to where greedy decoding stops against going on past the cut and then stopping where greedy decoding stops
+(`stop_loss`).
 
 Usage:
     python grpo.py --kl-beta 0.1 --no-rank-advantage         # offline, init runs/rce -> runs/grpo-kl0.1
@@ -326,9 +327,10 @@ MIN_PAIR_RATE = 1 / 8
 @dataclass
 class GreedyPair:
     """A selector that may stop, online: each group's first two sequences are the policy's greedy one made to go on
-    past a uniform cut below S (then stopping where greedy decoding stops) and its copy cut there, the pair its stop
-    learns from (`stop_loss`): the stop at the cut weighed against going on as the policy would. cut (B,) the copy's
-    length, gain (B,) its reward minus going on's."""
+    past a cut (then stopping where greedy decoding stops) and its copy cut there, the pair its stop learns from
+    (`stop_loss`): the stop at the cut weighed against going on as the policy would. The cut is uniform over the
+    lengths up to where greedy decoding stops (below S): a policy that gives none weighs its one choice in every pair.
+    cut (B,) the copy's length, gain (B,) its reward minus going on's."""
 
     cut: Tensor
     gain: Tensor
@@ -370,7 +372,9 @@ def sample_and_score(
         paired = torch.rand(cut.shape, generator=explore, dtype=torch.float64) < rate  # (B, 2G)
         short = cand.masked_fill((t >= cut[..., None]) & paired[..., None], -1)  # (B, 2G, S) unpaired: a repeat
         cand = torch.stack([cand, short], 2).flatten(1, 2)  # (B, 4G, S) each sample, then its copy
-        greedy_cut = torch.randint(0, S, (len(rows),), generator=explore)  # (B,) in 0..S-1
+        # cut where greedy decoding stops or before: the pairs weigh the choices it makes, none past them
+        made = (policy.greedy(query, pool_emb, pool_mask, S)[0] >= 0).sum(-1).clamp_max(S - 1)  # (B,)
+        greedy_cut = (torch.rand(len(rows), generator=explore, dtype=torch.float64) * (made + 1)).long()  # (B,) 0..made
         on = torch.stack([policy.greedy(query, pool_emb, pool_mask, S, c + 1)[0] for c in range(S)], 1)  # (B, S, S)
         full = on[torch.arange(len(rows)), greedy_cut]  # (B, S) on past the cut, then as greedy decoding goes
         pair = torch.stack([full, full.masked_fill(t >= greedy_cut[:, None], -1)], 1)  # (B, 2, S) always distinct

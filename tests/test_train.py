@@ -226,14 +226,16 @@ def test_a_selector_that_may_stop_learns_its_picks_as_one_that_cannot_and_its_st
 @pytest.mark.parametrize("rate", [1.0, 0.0])
 def test_a_stopping_selectors_groups_open_with_its_greedy_pair(small_data, fill, rate):
     """For a selector that may stop, every online group opens with its greedy pair: the greedy sequence made to go on
-    past a uniform cut below S and then stop where greedy decoding stops, then its copy cut there; the pair's gain is
+    past a cut and then stop where greedy decoding stops, then its copy cut there, the cut uniform up to where greedy
+    decoding stops (every choice it makes, none past them; below S); the pair's gain is
     the copy's reward minus going on's. Samples fill every slot however likely the stop (once they stopped as the
     policy did, and a group held few sequences long enough to teach the picks), beside cut copies of themselves at the
     pair rate (none at 0); groups hold distinct sequences of distinct pool positions, and the scores are the
     backend's for each prompt in prompt order."""
     ds = load_dataset(small_data)
+    torch.manual_seed(0)
     policy = PointerSelector(SelectorConfig(dim=512, hidden=32, num_heads=2, can_stop=True)).eval()
-    with torch.no_grad():  # it stops after one or two picks, more or less sure of it by step
+    with torch.no_grad():  # it stops after one to three picks, more or less sure of it by step
         policy.stop_bias.copy_(torch.tensor([-0.3, -0.05, 0.05, 0.3]))
         policy.stop_weight.copy_(0.1 * torch.randn(32, generator=torch.Generator().manual_seed(0)))
 
@@ -252,7 +254,10 @@ def test_a_stopping_selectors_groups_open_with_its_greedy_pair(small_data, fill,
         greedy, _ = policy.greedy(b.query, b.pool, b.pool_mask, S, c + 1)
         assert torch.equal(full[pair.cut == c], greedy[pair.cut == c])
     assert b.seq_mask[:, :2].all() and ((full >= 0).sum(-1) < S).any() and ((full >= 0).sum(-1) > pair.cut).all()
-    assert torch.equal((copy >= 0).sum(-1), pair.cut) and set(pair.cut.tolist()) == set(range(S))
+    made = (policy.greedy(b.query, b.pool, b.pool_mask, S)[0] >= 0).sum(-1).clamp_max(S - 1)  # (B,)
+    assert (made < S - 1).sum() >= 4  # where a cut below S may not go past greedy decoding's stop
+    assert torch.equal((copy >= 0).sum(-1), pair.cut) and (pair.cut <= made).all()
+    assert (pair.cut == made).any() and (pair.cut < made).any() and (pair.cut == 0).any()
     assert torch.equal(copy.where(copy >= 0, full), full)  # a prefix of the full one
     assert torch.equal(pair.gain, b.reward[:, 1] - b.reward[:, 0])
     for group, mask in zip(b.seqs.tolist(), b.seq_mask.tolist()):
