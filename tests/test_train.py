@@ -227,11 +227,11 @@ def test_a_selector_that_may_stop_learns_its_picks_as_one_that_cannot_and_its_st
 def test_a_stopping_selectors_groups_open_with_its_greedy_pair(small_data, fill, rate):
     """For a selector that may stop, every online group opens with its greedy pair: the greedy sequence made to go on
     past a cut and then stop where greedy decoding stops, then its copy cut there, the cut uniform up to where greedy
-    decoding stops (every choice it makes, none past them; below S); the pair's gain is
-    the copy's reward minus going on's. Samples fill every slot however likely the stop (once they stopped as the
-    policy did, and a group held few sequences long enough to teach the picks), beside cut copies of themselves at the
-    pair rate (none at 0); groups hold distinct sequences of distinct pool positions, and the scores are the
-    backend's for each prompt in prompt order."""
+    decoding stops (every choice it makes, none past them; below S); the pair's gain is the copy's reward minus going
+    on's. Samples fill every slot however likely the stop (once they stopped as the policy did, and a group held few
+    sequences long enough to teach the picks), beside cut copies of themselves at the pair rate (none at 0); groups
+    hold distinct sequences of distinct pool positions, and the scores are the backend's for each prompt in prompt
+    order."""
     ds = load_dataset(small_data)
     torch.manual_seed(0)
     policy = PointerSelector(SelectorConfig(dim=512, hidden=32, num_heads=2, can_stop=True)).eval()
