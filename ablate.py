@@ -199,6 +199,10 @@ class Args:
     """Bootstrap resamples for the CIs."""
     how_many: Path | None = None
     """Also draw how many demonstrations the 35k-call selector that may stop gives against what they are worth (PNG)."""
+    trainings: int = 1
+    """Train each variant this many times on the same data and init (training seeds seed, seed + 1000, ...; the n-th
+    in <run>--training-n) and compare the mean of its trainings on each question: two trainings of one recipe differ
+    at 4 shots by up to about a point, which a bootstrap over questions does not see. Tables show the spread."""
 
 
 def slug(name: str) -> str:
@@ -215,6 +219,18 @@ def sim_args(world: str) -> dict:
     return {"task": "caption", "world": CAPTIONING[world]} if world in CAPTIONING else {"world": world}
 
 
+# The n-th training of a variant (--trainings) uses training seed seed + (n - 1) * TRAINING_SEEDS.
+TRAINING_SEEDS = 1000
+
+
+def folders(args: Args, name: str) -> list[str]:
+    """A run's folders in its seed's: one for a baseline or a training-free rival, one per training otherwise."""
+    first = slug(name)
+    if name not in VARIANTS or VARIANTS[name][0] == "baseline":
+        return [first]
+    return [first, *[f"{first}--training-{n}" for n in range(2, args.trainings + 1)]]
+
+
 def build(args: Args, world: str, seed: int, names: list[str]) -> None:
     """Train and evaluate what is missing for one seed of one world."""
     root = args.out / world / f"seed{seed}"
@@ -226,34 +242,44 @@ def build(args: Args, world: str, seed: int, names: list[str]) -> None:
             quietly(evaluate.main, evaluate.Args(data=data, baseline=b, out=root / b, num_samples=[800]))
     for name in names:
         stage, flags, _ = VARIANTS[name]
-        run = root / slug(name)
         if stage == "baseline":
+            run = root / slug(name)
             if not (run / "eval" / "val.json").is_file():
                 quietly(evaluate.main, evaluate.Args(data=data, out=run, num_samples=[800], **flags))
             continue
-        common = {"data": data, "out": run, "seed": seed}
-        if "data" in flags:  # trained on a dataset of its own recipe, evaluated on the seed's
-            recipe, flags = flags["data"], {k: v for k, v in flags.items() if k != "data"}
-            common["data"] = root / f"data-{slug(recipe)}"
-            if not (common["data"] / "meta.json").is_file() or not read_json(common["data"] / "meta.json")["complete"]:
-                gen = gen_rl_data.Args(out=common["data"], seed=seed, **sim_args(world), **DATASETS[recipe])
-                quietly(gen_rl_data.generate, gen)
-        if stage == "rce":
-            run_args = rce.Args(**common, **flags)
-        else:
-            run_args = grpo.resolve(grpo.Args(**common, **{**flags, "init": root / slug(flags.get("init", "rce"))}))
-        if (run / "config.json").is_file():  # a cached run must have been made with exactly these flags
-            then = read_args(run / "config.json")
-            now = flag_values(run_args)
-            planned = ("epochs",) if now.get("lvlm_budget") and now["epochs"] is None else ()  # grpo plans them
-            if diff := sorted(k for k in now if k not in ("out", *SIDE_ARGS, *planned) and now[k] != then.get(k)):
-                raise ValueError(f"{run} was made with other flags ({', '.join(diff)}): delete it to rebuild it")
-        if (run / "eval" / "val.json").is_file():
-            continue
-        start = time.perf_counter()
-        quietly(rce.main if stage == "rce" else grpo.main, run_args)
-        quietly(evaluate.main, evaluate.Args(data=data, runs=[run], num_samples=[800]))
-        print(f"{world} seed {seed}: {name} ({time.perf_counter() - start:.0f} s)", flush=True)
+        for n, folder in enumerate(folders(args, name)):
+            train(root, world, seed, name, root / folder, seed + n * TRAINING_SEEDS)
+
+
+def train(root: Path, world: str, seed: int, name: str, run: Path, training_seed: int) -> None:
+    """Train and evaluate one training of a variant into `run`, unless it is there (made with the same flags). A GRPO
+    variant starts from the first training of its init."""
+    stage, flags, _ = VARIANTS[name]
+    data = root / "data"
+    common = {"data": data, "out": run, "seed": training_seed}
+    if "data" in flags:  # trained on a dataset of its own recipe, evaluated on the seed's
+        recipe, flags = flags["data"], {k: v for k, v in flags.items() if k != "data"}
+        common["data"] = root / f"data-{slug(recipe)}"
+        if not (common["data"] / "meta.json").is_file() or not read_json(common["data"] / "meta.json")["complete"]:
+            gen = gen_rl_data.Args(out=common["data"], seed=seed, **sim_args(world), **DATASETS[recipe])
+            quietly(gen_rl_data.generate, gen)
+    if stage == "rce":
+        run_args = rce.Args(**common, **flags)
+    else:
+        run_args = grpo.resolve(grpo.Args(**common, **{**flags, "init": root / slug(flags.get("init", "rce"))}))
+    if (run / "config.json").is_file():  # a cached run must have been made with exactly these flags
+        then = read_args(run / "config.json")
+        now = flag_values(run_args)
+        planned = ("epochs",) if now.get("lvlm_budget") and now["epochs"] is None else ()  # grpo plans them
+        if diff := sorted(k for k in now if k not in ("out", *SIDE_ARGS, *planned) and now[k] != then.get(k)):
+            raise ValueError(f"{run} was made with other flags ({', '.join(diff)}): delete it to rebuild it")
+    if (run / "eval" / "val.json").is_file():
+        return
+    start = time.perf_counter()
+    quietly(rce.main if stage == "rce" else grpo.main, run_args)
+    quietly(evaluate.main, evaluate.Args(data=data, runs=[run], num_samples=[800]))
+    again = run.name.removeprefix(slug(name)).replace("--", ", ")  # ", training-2" for a second training
+    print(f"{world} seed {seed}: {name}{again} ({time.perf_counter() - start:.0f} s)", flush=True)
 
 
 def order(names: list[str], references: bool = True) -> list[str]:
@@ -268,12 +294,19 @@ def order(names: list[str], references: bool = True) -> list[str]:
 UPTO = " (up to k)"  # a run's "up to k" evaluation, as compare.py names it
 
 
-def scores(args: Args, world: str, seed: int, name: str, shots: list[int] | None = None) -> dict | None:
-    """Each question's accuracy averaged over `shots` (default 1-4) in a run's evaluation; "<run> (up to k)" reads its
+def scores(
+    args: Args, world: str, seed: int, name: str, shots: list[int] | None = None, training: int | None = None
+) -> dict | None:
+    """Each question's accuracy averaged over `shots` (default 1-4) in a run's evaluation, and over its trainings
+    (only the `training`-th, counted from 0, if given); None until each has been evaluated. "<run> (up to k)" reads
     eval/val-upto.json."""
     run, upto = (name.removesuffix(UPTO), True) if name.endswith(UPTO) else (name, False)
-    path = args.out / world / f"seed{seed}" / slug(run) / "eval" / ("val-upto.json" if upto else "val.json")
-    return per_question(read_eval(path), 800, shots) if path.is_file() else None
+    names = folders(args, run) if training is None else folders(args, run)[training : training + 1]
+    paths = [args.out / world / f"seed{seed}" / f / "eval" / ("val-upto.json" if upto else "val.json") for f in names]
+    if not paths or not all(p.is_file() for p in paths):
+        return None
+    each = [per_question(read_eval(p), 800, shots) for p in paths]
+    return {q: float(np.mean([e[q] for e in each])) for q in each[0]}
 
 
 def figure_rng(*key) -> np.random.Generator:
@@ -316,6 +349,8 @@ def tables(args: Args, world: str) -> str:
     if rows:
         head = ["variant", "against", *[f"seed {s}" for s in seeds], "pooled over seeds"]
         out += ["Deltas (points) with paired bootstrap 95% CIs", "", md_table(head, rows), ""]
+    if args.trainings > 1:
+        out += [training_spread(args, world)]
     rows = []
     for s in seeds:
         r, o, img = got[s, "rce"], got[s, "online"], got[s, "image-sim"]
@@ -349,6 +384,37 @@ def tables(args: Args, world: str) -> str:
         head = ["run", *[f"seed {s}" for s in seeds], "pooled over seeds"]
         out += ["Share of the rce->oracle gap (LVLM calls)", "", md_table(head, rows), ""]
     return "\n".join(out)
+
+
+def training_spread(args: Args, world: str) -> str:
+    """Each later training of a variant minus its first (same data, init and flags; another training seed), per seed
+    and pooled: how far a recipe's own run-to-run noise moves it."""
+    rows = []
+    for name in [n for n in VARIANTS if len(folders(args, n)) > 1]:
+        for n in range(1, args.trainings):
+            cells, pooled, at4 = [], [], []
+            for s in args.seeds:
+                a, b = (scores(args, world, s, name, None, t) for t in (0, n))
+                a4, b4 = (scores(args, world, s, name, [4], t) for t in (0, n))
+                cells.append(delta([(a, b)], args.bootstrap, world, name, n, s) if a and b else "-")
+                pooled += [(a, b)] if a and b else []
+                at4 += [(a4, b4)] if a4 and b4 else []
+            if pooled:
+                key = (world, name, n, *args.seeds)
+                rows.append(
+                    [
+                        f"{name}: training {n + 1} - 1",
+                        *cells,
+                        delta(pooled, args.bootstrap, *key),
+                        delta(at4, args.bootstrap, 4, *key) if at4 else "-",
+                    ]
+                )
+    if not rows:
+        return ""
+    head = ["run", *[f"seed {s}" for s in args.seeds], "pooled over seeds", "pooled, at 4 shots"]
+    return "\n".join(
+        ["Trainings of one recipe (another training seed, same data and init)", "", md_table(head, rows), ""]
+    )
 
 
 def calls(args: Args, world: str, seed: int, name: str) -> int:
@@ -576,9 +642,10 @@ def stop_table(args: Args) -> str:
 
 
 def demos(args: Args, world: str, seed: int, name: str) -> float:
-    """Demonstrations per question a run's "up to k" evaluation used at 4 shots, on the first 800 questions."""
-    doc = read_eval(args.out / world / f"seed{seed}" / slug(name) / "eval" / "val-upto.json")
-    return doc["demonstrations"]["800"]["4"]
+    """Demonstrations per question a run's "up to k" evaluation used at 4 shots, on the first 800 questions (the mean
+    over its trainings)."""
+    docs = [read_eval(args.out / world / f"seed{seed}" / f / "eval" / "val-upto.json") for f in folders(args, name)]
+    return float(np.mean([d["demonstrations"]["800"]["4"] for d in docs]))
 
 
 HOW_MANY = "online, budget 35k, can stop"

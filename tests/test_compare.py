@@ -305,6 +305,39 @@ def test_ablate_figures_are_the_same_whichever_other_runs_are_in_the_table(tmp_p
     assert len(cells(after, "| variant |")) == 2
 
 
+def test_ablate_trainings_average_each_question_and_show_how_far_apart_they_are(tmp_path, monkeypatch):
+    """--trainings 2: a trained run's score on a question is the mean of its two trainings (a run with one of them
+    evaluated is not finished), a table gives the second minus the first, and build trains each variant twice, the
+    second with training seed + 1000 from the first training of its init."""
+    args = ablate.Args(seeds=[0], worlds=["copy"], out=tmp_path, bootstrap=200, trainings=2)
+    root = tmp_path / "copy" / "seed0"
+    first, second = [1, 1, 0, 0], [1, 1, 1, 1]  # 50%, then 100%
+    write_run(root / "zero-shot", {1: [1, 0, 0, 0], 2: [1, 0, 0, 0]})
+    write_run(root / "online", {1: first, 2: first})
+    assert ablate.scores(args, "copy", 0, "online") is None and ablate.scores(args, "copy", 0, "zero-shot")
+    write_run(root / "online--training-2", {1: second, 2: second})
+    assert list(ablate.scores(args, "copy", 0, "online").values()) == [1, 1, 0.5, 0.5]
+    text = ablate.tables(args, "copy")
+    assert {r[0]: r[1] for r in cells(text, "| run |")} == {"zero-shot": "25.00", "online": "75.00"}
+    [row] = cells(text, "| run | seed 0 | pooled over seeds | pooled, at 4 shots |")
+    assert row[0] == "online: training 2 - 1" and row[1].startswith("+50.00 [") and row[3] == "-"
+
+    (root / "data").mkdir()
+    (root / "data" / "meta.json").write_text(json.dumps({"complete": True}))
+    for b in ablate.CAPTION_BASELINES + ablate.BASELINES:
+        (root / b / "eval").mkdir(parents=True, exist_ok=True)
+        (root / b / "eval" / "val.json").touch()
+    trained = []
+    monkeypatch.setattr(ablate, "train", lambda root, w, s, name, run, seed: trained.append((name, run.name, seed)))
+    ablate.build(args, "copy", 0, ["rce", "online"])
+    assert trained == [
+        ("rce", "rce", 0),
+        ("rce", "rce--training-2", 1000),
+        ("online", "online", 0),
+        ("online", "online--training-2", 1000),
+    ]
+
+
 def test_a_ci_that_excludes_zero_is_not_enough_when_the_sign_test_disagrees(tmp_path):
     """The failure Lever-Plus's reports hit: a few large gains and more small losses give a bootstrap CI above 0,
     while more questions got worse than better (sign test p ~ 0.1): the verdict must be n.s."""
