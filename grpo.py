@@ -18,7 +18,7 @@ flag to add for a small budget. A selector that may stop (rce.py --can-stop) lea
 that warm start (which trains its picks alone): its samples fill every slot, PPO and the KL take its picks given that it
 goes on, and its stop learns from each group's greedy pair: a copy of the greedy sequence cut short at a uniform
 length up to where greedy decoding stops against going on past the cut and then stopping where greedy decoding stops
-(`stop_loss`).
+(`stop_loss`). The pair teaches the stop alone: the picks' advantages are over the group's samples.
 
 Usage:
     python grpo.py --kl-beta 0.1 --no-rank-advantage         # offline, init runs/rce -> runs/grpo-kl0.1
@@ -570,6 +570,16 @@ def offline_step(lr: Learner, ds: Dataset, split: Split, idx: Tensor, args: Args
     return update(lr, b, adv, b, adv, None, lr.ref_cache[idx], args, loop, last)[0]
 
 
+def sampled_advantages(b: Batch, stops: bool, args: Args) -> Tensor:
+    """An online batch's GRPO advantages (B, G), over each group's samples: for a selector that may stop (`stops`) its
+    greedy pair, the first two sequences, gets 0. The greedy sequence is the policy's mode and usually above its
+    group's mean: in the picks' PPO it would pull every group toward it, a sharpening that cost picks where
+    demonstrations help (docs/ablations.md). The pair teaches the stop alone (`stop_loss`)."""
+    learn = b.seq_mask.clone()  # (B, G)
+    learn[:, :2] &= not stops
+    return group_advantages(b.reward, learn, args.scale_rewards, args.rank_advantage).float()
+
+
 def online_step(lr: Learner, ds: Dataset, scorer: ScoreCache, queries, idx: Tensor, args: Args, loop, rngs, last):
     """One update on fresh groups: a query for each anchor of `idx` (B,) (see online_queries), G distinct sequences
     each sampled from the policy and scored by the backend, plus the replay buffer's groups with --replay-steps."""
@@ -585,7 +595,7 @@ def online_step(lr: Learner, ds: Dataset, scorer: ScoreCache, queries, idx: Tens
         won, state = (pair.gain > 0).double().mean().item(), loop["state"]
         state["stop_wins"] = won if state.get("stop_wins") is None else 0.9 * state["stop_wins"] + 0.1 * won
         stopping = {"grpo/stop_wins": won, "grpo/pair_rate": rate}
-    adv = group_advantages(b.reward, b.seq_mask, args.scale_rewards, args.rank_advantage).float()  # (B, G)
+    adv = sampled_advantages(b, lr.policy.cfg.can_stop, args)  # (B, G)
     t, t_adv, sampled = with_replay(ds, b, adv, lr.buffer) if args.replay_steps else (b, adv, None)
     with torch.no_grad():
         ref_dist = lr.ref(t.query, t.pool, t.pool_mask, t.seqs, t.seq_mask, True, args.temperature).log_dist

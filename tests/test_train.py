@@ -328,6 +328,29 @@ def test_the_stop_learns_from_its_greedy_pairs_at_temperature_one_and_from_nothi
     assert other > 0 and stop_grad <= 1e-5 * other
 
 
+@given(st.integers(0, 2**31 - 1), st.booleans())
+@settings(max_examples=25, deadline=None)
+def test_a_stopping_selectors_greedy_pair_teaches_its_stop_alone(seed, stops):
+    """Online, a selector that may stop takes its picks' advantages over each group's samples: its greedy pair (the
+    first two sequences, the policy's mode and its copy) gets 0 however it scored, and the samples are centred and
+    scaled among themselves; a selector that fills every slot has no pair, and its groups are taken whole."""
+    g = torch.Generator().manual_seed(seed)
+    B, G, S, K = 5, 6, 4, 9
+    reward = torch.rand(B, G, generator=g, dtype=torch.float64)
+    reward[:, 0] += 3  # the mode, far above the samples
+    ok = torch.rand(B, G, generator=g) < 0.9
+    seqs = torch.rand(B, G, K, generator=g).argsort(-1)[..., :S]
+    b = batches.Batch(torch.zeros(B, 8), torch.zeros(B, K, 8), torch.ones(B, K, dtype=torch.bool), seqs, ok, reward)
+    args = grpo.resolve(grpo.Args(online=True))
+    adv = grpo.sampled_advantages(b, stops, args)
+    if stops:
+        assert (adv[:, :2] == 0).all()
+        want = grpo.group_advantages(reward[:, 2:], ok[:, 2:], args.scale_rewards, args.rank_advantage).float()
+        assert torch.equal(adv[:, 2:], want)
+    else:
+        assert torch.equal(adv, grpo.group_advantages(reward, ok, args.scale_rewards, args.rank_advantage).float())
+
+
 def test_online_queries_come_from_train_but_never_from_validation_images(small_data, rce_run, tmp_path, monkeypatch):
     asked = []
     real = ScoreCache.score
