@@ -3,13 +3,15 @@
 Per simulated world (docs/worlds.md) and seed: a dataset, the default RCE and online GRPO runs, the variants (each
 differs from its reference in the flags shown) and the baselines, evaluated on the same 800 validation questions.
 Numbers are VQA accuracy (CIDEr-D in a captioning world) averaged over 1-4 shots, a delta's 95% CI a paired
-bootstrap over questions (pooled over seeds). Runs are cached in --out, so a re-run resumes; the last tables have one
-row per world: what each run takes, what each budget of LVLM calls buys, the rivals, and the selectors that may stop.
+bootstrap over questions (pooled over seeds; with --trainings, over each run's mean of its trainings). Runs are cached
+in --out, so a re-run resumes; the last tables have one row per world: what each run takes, what each budget of LVLM
+calls buys, the rivals, and the selectors that may stop.
 
 Usage:
     python ablate.py                                  # seeds 0 1 2 -> runs/ablate/additive (about 40 min a seed)
     python ablate.py --seeds 3 --only online          # one more seed, one variant
     python ablate.py --worlds copy strong --only online "online, budget 35k"   # other worlds
+    python ablate.py --seeds 3 --trainings 2 --only "online, budget 35k"    # each run trained twice, averaged
 """
 
 from __future__ import annotations
