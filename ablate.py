@@ -204,7 +204,7 @@ class Args:
     trainings: int = 1
     """Train each variant this many times on the same data and init (training seeds seed, seed + 1000, ...; the n-th
     in <run>--training-n) and compare the mean of its trainings on each question: two trainings of one recipe differ
-    at 4 shots by up to about a point, which a bootstrap over questions does not see. Tables show the spread."""
+    at 4 shots by a point or more, which a bootstrap over questions does not see. Tables show the spread."""
 
 
 def slug(name: str) -> str:
@@ -702,6 +702,8 @@ def how_many_figure(args: Args, path: Path) -> None:
 def main(args: Args) -> None:
     if unknown := [n for n in args.only if n not in VARIANTS]:
         raise ValueError(f"--only: unknown variants {unknown}; known: {list(VARIANTS)}")
+    if args.trainings < 1:
+        raise ValueError(f"--trainings must be at least 1, got {args.trainings}")
     torch.set_num_threads(1)
     names = order(args.only or list(VARIANTS), args.references)
     for world in args.worlds:

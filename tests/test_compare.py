@@ -336,6 +336,8 @@ def test_ablate_trainings_average_each_question_and_show_how_far_apart_they_are(
         ("online", "online", 0),
         ("online", "online--training-2", 1000),
     ]
+    with pytest.raises(ValueError, match="--trainings must be at least 1"):
+        ablate.main(ablate.Args(out=tmp_path, trainings=0))
 
 
 def test_a_ci_that_excludes_zero_is_not_enough_when_the_sign_test_disagrees(tmp_path):
