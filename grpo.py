@@ -576,7 +576,8 @@ def sampled_advantages(b: Batch, stops: bool, args: Args) -> Tensor:
     group's mean: in the picks' PPO it would pull every group toward it, a sharpening that cost picks where
     demonstrations help (docs/ablations.md). The pair teaches the stop alone (`stop_loss`)."""
     learn = b.seq_mask.clone()  # (B, G)
-    learn[:, :2] &= not stops
+    if stops:
+        learn[:, :2] = False
     return group_advantages(b.reward, learn, args.scale_rewards, args.rank_advantage).float()
 
 
