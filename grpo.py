@@ -18,7 +18,7 @@ flag to add for a small budget. A selector that may stop (rce.py --can-stop) lea
 that warm start (which trains its picks alone): its samples fill every slot, PPO and the KL take its picks given that it
 goes on, and its stop learns from each group's greedy pair: a copy of the greedy sequence cut short at a uniform
 length up to where greedy decoding stops against going on past the cut and then stopping where greedy decoding stops
-(`stop_loss`). The pair teaches the stop alone: the picks' advantages are over the group's samples.
+(`stop_loss`). The pair teaches the stop alone, and the samples the picks alone.
 
 Usage:
     python grpo.py --kl-beta 0.1 --no-rank-advantage         # offline, init runs/rce -> runs/grpo-kl0.1
@@ -319,11 +319,6 @@ def reference_dists(ref: PointerSelector, ds: Dataset, split: Split, batch_size:
     return out
 
 
-# A selector that may stop, online, pairs each sample with a copy of it cut short as often as such copies have lately
-# beaten going on, and never less often than this: where going on has always won, stopping is still tried now and then.
-MIN_PAIR_RATE = 1 / 8
-
-
 @dataclass
 class GreedyPair:
     """A selector that may stop, online: each group's first two sequences are the policy's greedy one made to go on
@@ -336,12 +331,6 @@ class GreedyPair:
     gain: Tensor
 
 
-def pair_rate(state: dict) -> float:
-    """The share of samples given a cut copy: the share of greedy pairs whose copy won, averaged over steps (each
-    weighing a tenth; 1 before the first), at least MIN_PAIR_RATE."""
-    return 1.0 if state.get("stop_wins") is None else max(MIN_PAIR_RATE, state["stop_wins"])
-
-
 def sample_and_score(
     policy: PointerSelector,
     scorer: ScoreCache,
@@ -352,14 +341,13 @@ def sample_and_score(
     gen,
     explore,
     fill: bool,
-    rate: float = 1.0,
 ) -> tuple[Batch, float, GreedyPair | None]:
     """Online groups: up to G distinct sequences per query, scored by the backend. From 2G samples of the current
-    policy, the distinct ones, every slot filled. For a selector that may stop, first its greedy pair (GreedyPair),
-    then each sample beside, with probability `rate`, a copy of itself cut at a uniform length below S (lengths drawn
-    from `explore`), so that groups weigh going on against stopping. With `fill` (a budgeted run) and fewer than G
-    distinct (a policy sure of its choice), uniformly random sequences too (of random lengths for a selector that may
-    stop): a group never collapses to the one sequence whose score is known, so it keeps a signal and spends its calls.
+    policy, the distinct ones, every slot filled; for a selector that may stop, after its greedy pair (GreedyPair, cuts
+    drawn from `explore`). Samples are never cut short: a cut copy's reward is lower (or higher) for its stop, and PPO
+    would credit its picks with it. With `fill` (a budgeted run) and fewer than G distinct (a policy sure of its
+    choice), uniformly random sequences too (of random lengths for a selector that may stop): a group never collapses
+    to the one sequence whose score is known, so it keeps a signal and spends its calls.
     rows (B,) train questions, pool (B, K) their candidates (train rows, -1 = padding) -> the batch, the share of its
     sequences that are random fills, and the greedy pairs of a selector that may stop."""
     S, G = ds.seq_len, args.group_size
@@ -368,10 +356,6 @@ def sample_and_score(
     cand, _ = policy.sample(query, pool_emb, pool_mask, S, 2 * G, gen, args.temperature, S)  # (B, 2G, S) all filled
     t = torch.arange(S)  # (S,) slot indices
     if policy.cfg.can_stop:
-        cut = (torch.rand(cand.shape[:2], generator=explore, dtype=torch.float64) * S).long()  # (B, 2G) in 0..S-1
-        paired = torch.rand(cut.shape, generator=explore, dtype=torch.float64) < rate  # (B, 2G)
-        short = cand.masked_fill((t >= cut[..., None]) & paired[..., None], -1)  # (B, 2G, S) unpaired: a repeat
-        cand = torch.stack([cand, short], 2).flatten(1, 2)  # (B, 4G, S) each sample, then its copy
         # cut where greedy decoding stops or before: the pairs weigh the choices it makes, none past them
         made = (policy.greedy(query, pool_emb, pool_mask, S)[0] >= 0).sum(-1).clamp_max(S - 1)  # (B,)
         greedy_cut = (torch.rand(len(rows), generator=explore, dtype=torch.float64) * (made + 1)).long()  # (B,) 0..made
@@ -496,6 +480,16 @@ def seq_logp(policy: PointerSelector, steps: Steps, seqs: Tensor) -> Tensor:
     return going_on_logp(steps, seqs) if policy.cfg.can_stop else steps.logp.sum(-1)
 
 
+def clip_apart(lr: Learner, clip: float) -> tuple[float, float]:
+    """Clip the picks' gradient and the stop's each to norm `clip`, apart: the stop's loss, large where stopping wins
+    about half its pairs, would otherwise set the one norm that scales every pick's step (docs/ablations.md). -> both
+    norms before clipping (the stop's 0 for a selector that fills every slot, or offline)."""
+    stop = {id(p) for p in lr.policy.stop_parameters()}
+    parts = [p for p in lr.params if id(p) not in stop], [p for p in lr.params if id(p) in stop]
+    norms = [float(torch.nn.utils.clip_grad_norm_(ps, clip or math.inf)) if ps else 0.0 for ps in parts]
+    return norms[0], norms[1]
+
+
 def update(
     lr: Learner, b: Batch, adv: Tensor, t: Batch, t_adv: Tensor, sampled, ref_dist: Tensor, args, loop, last, pair=None
 ):
@@ -527,8 +521,8 @@ def update(
         if last:  # once per epoch, where the policy has left the reference (the stop loss aside)
             extra["grpo/kl_grad_share"] = kl_grad_share(lr.params, ppo, beta * kl)
         loss.backward()
-        norm = float(torch.nn.utils.clip_grad_norm_(lr.params, args.grad_clip or math.inf))
-        if math.isfinite(norm):  # a NaN/inf gradient skips the step; the run stops just below
+        norm, stop_norm = clip_apart(lr, args.grad_clip)
+        if math.isfinite(norm + stop_norm):  # a NaN/inf gradient skips the step; the run stops just below
             lr.opt.step()
     if last:  # how far one batch's updates moved the policy, KL(old || new)
         with torch.no_grad():
@@ -549,6 +543,7 @@ def update(
         "grpo/ratio_mean": float(st["ratio_mean"]),
         "grpo/entropy": cur.entropy[cur.taken].mean().item(),
         "train/grad_norm": norm,
+        **({"grpo/stop_grad_norm": stop_norm} if lr.policy.cfg.can_stop else {}),
         "grpo/beta": beta,
         "grpo/reward_mean": r.mean().item(),
         "grpo/reward_std": r.std(correction=0).item(),
@@ -587,15 +582,9 @@ def online_step(lr: Learner, ds: Dataset, scorer: ScoreCache, queries, idx: Tens
     lr.policy.eval()  # sampling and every log-prob (new, old, reference) without dropout
     rows, pool = queries(idx)  # (B,), (B, K)
     fill = args.lvlm_budget is not None
-    rate = pair_rate(loop["state"])  # as this step's pairs found it
-    b, explored, pair = sample_and_score(
-        lr.policy, scorer, ds, rows, pool, args, rngs["sampler"], rngs["explore"], fill, rate
-    )
-    stopping = {}
-    if pair is not None:
-        won, state = (pair.gain > 0).double().mean().item(), loop["state"]
-        state["stop_wins"] = won if state.get("stop_wins") is None else 0.9 * state["stop_wins"] + 0.1 * won
-        stopping = {"grpo/stop_wins": won, "grpo/pair_rate": rate}
+    gens = rngs["sampler"], rngs["explore"]
+    b, explored, pair = sample_and_score(lr.policy, scorer, ds, rows, pool, args, *gens, fill)
+    stopping = {} if pair is None else {"grpo/stop_wins": (pair.gain > 0).double().mean().item()}
     adv = sampled_advantages(b, lr.policy.cfg.can_stop, args)  # (B, G)
     t, t_adv, sampled = with_replay(ds, b, adv, lr.buffer) if args.replay_steps else (b, adv, None)
     with torch.no_grad():

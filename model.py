@@ -8,7 +8,8 @@ cosine / temperature, and the state absorbs each pick through a gate: g = sigma(
 With an item memory (grpo.py --item-bias), a learned score of each train item adds to its cosine wherever it is a
 candidate. A selector that may stop (--can-stop) decides at each step first whether to stop, p(stop) =
 sigmoid((s . w + b_t) / temperature), then which candidate given that it goes on: how sure it is of its picks never
-decides whether it stops. Its stop starts at w = b = 0, a coin flip that greedy decoding resolves by going on.
+decides whether it stops, and the stop reads the state s without training it (no gradient from the stop reaches the
+weights its picks use). Its stop starts at w = b = 0, a coin flip that greedy decoding resolves by going on.
 
 Each query and its pool are encoded once and shared by all G sequences of its group: teacher forcing is vectorised
 over queries x sequences, with a Python loop only over the S steps, whose state is sequential. Log-distributions keep
@@ -293,7 +294,8 @@ class PointerSelector(
         can_go, can_stop = avail[..., :-1].any(-1), avail[..., -1]  # (B, M) x2
         picks = (scores / self.cfg.temperature).masked_fill(~avail[..., :-1], float("-inf"))  # (B, M, K)
         picks = picks.masked_fill(~can_go[..., None], 0.0).log_softmax(-1)  # which candidate, given going on
-        z = (s @ self.stop_weight + self.stop_bias[min(t, len(self.stop_bias) - 1)]) / self.cfg.temperature  # (B, M)
+        # the stop reads the state the picks train: its loss, pulling the shared weights, cost picks (docs/ablations.md)
+        z = (s.detach() @ self.stop_weight + self.stop_bias[min(t, len(self.stop_bias) - 1)]) / self.cfg.temperature
         go = F.logsigmoid(-z).where(can_stop, 0.0)  # (B, M) log p(go on), 0 where it must
         stop = F.logsigmoid(z).where(can_go, 0.0)  # (B, M) log p(stop), 0 where it must
         log_dist = torch.cat([picks + go[..., None], stop[..., None]], -1).masked_fill(~avail, float("-inf"))

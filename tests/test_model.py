@@ -540,8 +540,9 @@ def test_the_stop_is_a_coin_of_its_own_beside_the_picks_of_the_selector_that_fil
     """At each step p(stop) = sigmoid((s . w + b_t) / temperature) of the state s (by hand), and the picks given going
     on are exactly those of the selector with the same weights that cannot stop, whatever the stop's parameters: how
     sure it is of its picks never decides whether it stops (scored among the candidates, a stop buried under sharp
-    picks never rose within a budget). Untrained, its stop is a coin flip and greedy decoding fills every slot as the
-    selector that cannot stop does."""
+    picks never rose within a budget). The stop reads the state and never trains it: its log-prob moves its own weight
+    and bias alone (its loss, pulling the shared weights, cost the picks where demonstrations help). Untrained, its stop
+    is a coin flip and greedy decoding fills every slot as the selector that cannot stop does."""
     query, pool, pool_mask, seqs, seq_mask, seed = batch  # full-length sequences
     S, K = seqs.shape[2], pool.shape[1]
     model = stopping(seed)
@@ -558,6 +559,10 @@ def test_the_stop_is_a_coin_of_its_own_beside_the_picks_of_the_selector_that_fil
             z = (s @ model.stop_weight + model.stop_bias[t]) / STOP.temperature  # (B, G)
             assert torch.allclose(out[:, t, K].exp(), torch.sigmoid(z)[seq_mask], atol=1e-6)
             s = model.advance(s, keys, seqs[..., t].clamp_min(0))
+    stop = model(query, pool, pool_mask, seqs, seq_mask, with_dists=True).log_dist[..., K][seq_mask].sum()
+    grads = torch.autograd.grad(stop, list(model.parameters()), allow_unused=True)
+    moved = {n for (n, _), g in zip(model.named_parameters(), grads) if g is not None and g.abs().max() > 0}
+    assert moved == {"stop_weight", "stop_bias"} or not seq_mask.any(), moved
     fresh, cannot = make_model(seed, STOP), make_model(seed, replace(STOP, can_stop=False))
     assert torch.equal(fresh.greedy(query, pool, pool_mask, S)[0], cannot.greedy(query, pool, pool_mask, S)[0])
 
