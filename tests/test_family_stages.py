@@ -7,8 +7,7 @@ Each LVLM-bound stage runs with --lvlm-batch-size 1 and 4 and must write the sam
 gt_prob within float32 rounding: a left-padded batch is a different computation only in its rounding.
 
 Gemma3's sliding window (real_fixtures.GEMMA3_SLIDING_WINDOW) is shorter than every prompt the stages give it, so its
-cache drops states and cannot be cut back after decoding; it runs in the plain suite, the other families under
-`-m slow`.
+cache drops states and cannot be cut back after decoding. Every family runs under `-m slow`.
 """
 
 from __future__ import annotations
@@ -85,7 +84,8 @@ def stages(model: Path, okvqa: Path, clip: Path, root: Path) -> None:
         grpo.main(grpo.Args(init=root / "rce", out=root / f"b{b}" / "online", **lvlm_args, **online))
 
 
-@pytest.mark.parametrize("name", [pytest.param(f, marks=[] if f == "gemma3" else [pytest.mark.slow]) for f in FAMILIES])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAMILIES)
 def test_every_stage_batched_equals_one_prompt_at_a_time(
     name, family_models, mixed_okvqa, assets, tmp_path, monkeypatch
 ):

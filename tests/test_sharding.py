@@ -25,6 +25,7 @@ def torchrun(script: str, *args: str) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+@pytest.mark.slow  # two processes that import torch
 def test_gen_rl_data_two_ranks_equal_one(small_data, tmp_path):
     out = tmp_path / "sharded"
     torchrun("gen_rl_data.py", f"--out={out}", *FLAGS)
@@ -48,6 +49,7 @@ def test_leftover_shards_of_a_crashed_run_are_resumed_and_merged(small_data, tmp
     assert not list(out.glob("rl_data.rank*.jsonl"))
 
 
+@pytest.mark.slow  # two processes that import torch
 def test_evaluate_two_ranks_equal_one(small_data, tmp_path):
     import evaluate
 

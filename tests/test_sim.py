@@ -249,17 +249,6 @@ def test_oracle_zero_shots_and_bad_k():
         s.oracle("val", torch.tensor([0, 1]), pool, 3)
 
 
-def test_calibration_targets_at_defaults():
-    r = sim.calibrate(default_sim())
-    assert 45 <= r["random_1"] <= 52
-    assert r["random_4"] < r["random_1"]
-    for k in (1, 2):
-        assert r[f"similar_{k}"] >= r[f"random_{k}"] + 1
-    for k in (1, 2, 3, 4):
-        assert r[f"oracle_{k}"] >= r[f"random_{k}"] + 8
-    assert 0.25 <= r["varying_reward_frac"] <= 0.60
-
-
 @given(sim_seed=sim_seeds, seed=seeds)
 @settings(max_examples=8)
 def test_expected_helpfulness_is_the_planted_formula_at_certain_posteriors(sim_seed, seed):

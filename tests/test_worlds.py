@@ -209,6 +209,18 @@ def test_calibration_table_within_tolerance(world):
             assert [got[f"{row}_{k}"] for k in range(1, 5)] == pytest.approx(want[row], abs=TOLERANCE), row
 
 
+def test_the_default_world_meets_its_calibration_targets():
+    """The targets the default world was calibrated to (its table above pins its values; these say why they matter)."""
+    r = calibration("additive")
+    assert 45 <= r["random_1"] <= 52
+    assert r["random_4"] < r["random_1"]
+    for k in (1, 2):
+        assert r[f"similar_{k}"] >= r[f"random_{k}"] + 1
+    for k in (1, 2, 3, 4):
+        assert r[f"oracle_{k}"] >= r[f"random_{k}"] + 8
+    assert 0.25 <= r["varying_reward_frac"] <= 0.60
+
+
 @pytest.mark.slow  # twenty calibrations at the default sizes (shared with the next test): about 90 s on one core
 @pytest.mark.parametrize("world", list(sim.WORLDS))
 def test_seeds_1_to_4_span_the_documented_ranges_and_the_oracle_leads_on_each(world):
