@@ -18,7 +18,8 @@ flag to add for a small budget. A selector that may stop (rce.py --can-stop) lea
 that warm start (which trains its picks alone): its samples fill every slot, PPO and the KL take its picks given that it
 goes on, and its stop learns from each group's greedy pair: a copy of the greedy sequence cut short at a uniform
 length up to where greedy decoding stops against going on past the cut and then stopping where greedy decoding stops
-(`stop_loss`). The pair teaches the stop alone, and the samples the picks alone.
+(`stop_loss`). The pair teaches the stop alone, and the samples the picks alone; the two gradients are clipped apart,
+and the stop learns at STOP_LR times --lr.
 
 Usage:
     python grpo.py --kl-beta 0.1 --no-rank-advantage         # offline, init runs/rce -> runs/grpo-kl0.1
@@ -613,10 +614,16 @@ def online_queries(ds: Dataset, split: Split, args: Args, draws: torch.Generator
     return draw
 
 
+# The stop's learning rate in multiples of --lr. A budget gives it a few dozen steps: at --lr its logit stayed within
+# about one of 0, p(stop) near 1/2 for every question, and where greedy decoding crossed 1/2 was the seed's draw; at ten
+# times, it stopped where demonstrations help (docs/ablations.md).
+STOP_LR = 3.0
+
+
 def learner(args: Args, ds: Dataset, split: Split, init: Path) -> Learner:
     """The `init` selector as the policy (its picks kept, grown to the data's sequence length where fewer) and as the
-    frozen reference, its AdamW optimizer, and for offline GRPO the reference's distributions over the scored
-    groups."""
+    frozen reference, its AdamW optimizer (the stop's parameters, where they train, in a group of their own at STOP_LR
+    times --lr), and for offline GRPO the reference's distributions over the scored groups."""
     policy = load_selector(init)
     check_width(policy, init, ds.folder, ds.emb["train"].shape[1])
     policy.set_picks(max(policy.cfg.picks, ds.seq_len))  # Lever-LM's 2-shot data: still asked for its 4
@@ -629,7 +636,10 @@ def learner(args: Args, ds: Dataset, split: Split, init: Path) -> Learner:
     for p in [] if args.online else policy.stop_parameters():  # offline, no pair scores a stop
         p.requires_grad_(False)
     params = [p for p in policy.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    stop = {id(p) for p in policy.stop_parameters()}
+    parts = [p for p in params if id(p) not in stop], [p for p in params if id(p) in stop]
+    groups = [{"params": ps, "scale": scale} for ps, scale in zip(parts, (1.0, STOP_LR)) if ps]
+    opt = torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay)
     ref_cache = None if args.online else reference_dists(ref, ds, split, args.batch_size)  # (Q, G, S, K)
     return Learner(policy, ref, opt, params, ref_cache, [])
 
@@ -755,7 +765,7 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
                 done = lvlm.calls if lvlm else 0
                 progress = (loop["step"], total) if plan is None else (done - first, args.lvlm_budget - first)
                 for group in lr.opt.param_groups:  # a function of the step (a budget's: of its calls) alone
-                    group["lr"] = args.lr * lr_factor(args.lr_schedule, *progress)
+                    group["lr"] = group["scale"] * args.lr * lr_factor(args.lr_schedule, *progress)
                 if args.online:
                     metrics = online_step(lr, ds, scorer, queries, idx, args, loop, rngs, last)
                 else:

@@ -27,7 +27,7 @@ from icl_select import batches, epochs, runs, validation
 from icl_select.backends import ScoreCache
 from icl_select.cli import run_cli
 from icl_select.data import load_dataset
-from icl_select.runs import load_selector, save_checkpoint
+from icl_select.runs import checkpoint_meta, load_selector, save_checkpoint
 from model import PointerSelector, SelectorConfig
 
 FAST = dict(batch_size=8, val_frac=0.25, keep_every=1)
@@ -442,6 +442,11 @@ def test_a_selector_that_may_stop_trains_online_only_and_resumes_bit_identical(s
     full = whole_and_resumed(monkeypatch, tmp_path, data=small_data, init=tmp_path / "rce", **flags)
     last = records(full)[-1]
     assert last["grpo/stop_loss"] > 0 and 0 < last["grpo/stop_wins"] < 1 and last["grpo/stop_grad_norm"] > 0, last
+    # its stop learns at grpo.STOP_LR times --lr (a budget's few dozen steps left it a coin flip), its picks at --lr
+    groups = checkpoint_meta(full / "ckpt" / "epoch_002.safetensors")["optimizer"]["param_groups"]
+    stop = len(load_selector(full).stop_parameters())
+    assert len(groups) == 2 and len(groups[1]["params"]) == stop, groups
+    assert groups[1]["lr"] == pytest.approx(grpo.STOP_LR * groups[0]["lr"]) and groups[0]["lr"] > 0, groups
 
 
 def test_item_bias_learns_a_score_per_train_item_resumes_bit_identical_and_evaluates(
