@@ -482,13 +482,12 @@ def seq_logp(policy: PointerSelector, steps: Steps, seqs: Tensor) -> Tensor:
 
 
 def clip_apart(lr: Learner, clip: float) -> tuple[float, float]:
-    """Clip the picks' gradient and the stop's each to norm `clip`, apart: the stop's loss, large where stopping wins
-    about half its pairs, would otherwise set the one norm that scales every pick's step (docs/ablations.md). -> both
-    norms before clipping (the stop's 0 for a selector that fills every slot, or offline)."""
-    stop = {id(p) for p in lr.policy.stop_parameters()}
-    parts = [p for p in lr.params if id(p) not in stop], [p for p in lr.params if id(p) in stop]
-    norms = [float(torch.nn.utils.clip_grad_norm_(ps, clip or math.inf)) if ps else 0.0 for ps in parts]
-    return norms[0], norms[1]
+    """Clip the picks' gradient and the stop's (the optimizer's groups, `param_groups`) each to norm `clip`, apart: the
+    stop's loss, large where stopping wins about half its pairs, would otherwise set the one norm that scales every
+    pick's step (docs/ablations.md). -> both norms before clipping (the stop's 0 where it does not train)."""
+    clip = clip or math.inf
+    norms = {g["stop"]: float(torch.nn.utils.clip_grad_norm_(g["params"], clip)) for g in lr.opt.param_groups}
+    return norms.get(False, 0.0), norms.get(True, 0.0)
 
 
 def update(
@@ -614,16 +613,24 @@ def online_queries(ds: Dataset, split: Split, args: Args, draws: torch.Generator
     return draw
 
 
-# The stop's learning rate in multiples of --lr. A budget gives it a few dozen steps: at --lr its logit stayed within
-# about one of 0, p(stop) near 1/2 for every question, and where greedy decoding crossed 1/2 was the seed's draw; at ten
-# times, it stopped where demonstrations help (docs/ablations.md).
+# The stop's learning rate in multiples of --lr. A budget gives it a few dozen steps: at --lr its logit ended near 0,
+# p(stop) near 1/2 for every question, and where greedy decoding crossed 1/2 was the seed's draw; at ten times, it
+# stopped where demonstrations help (docs/ablations.md).
 STOP_LR = 3.0
+
+
+def param_groups(policy: PointerSelector, params: list[torch.nn.Parameter]) -> list[dict]:
+    """AdamW groups of the trained `params`: the picks' at --lr, and the stop's, where it trains, at STOP_LR times
+    --lr ("scale"), each group flagged "stop" for `clip_apart`."""
+    ids = {id(p) for p in policy.stop_parameters()}
+    parts = {False: [p for p in params if id(p) not in ids], True: [p for p in params if id(p) in ids]}
+    return [{"params": ps, "scale": STOP_LR if stop else 1.0, "stop": stop} for stop, ps in parts.items() if ps]
 
 
 def learner(args: Args, ds: Dataset, split: Split, init: Path) -> Learner:
     """The `init` selector as the policy (its picks kept, grown to the data's sequence length where fewer) and as the
-    frozen reference, its AdamW optimizer (the stop's parameters, where they train, in a group of their own at STOP_LR
-    times --lr), and for offline GRPO the reference's distributions over the scored groups."""
+    frozen reference, its AdamW optimizer (`param_groups`), and for offline GRPO the reference's distributions over the
+    scored groups."""
     policy = load_selector(init)
     check_width(policy, init, ds.folder, ds.emb["train"].shape[1])
     policy.set_picks(max(policy.cfg.picks, ds.seq_len))  # Lever-LM's 2-shot data: still asked for its 4
@@ -636,10 +643,7 @@ def learner(args: Args, ds: Dataset, split: Split, init: Path) -> Learner:
     for p in [] if args.online else policy.stop_parameters():  # offline, no pair scores a stop
         p.requires_grad_(False)
     params = [p for p in policy.parameters() if p.requires_grad]
-    stop = {id(p) for p in policy.stop_parameters()}
-    parts = [p for p in params if id(p) not in stop], [p for p in params if id(p) in stop]
-    groups = [{"params": ps, "scale": scale} for ps, scale in zip(parts, (1.0, STOP_LR)) if ps]
-    opt = torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay)
+    opt = torch.optim.AdamW(param_groups(policy, params), lr=args.lr, weight_decay=args.weight_decay)
     ref_cache = None if args.online else reference_dists(ref, ds, split, args.batch_size)  # (Q, G, S, K)
     return Learner(policy, ref, opt, params, ref_cache, [])
 

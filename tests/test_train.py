@@ -293,7 +293,7 @@ def stop_update(pair: bool, seed: int = 0, temperature: float = 1.5, beta: float
     greedy = grpo.GreedyPair(cut, reward[:, 1] - reward[:, 0])
     args = grpo.resolve(grpo.Args(online=True, temperature=temperature, kl_beta=beta))
     params = list(policy.parameters())
-    lr = grpo.Learner(policy, before, torch.optim.AdamW(params, lr=1e-2), params, None, [])
+    lr = grpo.Learner(policy, before, torch.optim.AdamW(grpo.param_groups(policy, params), lr=1e-2), params, None, [])
     adv = grpo.group_advantages(reward, ok).float()
     other = copy.deepcopy(before)
     with torch.no_grad():
@@ -342,7 +342,7 @@ def test_the_picks_and_the_stop_are_clipped_apart(seed, stops, clip):
     picks = [p for p in params if all(p is not q for q in stop)]
     before = [torch.cat([p.grad.flatten() for p in ps]).norm().item() if ps else 0.0 for ps in (picks, stop)]
     want = [p.grad * min(1.0, clip / before[0]) for p in picks]
-    lr = grpo.Learner(policy, policy, torch.optim.AdamW(params), params, None, [])
+    lr = grpo.Learner(policy, policy, torch.optim.AdamW(grpo.param_groups(policy, params)), params, None, [])
     assert grpo.clip_apart(lr, clip) == pytest.approx(before, rel=1e-5)
     assert all(torch.allclose(p.grad, w, rtol=1e-5) for p, w in zip(picks, want))
     if stops:
