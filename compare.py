@@ -498,11 +498,16 @@ def verdict_section(c: Comparison, args: Args) -> str:
             f"{', '.join(b.name for b in baselines if b not in beaten)}."
         )
     k = max(c.shots)
-    if best.upto:  # it chose how many: say how many, and what choosing bought against the best that filled k slots
+    if best.upto:  # it chose how many: say how many, and what choosing bought against filling every slot
         fixed = [r for r in selectors if not r.upto]
         line = f"{best.name} chose how many: {best.used(c.n, k):.2f} demonstrations per question at up to {k}"
-        if fixed:
-            top = max(fixed, key=lambda r: c.acc[r.name]["avg"])
+        # its own picks filling every slot are the same training: the difference is the choice alone, where two
+        # trainings of one recipe differ by more than the questions' noise
+        if own := next((r for r in fixed if r.path == best.path), None):
+            x = pair_cells(own.eval, best.eval, c.shots, c.n, args.bootstrap, rng)["avg"]
+            line += f"; against its own picks filling every slot: {words(x)}"
+        top = max(fixed, key=lambda r: c.acc[r.name]["avg"], default=None)
+        if top is not None and top is not own:
             x = pair_cells(top.eval, best.eval, c.shots, c.n, args.bootstrap, rng)["avg"]
             line += f"; against the best selector that fills every slot, {top.name}: {words(x)}"
         lines.append(line + ".")
