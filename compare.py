@@ -119,6 +119,7 @@ class Run:
     args: dict | None  # config.json "args" (None without config.json)
     weights: str | None = None  # SHA-256 of the run's model.safetensors now (None without one)
     upto: bool = False  # its "up to k" evaluation (eval/<split>-upto.json): it chose how many, k at most
+    filled: bool = False  # it could stop, and its "up to k" evaluation filled every slot (the same picks as exactly k)
 
     @property
     def phase(self) -> str | None:
@@ -511,6 +512,8 @@ def verdict_section(c: Comparison, args: Args) -> str:
             x = pair_cells(top.eval, best.eval, c.shots, c.n, args.bootstrap, rng)["avg"]
             line += f"; against the best selector that fills every slot, {top.name}: {words(x)}"
         lines.append(line + ".")
+    elif best.filled:
+        lines.append(f"{best.name} could stop, and gave every question {k} demonstrations at up to {k}.")
     if rivals:  # the strongest rival, whichever it is, against the best of the kit's selectors
         top = max(rivals, key=lambda r: c.acc[r.name]["avg"])
         x = pair_cells(top.eval, best.eval, c.shots, c.n, args.bootstrap, rng)["avg"]
@@ -804,8 +807,10 @@ def read_runs(args: Args) -> list[Run]:
     runs = []
     for r in (read_run(p, args.split) for p in paths):
         upto = None if r is None else r.path / "eval" / f"{args.split}-upto.json"
+        if upto is not None and upto.is_file() and same_picks(doc := read_eval(upto), r.eval):
+            r.filled = True
         runs += [] if r is None else [r]
-        if upto is not None and upto.is_file() and not same_picks(doc := read_eval(upto), r.eval):
+        if upto is not None and upto.is_file() and not r.filled:
             runs.append(replace(r, name=f"{r.name} (up to k)", eval=doc, epoch_evals={}, upto=True))
     if not runs:
         raise ValueError("no run folders to compare")

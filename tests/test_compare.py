@@ -661,7 +661,7 @@ def test_rivals_calls_and_a_selector_that_chose_how_many(tmp_path):
     """The verdict names the strongest rival (a trained retriever here, above every training-free one) and the best
     selector's paired delta against it; an up-to-k evaluation is a row of its own with the demonstrations it used, and
     the verdict says what choosing bought against its own picks filling every slot (here also the best selector that
-    does, named once); the glance table shows the
+    does, named once), or, where it never stopped, that it could and filled every slot; the glance table shows the
     LVLM calls each run cost; the reference is the RCE run, never the retriever rce.py trained."""
     n = 16
     rows = {
@@ -707,3 +707,9 @@ def test_rivals_calls_and_a_selector_that_chose_how_many(tmp_path):
     verdict = report(Args(runs=list(runs.values()), bootstrap=500)).split("## At a glance")[0]
     assert chose + "filling every slot: better, +62.50" in verdict
     assert "; against the best selector that fills every slot, rce: better, +56.25" in verdict
+    # an up-to-k evaluation with the picks of its exactly-k one: no row of its own, and the verdict says it filled them
+    exact["results"] = [r | {"score": float(r["row"] % 16 < 8)} for r in exact["results"]]
+    for name in ("val.json", "val-upto.json"):
+        (runs["online"] / "eval" / name).write_text(json.dumps(exact))
+    text = report(Args(runs=list(runs.values()), bootstrap=500))
+    assert "online could stop, and gave every question 4 demonstrations at up to 4." in text and "(up to k)" not in text
