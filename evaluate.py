@@ -200,32 +200,38 @@ def score_all(
     todo: list[int],
     path: Path,
     header: dict,
+    known: dict[int, list[dict]] | None = None,
 ) -> tuple[int, float]:
     """Score the questions `todo` at every shot, appending one line per question to this rank's partial file
-    (which starts with `header`, the settings). Returns the LVLM sequences asked and the seconds they took."""
+    (which starts with `header`, the settings). A prompt `known` already answered (question index -> its shots, from the
+    same selector's exactly-k evaluation) is not asked again. Returns the LVLM sequences asked and the seconds they
+    took."""
     # the first shot count with the same picks (zero-shot's none at every count): each distinct prompt is asked once
     first = [next(t for t in range(s + 1) if torch.equal(icds_per_shot[t], x)) for s, x in enumerate(icds_per_shot)]
+    known = known or {}
     bar = tqdm(total=len(todo), desc=desc, unit="question", dynamic_ncols=True)
     start, asked = time.perf_counter(), 0  # the bar's LVLM sequences a second
     with full_disk_names(path), sharding.own_file(path, header) as f:
         for c in range(0, len(todo), batch):
-            idx = torch.tensor(todo[c : c + batch])
-            per_shot = []
+            idx = todo[c : c + batch]
+            shots = {i: [] for i in idx}  # question -> its record per shot
             for s, icds in enumerate(icds_per_shot):
-                reuse = first[s] < s
-                ask = backend.score(split, rows[idx], icds[idx], gt_prob=False) if not reuse else None
-                per_shot.append(per_shot[first[s]] if reuse else ask)
-                asked += 0 if reuse else len(idx)
-            for j, i in enumerate(idx.tolist()):
-                shots = [
-                    {
-                        "icds": [c for c in icds[i].tolist() if c >= 0],  # a selector that stopped: fewer
-                        "prediction": res["prediction"][j],
-                        "score": round(float(res["acc"][j]), 6),
-                    }
-                    for icds, res in zip(icds_per_shot, per_shot)
-                ]
-                f.write(json.dumps({"i": i, "shots": shots}) + "\n")
+                if first[s] < s:
+                    for i in idx:
+                        shots[i].append(shots[i][first[s]])
+                    continue
+                picks = {i: [d for d in icds[i].tolist() if d >= 0] for i in idx}  # a selector that stopped: fewer
+                ask = [i for i in idx if i not in known or known[i][s]["icds"] != picks[i]]
+                said = {i: (known[i][s]["prediction"], known[i][s]["score"]) for i in idx if i not in ask}
+                if ask:
+                    res = backend.score(split, rows[ask], icds[ask], gt_prob=False)
+                    said |= {i: (res["prediction"][j], round(float(res["acc"][j]), 6)) for j, i in enumerate(ask)}
+                    asked += len(ask)
+                for i in idx:
+                    prediction, score = said[i]
+                    shots[i].append({"icds": picks[i], "prediction": prediction, "score": score})
+            for i in idx:
+                f.write(json.dumps({"i": i, "shots": shots[i]}) + "\n")
             f.flush()
             bar.set_postfix(seq_per_s=f"{asked / (time.perf_counter() - start):.1f}", refresh=False)
             bar.update(len(idx))
@@ -368,9 +374,13 @@ def job_header(args: Args, ds: Dataset, job: Job, lvlm: str) -> dict:
     }
 
 
-def evaluate_job(args: Args, ds: Dataset, digest: str, backend, job: Job, header: dict) -> dict | None:
+def evaluate_job(
+    args: Args, ds: Dataset, digest: str, backend, job: Job, header: dict, known: dict | None = None
+) -> tuple[dict | None, dict]:
     """Evaluate one run, checkpoint or baseline into job.target (its lock held by the caller); under torchrun every
-    rank scores its share and rank 0 writes the file. `digest` is the dataset's content digest (data_digest)."""
+    rank scores its share and rank 0 writes the file. `digest` is the dataset's content digest (data_digest).
+    -> the file's contents (None on ranks other than 0) and this rank's answers, seed -> question index -> its shots:
+    the `known` answers of the up-to-k evaluation that follows, whose prompts are mostly the same."""
     rank, world = sharding.init()
     target, model, split, seeds, order = job.target, job.model, args.split, header["seeds"], header["order"]
     n, k = header["n"], max(args.shots)
@@ -378,7 +388,7 @@ def evaluate_job(args: Args, ds: Dataset, digest: str, backend, job: Job, header
     if rank == 0 and job.selector is not None and job.selector.is_dir():
         print(f"{job.selector}: {run_status(job.selector)}", flush=True)
     target.parent.mkdir(parents=True, exist_ok=True)
-    asked, seconds = 0, 0.0  # this process's LVLM sequences and the seconds they took
+    asked, seconds, answers = 0, 0.0, {}  # this process's LVLM sequences, the seconds they took, what it answered
     for seed in seeds:
         if model is not None:  # "up to k": a selector that can stop may use fewer; else exactly k
             picks = greedy_icds(model, ds, split, rows, pool, k, min_picks=0 if job.upto else k)
@@ -392,11 +402,14 @@ def evaluate_job(args: Args, ds: Dataset, digest: str, backend, job: Job, header
         path = partial_path(target, seed, rank)
         todo = [i for i in sharding.share(n, rank, world) if i not in done]
         bar = f"{job.desc} seed {seed}" if len(seeds) > 1 else job.desc
-        n_asked, took = score_all(backend, split, rows, icds, args.batch_size, bar, todo, path, h)
+        n_asked, took = score_all(
+            backend, split, rows, icds, args.batch_size, bar, todo, path, h, (known or {}).get(seed)
+        )
         asked, seconds = asked + n_asked, seconds + took
+        answers[seed] = read_partials(target, seed, h)  # before rank 0 removes the progress files
     sharding.barrier(world)
     if rank != 0:
-        return None
+        return None, answers
     per_seed = [read_partials(target, seed, {**header, "seed": seed}) for seed in seeds]
     if missing := [i for d in per_seed for i in range(n) if i not in d]:
         raise ValueError(f"{target}: {len(missing)} questions are still unscored; re-run the same command to finish")
@@ -431,7 +444,7 @@ def evaluate_job(args: Args, ds: Dataset, digest: str, backend, job: Job, header
     for seed in seeds:
         for path in partial_files(target, seed):
             path.unlink()
-    return doc
+    return doc, answers
 
 
 def corpus_cider(per_seed: list[dict[int, list[dict]]], items: list[dict], shots: int) -> None:
@@ -512,8 +525,9 @@ def main(args: Args) -> None:
         headers = [job_header(args, ds, job, backend.describe()["lvlm"]) for job in jobs]
         for job, header in zip(jobs, headers):
             keep_other_settings(job.target, header, args.num_samples, digest)
+        answers = {}  # the last job's: an up-to-k evaluation follows its selector's exactly-k one (`plan`)
         for job, header in zip(jobs, headers):
-            doc = evaluate_job(args, ds, digest, backend, job, header)
+            doc, answers = evaluate_job(args, ds, digest, backend, job, header, answers if job.upto else None)
             if doc is not None:  # rank 0 (or a single process)
                 label = " (simulated LVLM)" if ds.is_sim else f" ({doc['backend']})"
                 what = METRIC[ds.meta["task"]]

@@ -348,3 +348,40 @@ def test_shots_as_captioning_papers_report_them(small_data, tmp_path):
             by_q.setdefault(r["row"], {})[r["shot"]] = r["icds"]
         for picks in by_q.values():
             assert all(len(picks[s]) == s and picks[s] == picks[8][8 - s :] for s in shots)  # the 8 nearest last
+
+
+def test_up_to_k_asks_only_the_prompts_its_exactly_k_evaluation_did_not(small_data, tmp_path, monkeypatch):
+    """A selector that may stop is evaluated twice, exactly k then up to k: the second asks the LVLM only for prompts
+    the first did not (where it stopped early), and every answer in it is the simulator's to that prompt."""
+    rce.main(rce.Args(data=small_data, out=tmp_path / "may", epochs=1, batch_size=8, val_frac=0.25, can_stop=True))
+    model = load_selector(tmp_path / "may")
+    with torch.no_grad():  # a stop that fires on some questions at some steps: by the sign of its state's projection
+        model.stop_weight.copy_(torch.randn(model.cfg.hidden, generator=torch.Generator().manual_seed(0)))
+    model.save(tmp_path / "may")
+    asked, made = [], []
+
+    def counting(*args, **kwargs):
+        backend = open_backend(*args, **kwargs)
+        score, backend.score = (
+            backend.score,
+            lambda split, rows, icds, **kw: asked.append(len(rows)) or score(split, rows, icds, **kw),
+        )
+        made.append(score)
+        return backend
+
+    monkeypatch.setattr(evaluate, "open_backend", counting)
+    run_eval(data=small_data, runs=[tmp_path / "may"])
+    exact, upto = (
+        json.loads((tmp_path / "may" / "eval" / f).read_text())["results"] for f in ("val.json", "val-upto.json")
+    )
+    differ = sum(a["icds"] != b["icds"] for a, b in zip(exact, upto))
+    assert 0 < differ < len(upto) and all(len(r["icds"]) == r["shot"] for r in exact)
+    assert (
+        sum(asked) == len(exact) + differ
+    )  # every exactly-k prompt once (no shot count repeats another's), then these
+    for shot in (1, 2, 3, 4):
+        rows = [r for r in upto if r["shot"] == shot]
+        icds = torch.tensor([r["icds"] + [-1] * (shot - len(r["icds"])) for r in rows])
+        said = made[0]("val", torch.tensor([r["row"] for r in rows]), icds, gt_prob=False)
+        assert [r["prediction"] for r in rows] == said["prediction"]
+        assert [r["score"] for r in rows] == [round(float(a), 6) for a in said["acc"]]
