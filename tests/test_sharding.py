@@ -50,16 +50,19 @@ def test_leftover_shards_of_a_crashed_run_are_resumed_and_merged(small_data, tmp
 
 
 @pytest.mark.slow  # two processes that import torch
-def test_evaluate_two_ranks_equal_one(small_data, tmp_path):
+@pytest.mark.parametrize("baseline", ["random", "oracle"])  # the oracle's best of 0..k reuses its exactly-k answers
+def test_evaluate_two_ranks_equal_one(small_data, tmp_path, baseline):
     import evaluate
 
-    args = ["--baseline", "random", "--num-samples", "50", "150", "--batch-size", "16"]
+    args = ["--baseline", baseline, "--num-samples", "50", "150", "--batch-size", "16"]
     torchrun("evaluate.py", "--data", str(small_data), "--out", str(tmp_path / "two"), *args)
     evaluate.main(
-        evaluate.Args(data=small_data, baseline="random", out=tmp_path / "one", num_samples=[50, 150], batch_size=16)
+        evaluate.Args(data=small_data, baseline=baseline, out=tmp_path / "one", num_samples=[50, 150], batch_size=16)
     )
-    two, one = ((tmp_path / d / "eval" / "val.json").read_text() for d in ("two", "one"))
-    assert two == one and not list((tmp_path / "two" / "eval").glob("*.partial.jsonl"))
+    for name in ["val.json"] + ["val-upto.json"] * (baseline == "oracle"):
+        two, one = ((tmp_path / d / "eval" / name).read_text() for d in ("two", "one"))
+        assert two == one
+    assert not list((tmp_path / "two" / "eval").glob("*.partial.jsonl"))
 
 
 def test_share_and_chunk_are_disjoint_covers():
