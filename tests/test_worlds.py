@@ -200,7 +200,11 @@ def test_additive_world_keeps_its_bytes():
     assert sim.world_config("additive") == sim.SimConfig() and sim.SimConfig().additive
 
 
-@pytest.mark.parametrize("world", list(sim.WORLDS))
+# the default world's table in the plain suite; the others' (about 4 s each) with the slow evidence
+SLOW_UNLESS_DEFAULT = [w if w == "additive" else pytest.param(w, marks=pytest.mark.slow) for w in sim.WORLDS]
+
+
+@pytest.mark.parametrize("world", SLOW_UNLESS_DEFAULT)
 def test_calibration_table_within_tolerance(world):
     got, want = calibration(world), TABLES[world]
     assert got["zero_shot"] == pytest.approx(want["zero_shot"], abs=TOLERANCE)
