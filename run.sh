@@ -10,9 +10,9 @@ export TQDM_MININTERVAL=${TQDM_MININTERVAL:-5}   # fewer progress-bar redraws in
 
 python gen_rl_data.py                                   # data/sim (resumes if interrupted)
 python gen_rl_data.py --report data/sim
-python rce.py --can-stop                                # runs/rce: its picks; it may stop, its stop untrained yet
+python rce.py                                           # runs/rce
 python grpo.py --kl-beta 0.1 --no-rank-advantage        # runs/grpo-kl0.1 (offline, the scored groups)
-python grpo.py --online                                 # runs/grpo-kl0.3-online (simulator in the loop; learns to stop)
+python grpo.py --online                                 # runs/grpo-kl0.3-online (simulator in the loop)
 
 # the rivals: a retriever trained on the same data, and Lever-LM as published (its own data: 1.93M LVLM calls)
 python rce.py --retriever                               # runs/retriever
