@@ -806,11 +806,15 @@ def read_runs(args: Args) -> list[Run]:
     paths = list({p.resolve(): p for p in args.runs}.values())
     runs = []
     for r in (read_run(p, args.split) for p in paths):
-        upto = None if r is None else r.path / "eval" / f"{args.split}-upto.json"
-        if upto is not None and upto.is_file() and same_picks(doc := read_eval(upto), r.eval):
+        if r is None:
+            continue
+        runs.append(r)
+        upto = r.path / "eval" / f"{args.split}-upto.json"
+        if not upto.is_file():
+            continue
+        if same_picks(doc := read_eval(upto), r.eval):
             r.filled = True
-        runs += [] if r is None else [r]
-        if upto is not None and upto.is_file() and not r.filled:
+        else:
             runs.append(replace(r, name=f"{r.name} (up to k)", eval=doc, epoch_evals={}, upto=True))
     if not runs:
         raise ValueError("no run folders to compare")

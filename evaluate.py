@@ -201,20 +201,20 @@ def score_all(
     path: Path,
     header: dict,
     known: dict[int, list[dict]] | None = None,
-) -> tuple[int, float]:
+) -> tuple[dict[int, list[dict]], int, float]:
     """Score the questions `todo` at every shot, appending one line per question to this rank's partial file
     (which starts with `header`, the settings). A prompt `known` already answered (question index -> its shots, from the
-    same selector's exactly-k evaluation) is not asked again. Returns the LVLM sequences asked and the seconds they
-    took."""
+    same selector's exactly-k evaluation) is not asked again. Returns what it wrote (question index -> its shots), the
+    LVLM sequences asked and the seconds they took."""
     # the first shot count with the same picks (zero-shot's none at every count): each distinct prompt is asked once
     first = [next(t for t in range(s + 1) if torch.equal(icds_per_shot[t], x)) for s, x in enumerate(icds_per_shot)]
     known = known or {}
     bar = tqdm(total=len(todo), desc=desc, unit="question", dynamic_ncols=True)
-    start, asked = time.perf_counter(), 0  # the bar's LVLM sequences a second
+    start, asked, shots = time.perf_counter(), 0, {}  # the bar's LVLM sequences a second; question -> its shots
     with full_disk_names(path), sharding.own_file(path, header) as f:
         for c in range(0, len(todo), batch):
             idx = todo[c : c + batch]
-            shots = {i: [] for i in idx}  # question -> its record per shot
+            shots |= {i: [] for i in idx}
             for s, icds in enumerate(icds_per_shot):
                 if first[s] < s:
                     for i in idx:
@@ -236,7 +236,7 @@ def score_all(
             bar.set_postfix(seq_per_s=f"{asked / (time.perf_counter() - start):.1f}", refresh=False)
             bar.update(len(idx))
     bar.close()
-    return asked, time.perf_counter() - start
+    return shots, asked, time.perf_counter() - start
 
 
 def partial_path(target: Path, seed: int, rank: int | str) -> Path:
@@ -402,11 +402,10 @@ def evaluate_job(
         path = partial_path(target, seed, rank)
         todo = [i for i in sharding.share(n, rank, world) if i not in done]
         bar = f"{job.desc} seed {seed}" if len(seeds) > 1 else job.desc
-        n_asked, took = score_all(
+        wrote, n_asked, took = score_all(
             backend, split, rows, icds, args.batch_size, bar, todo, path, h, (known or {}).get(seed)
         )
-        asked, seconds = asked + n_asked, seconds + took
-        answers[seed] = read_partials(target, seed, h)  # before rank 0 removes the progress files
+        asked, seconds, answers[seed] = asked + n_asked, seconds + took, done | wrote
     sharding.barrier(world)
     if rank != 0:
         return None, answers

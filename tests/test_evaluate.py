@@ -376,9 +376,8 @@ def test_up_to_k_asks_only_the_prompts_its_exactly_k_evaluation_did_not(small_da
     )
     differ = sum(a["icds"] != b["icds"] for a, b in zip(exact, upto))
     assert 0 < differ < len(upto) and all(len(r["icds"]) == r["shot"] for r in exact)
-    assert (
-        sum(asked) == len(exact) + differ
-    )  # every exactly-k prompt once (no shot count repeats another's), then these
+    # every exactly-k prompt once (no shot count repeats another's), then those that differ
+    assert sum(asked) == len(exact) + differ
     for shot in (1, 2, 3, 4):
         rows = [r for r in upto if r["shot"] == shot]
         icds = torch.tensor([r["icds"] + [-1] * (shot - len(r["icds"])) for r in rows])
