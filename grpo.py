@@ -14,12 +14,12 @@ on-policy GRPO, the mode that learns most wherever LVLM calls during training ar
 mode (MODE_DEFAULTS; docs/ablations.md measures them); online, each step also learns from the groups of the last
 few steps (--replay-steps), and the selector learns a score per train item (--item-bias). A --lvlm-budget that cuts
 the default online run short first trains offline GRPO from --init, then the online run from it (--warm-start): no
-flag to add for a small budget. A selector that may stop (rce.py --can-stop) learns its stop online only, always after
-that warm start (which trains its picks alone): its samples fill every slot, PPO and the KL take its picks given that it
-goes on, and its stop learns from each group's greedy pair: a copy of the greedy sequence cut short at a uniform
-length up to where greedy decoding stops against going on past the cut and then stopping where greedy decoding stops
-(`stop_loss`). The pair teaches the stop alone, and the samples the picks alone; the two gradients are clipped apart,
-and the stop learns at STOP_LR times --lr.
+flag to add for a small budget. A selector that may stop (rce.py --can-stop) learns its stop online only (a warm
+start trains its picks alone): its groups are those a selector that cannot stop would draw (every slot filled), PPO
+and the KL take its picks given that it goes on, and its stop learns from a greedy pair scored beside each group: a
+copy of the greedy sequence cut short at a uniform length up to where greedy decoding stops against going on past the
+cut and then stopping where greedy decoding stops (`stop_loss`). The pair teaches the stop alone, and the samples the
+picks alone; the two gradients are clipped apart, and the stop learns at STOP_LR times --lr.
 
 Usage:
     python grpo.py --kl-beta 0.1 --no-rank-advantage         # offline, init runs/rce -> runs/grpo-kl0.1
@@ -102,7 +102,7 @@ def per_mode(name: str):
 class Args(TrainArgs):
     init: Path = Path("runs/rce")
     """Starting selector (run folder or epoch checkpoint); also the frozen KL reference, unless a warm start runs first
-    (a short budget, or a selector that may stop: then the warm start's selected epoch is both)."""
+    (a short budget: then the warm start's selected epoch is both)."""
     out: Annotated[Path | None, alias("--output-dir"), default_is("runs/grpo-<key flags>, e.g. runs/grpo-kl0.1")] = None
     """Run folder."""
     epochs: Annotated[int | None, alias("--num-train-epochs"), per_mode("epochs")] = None
@@ -322,12 +322,13 @@ def reference_dists(ref: PointerSelector, ds: Dataset, split: Split, batch_size:
 
 @dataclass
 class GreedyPair:
-    """A selector that may stop, online: each group's first two sequences are the policy's greedy one made to go on
-    past a cut (then stopping where greedy decoding stops) and its copy cut there, the pair its stop learns from
-    (`stop_loss`): the stop at the cut weighed against going on as the policy would. The cut is uniform over the
-    lengths up to where greedy decoding stops (below S): a policy that gives none weighs its one choice in every pair.
-    cut (B,) the copy's length, gain (B,) its reward minus going on's."""
+    """A selector that may stop, online: beside each group, the policy's greedy sequence made to go on past a cut (then
+    stopping where greedy decoding stops) and its copy cut there, the pair its stop learns from (`stop_loss`): the stop
+    at the cut weighed against going on as the policy would. The cut is uniform over the lengths up to where greedy
+    decoding stops (below S): a policy that gives none weighs its one choice in every pair.
+    copy (B, S) the cut copy, cut (B,) its length, gain (B,) its reward minus going on's."""
 
+    copy: Tensor
     cut: Tensor
     gain: Tensor
 
@@ -344,44 +345,42 @@ def sample_and_score(
     fill: bool,
 ) -> tuple[Batch, float, GreedyPair | None]:
     """Online groups: up to G distinct sequences per query, scored by the backend. From 2G samples of the current
-    policy, the distinct ones, every slot filled; for a selector that may stop, after its greedy pair (GreedyPair, cuts
-    drawn from `explore`). Samples are never cut short: a cut copy's reward is lower (or higher) for its stop, and PPO
-    would credit its picks with it. With `fill` (a budgeted run) and fewer than G distinct (a policy sure of its
-    choice), uniformly random sequences too (of random lengths for a selector that may stop): a group never collapses
-    to the one sequence whose score is known, so it keeps a signal and spends its calls.
+    policy, the distinct ones, every slot filled, never cut short: the groups a selector that cannot stop would draw, so
+    its picks learn as that selector's do (a cut sequence's reward is lower, or higher, for its stop, and PPO would
+    credit its picks with it). With `fill` (a budgeted run) and fewer than G distinct (a policy sure of its choice),
+    uniformly random sequences too: a group never collapses to the one sequence whose score is known, so it keeps a
+    signal and spends its calls. A selector that may stop has its greedy pair scored beside the group (GreedyPair, cuts
+    drawn from `explore`); the cache answers its full sequence where a sample is the same.
     rows (B,) train questions, pool (B, K) their candidates (train rows, -1 = padding) -> the batch, the share of its
     sequences that are random fills, and the greedy pairs of a selector that may stop."""
     S, G = ds.seq_len, args.group_size
     emb = ds.emb["train"]
     query, pool_emb, pool_mask = emb[rows], emb[pool.clamp_min(0)], pool >= 0  # (B, d), (B, K, d), (B, K)
     cand, _ = policy.sample(query, pool_emb, pool_mask, S, 2 * G, gen, args.temperature, S)  # (B, 2G, S) all filled
-    t = torch.arange(S)  # (S,) slot indices
+    sampled = cand.shape[1]
+    if fill:
+        cand = torch.cat([cand, random_sequences(pool_mask, G, S, explore)], 1)  # the samples' distinct ones first
+    order, ok = first_distinct(cand, G)  # (B, G)
+    seqs = cand.gather(1, order[..., None].expand(-1, -1, S)).masked_fill(~ok[..., None], -1)  # (B, G, S)
+    scored, known = seqs, ok
     if policy.cfg.can_stop:
         # cut where greedy decoding stops or before: the pairs weigh the choices it makes, none past them
         made = (policy.greedy(query, pool_emb, pool_mask, S)[0] >= 0).sum(-1).clamp_max(S - 1)  # (B,)
         greedy_cut = (torch.rand(len(rows), generator=explore, dtype=torch.float64) * (made + 1)).long()  # (B,) 0..made
         on = torch.stack([policy.greedy(query, pool_emb, pool_mask, S, c + 1)[0] for c in range(S)], 1)  # (B, S, S)
         full = on[torch.arange(len(rows)), greedy_cut]  # (B, S) on past the cut, then as greedy decoding goes
-        pair = torch.stack([full, full.masked_fill(t >= greedy_cut[:, None], -1)], 1)  # (B, 2, S) always distinct
-        cand = torch.cat([pair, cand], 1)  # so they are each group's first two sequences
-    sampled = cand.shape[1]
-    if fill:
-        rand = random_sequences(pool_mask, G, S, explore)  # (B, G, S)
-        if policy.cfg.can_stop:
-            cut = torch.randint(0, S + 1, rand.shape[:2], generator=explore)  # (B, G) lengths 0..S
-            rand = rand.masked_fill(t >= cut[..., None], -1)
-        cand = torch.cat([cand, rand], 1)  # the samples' distinct ones first
-    order, ok = first_distinct(cand, G)  # (B, G)
-    seqs = cand.gather(1, order[..., None].expand(-1, -1, S)).masked_fill(~ok[..., None], -1)  # (B, G, S)
-    prompt = policy.cfg.to_prompt(seqs).flatten(1)  # (B, G*S) -1 after a stop and in padded sequences
-    icds = pool.gather(1, prompt.clamp_min(0)).where(prompt >= 0, -1).view(-1, S)  # (B*G, S) train rows, prompt order
-    flat = ok.flatten()  # (B*G,) a padded sequence is never scored: its reward is 0 anyway
-    scored = scorer.score("train", rows.repeat_interleave(G)[flat], icds[flat])
-    fields = {k: v.new_zeros(len(flat)).masked_scatter(flat, v).view(len(rows), G) for k, v in scored.items()}
-    reward = compute_reward(fields, args).where(ok, 0.0)  # (B, G)
-    greedy = GreedyPair(greedy_cut, reward[:, 1] - reward[:, 0]) if policy.cfg.can_stop else None
+        copy = full.masked_fill(torch.arange(S) >= greedy_cut[:, None], -1)  # (B, S)
+        scored = torch.cat([seqs, full[:, None], copy[:, None]], 1)  # (B, G + 2, S) scored together
+        known = torch.cat([ok, ok.new_ones(len(rows), 2)], 1)
+    prompt = policy.cfg.to_prompt(scored).flatten(1)  # (B, G'*S) -1 after a stop and in padded sequences
+    icds = pool.gather(1, prompt.clamp_min(0)).where(prompt >= 0, -1).view(-1, S)  # (B*G', S) train rows, prompt order
+    flat = known.flatten()  # (B*G',) a padded sequence is never scored: its reward is 0 anyway
+    fields = scorer.score("train", rows.repeat_interleave(scored.shape[1])[flat], icds[flat])
+    fields = {k: v.new_zeros(len(flat)).masked_scatter(flat, v).view(known.shape) for k, v in fields.items()}
+    reward = compute_reward(fields, args).where(known, 0.0)  # (B, G')
+    greedy = GreedyPair(copy, greedy_cut, reward[:, -1] - reward[:, -2]) if policy.cfg.can_stop else None
     explored = (order >= sampled)[ok].double().mean().item()
-    return Batch(query, pool_emb, pool_mask, seqs, ok, reward), explored, greedy
+    return Batch(query, pool_emb, pool_mask, seqs, ok, reward[:, :G]), explored, greedy
 
 
 def pass_batches(train: Tensor, batch: int, shuffle: torch.Generator) -> list[tuple[Tensor, bool]]:
@@ -514,8 +513,8 @@ def update(
             kl = exact_kl(cur.log_dist, ref_dist, cur.taken)[tm].mean()  # over each step taken
         loss = ppo + beta * kl
         if pair is not None:  # its cut copy's stop at the step it stopped, at temperature 1 as greedy decoding sees it
-            copies = cur if temp == 1 else lr.policy(b.query, b.pool, b.pool_mask, b.seqs[:, :2], m[:, :2], True)
-            stop = stop_loss(copies.log_dist[torch.arange(len(m)), 1, pair.cut, -1], pair.gain)
+            copies = lr.policy(b.query, b.pool, b.pool_mask, pair.copy[:, None], m[:, :1].new_ones(len(m), 1), True)
+            stop = stop_loss(copies.log_dist[torch.arange(len(m)), 0, pair.cut, -1], pair.gain)
             loss, extra["grpo/stop_loss"] = loss + stop, stop.item()
         lr.opt.zero_grad(set_to_none=True)
         if last:  # once per epoch, where the policy has left the reference (the stop loss aside)
@@ -565,17 +564,6 @@ def offline_step(lr: Learner, ds: Dataset, split: Split, idx: Tensor, args: Args
     return update(lr, b, adv, b, adv, None, lr.ref_cache[idx], args, loop, last)[0]
 
 
-def sampled_advantages(b: Batch, stops: bool, args: Args) -> Tensor:
-    """An online batch's GRPO advantages (B, G), over each group's samples: for a selector that may stop (`stops`) its
-    greedy pair, the first two sequences, gets 0. The greedy sequence is the policy's mode and usually above its
-    group's mean: in the picks' PPO it would pull every group toward it, a sharpening that cost picks where
-    demonstrations help (docs/ablations.md). The pair teaches the stop alone (`stop_loss`)."""
-    learn = b.seq_mask.clone()  # (B, G)
-    if stops:
-        learn[:, :2] = False
-    return group_advantages(b.reward, learn, args.scale_rewards, args.rank_advantage).float()
-
-
 def online_step(lr: Learner, ds: Dataset, scorer: ScoreCache, queries, idx: Tensor, args: Args, loop, rngs, last):
     """One update on fresh groups: a query for each anchor of `idx` (B,) (see online_queries), G distinct sequences
     each sampled from the policy and scored by the backend, plus the replay buffer's groups with --replay-steps."""
@@ -585,7 +573,7 @@ def online_step(lr: Learner, ds: Dataset, scorer: ScoreCache, queries, idx: Tens
     gens = rngs["sampler"], rngs["explore"]
     b, explored, pair = sample_and_score(lr.policy, scorer, ds, rows, pool, args, *gens, fill)
     stopping = {} if pair is None else {"grpo/stop_wins": (pair.gain > 0).double().mean().item()}
-    adv = sampled_advantages(b, lr.policy.cfg.can_stop, args)  # (B, G)
+    adv = group_advantages(b.reward, b.seq_mask, args.scale_rewards, args.rank_advantage).float()  # (B, G)
     t, t_adv, sampled = with_replay(ds, b, adv, lr.buffer) if args.replay_steps else (b, adv, None)
     with torch.no_grad():
         ref_dist = lr.ref(t.query, t.pool, t.pool_mask, t.seqs, t.seq_mask, True, args.temperature).log_dist
@@ -661,8 +649,7 @@ def epoch_record(epoch: int, loop: dict, means: dict, policy, ds, split, backend
 
 def stops(init: Path) -> bool:
     """Whether the selector at `init` may stop. GRPO trains such a selector's stop online only, from its greedy pairs,
-    which offline groups lack: so it is refused offline, and online it always starts from its warm start, whose offline
-    GRPO trains its picks on the scored groups at no call and leaves its stop to the online run."""
+    which offline groups lack: so it is refused offline (a short budget's warm start trains its picks alone)."""
     return load_selector(init).cfg.can_stop
 
 
@@ -679,8 +666,8 @@ def main(args: Args) -> None:
     check_args(args)
     if not args.online and stops(args.init):
         raise ValueError(
-            f"--init {args.init} may stop, and GRPO learns when to stop online only: add --online (offline, it trains "
-            "the picks of a selector that may stop as its warm start)"
+            f"--init {args.init} may stop, and GRPO learns when to stop online only: add --online (a budgeted online "
+            "run's warm start trains its picks offline first)"
         )
     ds = load_dataset(args.data, args.allow_truncated)
     rank, world = sharding.init()  # every rank trains the same policy on the same batches; RunFolder: rank 0 writes
@@ -696,18 +683,16 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
     S, steps = ds.seq_len, steps_per_epoch(split, args.batch_size)
     metric, cap = selection_metric(backend), None if ds.is_sim else args.val_max_queries
     plan, init, warm, short = None, Path(args.init), None, False
-    may_stop = args.online and stops(init)
     if args.lvlm_budget is not None:
         val_calls = 0 if backend is None else len(split.val[:cap]) * S  # validate() asks 1..S shots of each
+        query_calls = args.group_size + 2 * stops(init)  # at most: its group, and a may-stop selector's greedy pair
 
         def plan_for(budget: int) -> Plan:
-            return budget_plan(
-                budget, args.epochs, args.batch_size * args.group_size, val_calls, args.group_size, steps
-            )
+            return budget_plan(budget, args.epochs, args.batch_size * query_calls, val_calls, query_calls, steps)
 
         plan = plan_for(args.lvlm_budget)
         short = plan.steps < (args.epochs or MODE_DEFAULTS["online"]["epochs"]) * steps  # fewer than the default run
-        if (short or may_stop) and args.warm_start:  # its calls, once known, leave the steps' share
+        if short and args.warm_start:  # its calls, once known, leave the steps' share
             worst = (MODE_DEFAULTS["offline"]["epochs"] + 1) * val_calls
             try:
                 plan_for(args.lvlm_budget - worst)
@@ -716,7 +701,7 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
                     f"--lvlm-budget {args.lvlm_budget} is too small for a warm start whose validations may ask up to "
                     f"{worst} calls and an online run after it: raise it, or pass --no-warm-start"
                 ) from None
-    if args.online and args.warm_start and (short or may_stop):
+    if args.online and args.warm_start and short:
         init = out / "offline"
         if rank == 0:
             print(f"warm start: offline GRPO from {args.init} -> {init} (--no-warm-start skips it)", flush=True)
@@ -760,9 +745,7 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
             else:  # an epoch is its share of the calls left once every validation is kept, however many steps it takes
                 later = args.epochs - epoch + 1  # this epoch and those after it
                 until = calls + (args.lvlm_budget - calls - later * plan.val_calls) // later
-                batches = budget_batches(
-                    split.train, args.batch_size, rngs["shuffle"], lvlm, until, args.group_size, steps
-                )
+                batches = budget_batches(split.train, args.batch_size, rngs["shuffle"], lvlm, until, query_calls, steps)
                 bar = run.progress(epoch, args.epochs, until - calls, unit="call")
             means = EpochMeans()
             for idx, last in batches:

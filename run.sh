@@ -12,7 +12,8 @@ python gen_rl_data.py                                   # data/sim (resumes if i
 python gen_rl_data.py --report data/sim
 python rce.py                                           # runs/rce
 python grpo.py --kl-beta 0.1 --no-rank-advantage        # runs/grpo-kl0.1 (offline, the scored groups)
-python grpo.py --online                                 # runs/grpo-kl0.3-online (simulator in the loop)
+python rce.py --can-stop --out runs/rce-stop            # the same picks, and a stop for online GRPO to train
+python grpo.py --online --init runs/rce-stop --out runs/grpo-kl0.3-online   # chooses how many (simulator in the loop)
 
 # the rivals: a retriever trained on the same data, and Lever-LM as published (its own data: 1.93M LVLM calls)
 python rce.py --retriever                               # runs/retriever
