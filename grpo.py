@@ -513,7 +513,8 @@ def update(
             kl = exact_kl(cur.log_dist, ref_dist, cur.taken)[tm].mean()  # over each step taken
         loss = ppo + beta * kl
         if pair is not None:  # its cut copy's stop at the step it stopped, at temperature 1 as greedy decoding sees it
-            copies = lr.policy(b.query, b.pool, b.pool_mask, pair.copy[:, None], m[:, :1].new_ones(len(m), 1), True)
+            one = torch.ones(len(m), 1, dtype=torch.bool)  # (B, 1) the copy, valid
+            copies = lr.policy(b.query, b.pool, b.pool_mask, pair.copy[:, None], one, True)
             stop = stop_loss(copies.log_dist[torch.arange(len(m)), 0, pair.cut, -1], pair.gain)
             loss, extra["grpo/stop_loss"] = loss + stop, stop.item()
         lr.opt.zero_grad(set_to_none=True)
