@@ -369,8 +369,8 @@ def sample_and_score(
         greedy_cut = (torch.rand(len(rows), generator=explore, dtype=torch.float64) * (made + 1)).long()  # (B,) 0..made
         on = torch.stack([policy.greedy(query, pool_emb, pool_mask, S, c + 1)[0] for c in range(S)], 1)  # (B, S, S)
         full = on[torch.arange(len(rows)), greedy_cut]  # (B, S) on past the cut, then as greedy decoding goes
-        copy = full.masked_fill(torch.arange(S) >= greedy_cut[:, None], -1)  # (B, S)
-        scored = torch.cat([seqs, full[:, None], copy[:, None]], 1)  # (B, G + 2, S) scored together
+        cut_copy = full.masked_fill(torch.arange(S) >= greedy_cut[:, None], -1)  # (B, S)
+        scored = torch.cat([seqs, full[:, None], cut_copy[:, None]], 1)  # (B, G + 2, S) scored together
         known = torch.cat([ok, ok.new_ones(len(rows), 2)], 1)
     prompt = policy.cfg.to_prompt(scored).flatten(1)  # (B, G'*S) -1 after a stop and in padded sequences
     icds = pool.gather(1, prompt.clamp_min(0)).where(prompt >= 0, -1).view(-1, S)  # (B*G', S) train rows, prompt order
@@ -378,7 +378,7 @@ def sample_and_score(
     fields = scorer.score("train", rows.repeat_interleave(scored.shape[1])[flat], icds[flat])
     fields = {k: v.new_zeros(len(flat)).masked_scatter(flat, v).view(known.shape) for k, v in fields.items()}
     reward = compute_reward(fields, args).where(known, 0.0)  # (B, G')
-    greedy = GreedyPair(copy, greedy_cut, reward[:, -1] - reward[:, -2]) if policy.cfg.can_stop else None
+    greedy = GreedyPair(cut_copy, greedy_cut, reward[:, -1] - reward[:, -2]) if policy.cfg.can_stop else None
     explored = (order >= sampled)[ok].double().mean().item()
     return Batch(query, pool_emb, pool_mask, seqs, ok, reward[:, :G]), explored, greedy
 
