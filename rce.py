@@ -6,7 +6,10 @@ cross-entropy on each group's best sequence (a supervised baseline), `--weights 
 (ICD-LM's objective on Lever-LM's InfoScore beams, docs/rivals.md). It trains on the groups whose rewards differ and
 keeps the best epoch on held-out anchors; docs/design.md says why each choice differs from Lever-Plus. A selector that
 may stop (--can-stop) learns its picks here as one that fills every slot does, from the same loss on its picks given
-that it goes on; its stop stays as it was (untrained when fresh: greedy decoding goes on) until grpo.py --online.
+that it goes on. Its stop before the first pick is then set from cross-fitting, alike for every question: two more
+selectors, each trained on half of the training anchors, pick for the other half, and it goes on with the chance that
+such picks beat zero-shot there (S + 1 LVLM prompts an anchor, the simulator's or --val-lvlm's; without either its stop
+stays untrained). grpo.py --online then learns which questions to stop on.
 
 `--retriever` trains a bi-encoder on the same scored groups instead (MSIER / EPR): no cross-attention and no state
 update, so the query scores each candidate alone and the top k are its picks. Each demonstration is credited with a
@@ -22,6 +25,7 @@ Usage:
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from dataclasses import dataclass, fields
@@ -31,14 +35,15 @@ from typing import Annotated, Literal
 import torch
 import tyro
 from torch import Tensor
+from torch.optim import AdamW
 
-from icl_select.batches import Batch, make_batch, split_queries, steps_per_epoch
+from icl_select.batches import Batch, Split, make_batch, split_queries, steps_per_epoch
 from icl_select.cli import alias, default_is, help_first, run_cli
 from icl_select.data import Quality, load_dataset
 from icl_select.epochs import EpochMeans, log_line, lr_factor, stop_if_diverged
-from icl_select.runs import RunFolder, check_width, load_selector, new_loop
+from icl_select.runs import RunFolder, check_width, load_selector, new_loop, read_metrics
 from icl_select.train_args import TrainArgs, check_train_args
-from icl_select.validation import selection_metric, validate, validation_backend
+from icl_select.validation import greedy_icds, selection_metric, set_first_stop, validate, validation_backend
 from model import Credit, PointerSelector, SelectorConfig, demo_credits, going_on_logp, rce_weights
 
 SHOWN = ("train/loss", "train/tau")  # on the progress bar and the epoch line
@@ -126,6 +131,72 @@ def starting_selector(args: Args, ds) -> PointerSelector | None:
     return model
 
 
+def new_selector(args: Args, ds, init: PointerSelector | None, picks: int) -> tuple[PointerSelector, AdamW]:
+    """--init's selector (a copy), or a fresh one shaped by the flags, and its optimizer; the stop is not trained here
+    (`set_first_stop` sets it after)."""
+    if init is not None:
+        model = copy.deepcopy(init)
+        model.set_picks(picks)  # what it may be asked for from here on
+    else:
+        settings = {f.name: getattr(args, f.name) for f in fields(SelectorConfig)}
+        settings |= {"dim": ds.emb["train"].shape[1], "picks": picks}
+        if args.retriever:  # the query scores each candidate alone: the top k are its picks
+            settings |= {"num_layers": 0, "state_update": False}
+        model = PointerSelector(SelectorConfig(**settings))
+    for p in model.stop_parameters():
+        p.requires_grad_(False)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return model, AdamW(trained, lr=args.lr, weight_decay=args.weight_decay)
+
+
+def train_step(model, opt, ds, idx: Tensor, reward: Tensor, args: Args, step: int, total: int):
+    """One RCE (or retriever) step on the anchors `idx` at `step` of `total`: -> loss, gradient norm, tau."""
+    for group in opt.param_groups:  # a function of the step alone, so a resumed run follows it
+        group["lr"] = args.lr * lr_factor(args.lr_schedule, step, total)
+    tau = args.temp_start + (args.temp_end - args.temp_start) * step / max(total - 1, 1)
+    model.train()  # dropout on: the warm-up is plain supervised learning
+    b = make_batch(ds, idx, reward, model.cfg)
+    loss = (retriever_loss if args.retriever else sequence_loss)(model, b, args, tau)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf))
+    if math.isfinite(norm):  # a NaN/inf gradient skips the step; the run stops where the caller checks
+        opt.step()
+    return loss, norm, tau
+
+
+def held_out_gain(
+    args: Args, ds, split: Split, backend, init: PointerSelector | None, picks: int, cap: int | None
+) -> Tensor:
+    """Cross-fitting: the anchors outside validation, halved by image; a selector trained as this run's (its last
+    epoch) on one half's training anchors picks for the other half's anchors (the first `cap` of them, or all), and
+    back. -> per anchor (n,), the picks' mean accuracy at 1..S shots minus zero-shot's, each answered by `backend`
+    (S + 1 prompts an anchor)."""
+    image = torch.tensor([ds.items["train"][q]["image_id"] for q in ds.groups.queries.tolist()])
+    rest = torch.ones(len(image), dtype=torch.bool).index_fill(0, split.val, False).nonzero()[:, 0]  # (n,)
+    _, image = image[rest].unique(return_inverse=True)
+    side = torch.randperm(int(image.max()) + 1, generator=torch.Generator().manual_seed(args.seed + 2))[image] % 2
+    gains = []
+    for h in (0, 1):
+        rows = split.train[torch.isin(split.train, rest[side == h])]
+        steps = math.ceil(len(rows) / args.batch_size)
+        torch.manual_seed(args.seed + 3 + h)
+        model, opt = new_selector(args, ds, init, picks)
+        shuffle = torch.Generator().manual_seed(args.seed + 5 + h)
+        for epoch in range(args.epochs):
+            order = rows[torch.randperm(len(rows), generator=shuffle)]
+            for i in range(steps):
+                idx = order[i * args.batch_size : (i + 1) * args.batch_size]
+                train_step(model, opt, ds, idx, split.reward, args, epoch * steps + i, args.epochs * steps)
+        other = rest[side != h][:cap]
+        queries, pools = ds.groups.queries[other], ds.groups.pools[other]
+        icds = greedy_icds(model, ds, "train", queries, pools, ds.seq_len, min_picks=ds.seq_len)  # (m, S) pick order
+        acc = [backend.score("train", queries, model.cfg.to_prompt(icds[:, :k]))["acc"] for k in range(ds.seq_len + 1)]
+        acc = torch.stack(acc, -1).double()  # (m, S + 1)
+        gains.append(acc[:, 1:].mean(-1) - acc[:, 0])
+    return torch.cat(gains)
+
+
 def main(args: Args) -> None:
     check_train_args(args)
     if not (0 < args.temp_start < math.inf and 0 < args.temp_end < math.inf):  # NaN fails every comparison
@@ -158,19 +229,7 @@ def main(args: Args) -> None:
 
         # model and optimizer
         torch.manual_seed(args.seed)
-        if init is not None:
-            model = init
-            model.set_picks(picks)  # what it may be asked for from here on
-        else:
-            settings = {f.name: getattr(args, f.name) for f in fields(SelectorConfig)}
-            settings |= {"dim": ds.emb["train"].shape[1], "picks": picks}
-            if args.retriever:  # the query scores each candidate alone: the top k are its picks
-                settings |= {"num_layers": 0, "state_update": False}
-            model = PointerSelector(SelectorConfig(**settings))
-        for p in model.stop_parameters():  # no data scores a stop against going on: it learns online
-            p.requires_grad_(False)
-        trained = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay)
+        model, opt = new_selector(args, ds, init, picks)
 
         # resume
         rngs = {"shuffle": torch.Generator().manual_seed(args.seed + 1)}
@@ -188,20 +247,7 @@ def main(args: Args) -> None:
             bar = run.progress(epoch, args.epochs, steps)
             for i in range(steps):
                 idx = order[i * args.batch_size : (i + 1) * args.batch_size]
-                step = loop["step"]
-                for group in opt.param_groups:  # a function of the step alone, so a resumed run follows it
-                    group["lr"] = args.lr * lr_factor(args.lr_schedule, step, total)
-                tau = args.temp_start + (args.temp_end - args.temp_start) * step / max(total - 1, 1)
-
-                model.train()  # dropout on: the warm-up is plain supervised learning
-                b = make_batch(ds, idx, split.reward, model.cfg)
-                loss = (retriever_loss if args.retriever else sequence_loss)(model, b, args, tau)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf))
-                if math.isfinite(norm):  # a NaN/inf gradient skips the step; the run stops just below
-                    opt.step()
-
+                loss, norm, tau = train_step(model, opt, ds, idx, split.reward, args, loop["step"], total)
                 loop["step"] += 1
                 m = {"train/loss": loss.item(), "train/tau": tau, "train/grad_norm": norm}
                 stop_if_diverged(m, "rce", epoch, loop["step"], out, "try a lower --lr")
@@ -222,6 +268,27 @@ def main(args: Args) -> None:
             run.end_epoch(record, model, opt, rngs, loop, args.keep_every, backend)
             run.say(f"{out.name} epoch {epoch}: {log_line(record, (*SHOWN, 'val/reward', 'val/acc'))}")
         run.say(f"best epoch {loop['best_epoch']} ({metric} {loop['best']:.4f}) -> {out}/model.safetensors")
+
+        # the stop before the first pick, from what picks like its own win on anchors they never trained on (once: its
+        # record, with the calls it took, ends metrics.jsonl)
+        done = "stop/go_on" in read_metrics(out / "metrics.jsonl")[-1]
+        if model.cfg.can_stop and backend is not None and loop["best_epoch"] is not None and not done:
+            gain = held_out_gain(args, ds, split, backend, init, picks, cap)  # (n,)
+            best = load_selector(out)
+            go = set_first_stop(best, gain)
+            best.save(out)
+            se = float(gain.std()) / math.sqrt(len(gain))
+            keep = {k: loop[k] for k in ("epoch", "step", "best_epoch")}
+            run.log(
+                {"phase": "rce", **keep, "lvlm/calls": backend.calls, "stop/gain": float(gain.mean()), "stop/go_on": go}
+            )
+            run.say(
+                f"stop before the first pick: on {len(gain)} training anchors, picks trained without them gain "
+                f"{100 * float(gain.mean()):+.2f} +- {196 * se:.2f} over zero-shot (1..{ds.seq_len} shots, 95%): it "
+                f"goes on with p = {go:.2f}"
+            )
+        elif model.cfg.can_stop and backend is None:
+            run.say("its stop stays untrained: nothing answers the training anchors to weigh it (--val-lvlm would)")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@ of the greedy picks, which chooses a run's best epoch."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -76,3 +78,18 @@ def selection_metric(backend) -> str:
     reward over the scored validation groups (a proxy: it need not move the greedy picks). Epoch 0 is logged but never a
     candidate: a trained start was chosen on these anchors, so its score there is biased upwards."""
     return "val/reward" if backend is None else "val/acc"
+
+
+@torch.no_grad()
+def set_first_stop(model: PointerSelector, gain: Tensor) -> float:
+    """Set a may-stop selector's stop before its first pick, alike for every question, from `gain` (n,): what its picks
+    won over zero-shot on n anchors they never trained on. p(going on) = Phi(mean / standard error), the chance that
+    picks like these beat zero-shot, within [0.01, 0.99] so online GRPO can still move it; the stop weight w = 0, the
+    later steps' biases kept. Greedy decoding goes on where the mean gain is above 0. -> p(going on)."""
+    n, mean = len(gain), float(gain.mean())
+    se = float(gain.std()) / math.sqrt(n) if n > 1 else 0.0
+    go = 0.5 * math.erfc(-mean / (se * math.sqrt(2))) if se > 0 else float(mean > 0)
+    go = min(max(go, 0.01), 0.99)
+    model.stop_weight.zero_()
+    model.stop_bias[0] = model.cfg.temperature * math.log((1 - go) / go)
+    return go

@@ -5,6 +5,7 @@ import copy
 import errno
 import io
 import json
+import math
 import os
 import re
 import shutil
@@ -16,7 +17,7 @@ from unittest.mock import patch
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import evaluate
@@ -205,21 +206,60 @@ def test_offline_ratio_is_one_and_iterations_make_the_clip_bind(small_data, rce_
     assert four["grpo/clip_frac_low"] + four["grpo/clip_frac_high"] > 0
 
 
-def test_a_selector_that_may_stop_learns_its_picks_as_one_that_cannot_and_its_stop_online_only(
+def test_a_selector_that_may_stop_learns_its_picks_as_one_that_cannot_and_its_first_stop_held_out(
     small_data, rce_run, tmp_path
 ):
-    """RCE with --can-stop trains the very picks RCE trains without it (to rounding: no data scores a stop against
-    going on) and leaves its stop untrained; so does the offline warm start of a budgeted online run, whose online part
-    then moves the stop (Adam once turned a zero gradient's rounding noise into a stop no data asked for)."""
-    rce.main(rce.Args(data=small_data, out=tmp_path / "rce", epochs=3, can_stop=True, **FAST))
-    may, cannot = PointerSelector.load(tmp_path / "rce"), PointerSelector.load(rce_run)
+    """RCE with --can-stop trains the very picks RCE trains without it (to rounding) and then sets its stop before the
+    first pick, alike for every question, from cross-fitting: each half of the anchors outside validation is picked for
+    by a selector trained on the other half, and every such prompt is counted in the run's last record, its own, which
+    a re-run of the finished run neither repeats nor changes. The offline warm start of a budgeted online run keeps that
+    stop; its online part moves it (Adam once turned a zero gradient's rounding noise into a stop no data asked for)."""
+    out = tmp_path / "rce"
+    rce.main(rce.Args(data=small_data, out=out, epochs=3, can_stop=True, **FAST))
+    may, cannot = PointerSelector.load(out), PointerSelector.load(rce_run)
     assert all(torch.allclose(v, may.state_dict()[k], atol=1e-5) for k, v in cannot.state_dict().items())
-    assert not any(p.any() for p in may.stop_parameters())
-    out = tmp_path / "grpo"
-    grpo.main(grpo.resolve(grpo.Args(data=small_data, init=tmp_path / "rce", out=out, online=True, lvlm_budget=2500)))
-    warm, after = PointerSelector.load(out / "offline"), PointerSelector.load(out)
-    assert not any(p.any() for p in warm.stop_parameters()) and not torch.equal(warm.in_proj.weight, may.in_proj.weight)
+    assert not may.stop_weight.any() and not may.stop_bias[1:].any() and may.stop_bias[0] != 0
+    *epochs, last = records(out)
+    ds = load_dataset(small_data)
+    outside = len(ds.groups) - len(batches.split_queries(ds, rce.Args(data=small_data, **FAST)).val)
+    assert last["epoch"] == epochs[-1]["epoch"] and last["best_epoch"] == epochs[-1]["best_epoch"]
+    assert last["lvlm/calls"] - epochs[-1]["lvlm/calls"] == outside * (ds.seq_len + 1), (last, outside)
+    go = last["stop/go_on"]
+    stop = float(torch.sigmoid(may.stop_bias.detach()[0] / may.cfg.temperature))  # p(stop) before the first pick
+    assert 0.01 <= go <= 0.99 and stop == pytest.approx(1 - go)
+    weights, lines = (out / "model.safetensors").read_bytes(), (out / "metrics.jsonl").read_text()
+    rce.main(rce.Args(data=small_data, out=out, epochs=3, can_stop=True, **FAST))
+    assert (out / "model.safetensors").read_bytes() == weights and (out / "metrics.jsonl").read_text() == lines
+    grpo_out = tmp_path / "grpo"
+    grpo.main(grpo.resolve(grpo.Args(data=small_data, init=out, out=grpo_out, online=True, lvlm_budget=2500)))
+    warm, after = PointerSelector.load(grpo_out / "offline"), PointerSelector.load(grpo_out)
+    assert all(torch.equal(a, b) for a, b in zip(warm.stop_parameters(), may.stop_parameters()))
+    assert not torch.equal(warm.in_proj.weight, may.in_proj.weight)
     assert all(p.any() for p in after.stop_parameters())
+
+
+@settings(max_examples=30, deadline=None, database=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(2, 60), shift=st.floats(-0.5, 0.5), temperature=st.floats(0.3, 2))
+def test_the_stop_before_the_first_pick_goes_on_where_picks_win_held_out(seed, n, shift, temperature):
+    """p(going on) before the first pick = Phi(mean gain / its standard error), within [0.01, 0.99], for every
+    question alike (w = 0; the later steps' biases kept); greedy decoding gives no demonstration where the mean gain is
+    below 0 and goes on where it is above."""
+    g = torch.Generator().manual_seed(seed)
+    gain = torch.rand(n, generator=g, dtype=torch.float64) * 2 - 1 + shift  # (n,)
+    mean, se = float(gain.mean()), float(gain.std()) / n**0.5
+    assume(abs(mean) > 1e-9 and se > 0)
+    model = PointerSelector(SelectorConfig(dim=8, hidden=16, num_heads=2, can_stop=True, temperature=temperature))
+    with torch.no_grad():
+        model.stop_weight.normal_(generator=g)
+        model.stop_bias.normal_(generator=g)
+    later = model.stop_bias[1:].clone()
+    go = validation.set_first_stop(model, gain)
+    phi = 0.5 * (1 + math.erf(mean / se / math.sqrt(2)))
+    assert go == pytest.approx(min(max(phi, 0.01), 0.99), abs=1e-12)
+    assert not model.stop_weight.any() and torch.equal(model.stop_bias[1:], later)
+    query, pool = torch.randn(5, 8, generator=g), torch.randn(5, 7, 8, generator=g)
+    picks, _ = model.greedy(query, pool, torch.ones(5, 7, dtype=torch.bool), 3)  # (5, 3)
+    assert ((picks[:, 0] >= 0) == (mean > 0)).all(), (picks, mean)
 
 
 @pytest.mark.parametrize("fill", [False, True])
@@ -1091,11 +1131,13 @@ def test_a_runs_lvlm_calls_add_up_along_its_init_chain(small_data, tmp_path, mon
 def test_a_selector_that_may_stop_learns_when_to(tmp_path, help_base, stops):
     """Planted worlds: where every demonstration hurts (help_base -2) the selector learns to stop at once; where every
     one helps (+1) it fills its k slots. RCE warms its picks up on the full-length sequences of groups that hold shorter
-    ones too (--min-shots 0: those train nothing), online GRPO then learns its stop from the greedy pairs."""
+    ones too (--min-shots 0: those train nothing) and sets its stop before the first pick from held-out picks (it stops
+    already where demonstrations hurt), online GRPO then learns its stop from the greedy pairs."""
     data = tmp_path / "data"
     sim = dict(num_train=600, num_val=150, num_queries=96, group_size=8, pool_size=24)
     gen_rl_data.generate(gen_rl_data.Args(out=data, min_shots=0, sim_set=[f"help_base={help_base}"], **sim))
     rce.main(rce.Args(data=data, out=tmp_path / "rce", can_stop=True, epochs=5, quality="all", **FAST))
+    assert (load_selector(tmp_path / "rce").stop_bias[0] > 0) == stops
     online = dict(online=True, epochs=6, lr=3e-3, kl_beta=0.05, replay_steps=0, item_bias=False, kl_target=None)
     grpo.main(grpo.Args(data=data, init=tmp_path / "rce", out=tmp_path / "online", **online, **FAST))
     first = json.loads((tmp_path / "online" / "metrics.jsonl").read_text().splitlines()[1])  # epoch 1's record
