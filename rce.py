@@ -43,7 +43,14 @@ from icl_select.data import Quality, load_dataset
 from icl_select.epochs import EpochMeans, log_line, lr_factor, stop_if_diverged
 from icl_select.runs import RunFolder, check_width, load_selector, new_loop, read_metrics
 from icl_select.train_args import TrainArgs, check_train_args
-from icl_select.validation import greedy_icds, selection_metric, set_first_stop, validate, validation_backend
+from icl_select.validation import (
+    greedy_icds,
+    prefix_accuracy,
+    selection_metric,
+    set_first_stop,
+    validate,
+    validation_backend,
+)
 from model import Credit, PointerSelector, SelectorConfig, demo_credits, going_on_logp, rce_weights
 
 SHOWN = ("train/loss", "train/tau")  # on the progress bar and the epoch line
@@ -191,7 +198,7 @@ def held_out_gain(
         other = rest[side != h][:cap]
         queries, pools = ds.groups.queries[other], ds.groups.pools[other]
         icds = greedy_icds(model, ds, "train", queries, pools, ds.seq_len, min_picks=ds.seq_len)  # (m, S) pick order
-        acc = [backend.score("train", queries, model.cfg.to_prompt(icds[:, :k]))["acc"] for k in range(ds.seq_len + 1)]
+        acc = prefix_accuracy(model, backend, queries, icds, range(ds.seq_len + 1))  # S + 1 of (m,)
         acc = torch.stack(acc, -1).double()  # (m, S + 1)
         gains.append(acc[:, 1:].mean(-1) - acc[:, 0])
     return torch.cat(gains)
@@ -271,8 +278,12 @@ def main(args: Args) -> None:
 
         # the stop before the first pick, from what picks like its own win on anchors they never trained on (once: its
         # record, with the calls it took, ends metrics.jsonl)
-        done = "stop/go_on" in read_metrics(out / "metrics.jsonl")[-1]
-        if model.cfg.can_stop and backend is not None and loop["best_epoch"] is not None and not done:
+        if (
+            model.cfg.can_stop
+            and backend is not None
+            and loop["best_epoch"] is not None
+            and "stop/go_on" not in read_metrics(out / "metrics.jsonl")[-1]
+        ):
             gain = held_out_gain(args, ds, split, backend, init, picks, cap)  # (n,)
             best = load_selector(out)
             go = set_first_stop(best, gain)

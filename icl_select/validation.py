@@ -36,6 +36,12 @@ def greedy_icds(
     return pool.gather(1, picks.clamp_min(0)).where(picks >= 0, -1)
 
 
+def prefix_accuracy(model: PointerSelector, backend, queries: Tensor, icds: Tensor, shots: range) -> list[Tensor]:
+    """Accuracy of each question `queries` (n,) given the first k of its picks `icds` (n, S) (train rows in pick
+    order), answered by `backend`: one (n,) per k in `shots`."""
+    return [backend.score("train", queries, model.cfg.to_prompt(icds[:, :k]))["acc"] for k in shots]
+
+
 @torch.no_grad()
 def validate(model: PointerSelector, ds: Dataset, split: Split, backend=None, max_queries: int | None = None) -> dict:
     """val/reward = mean over validation queries of sum_i softmax_i(log pi(seq_i)) r_i (the policy's expected
@@ -51,10 +57,7 @@ def validate(model: PointerSelector, ds: Dataset, split: Split, backend=None, ma
         n = max_queries or len(split.val)
         queries, pools = ds.groups.queries[split.val[:n]], ds.groups.pools[split.val[:n]]
         icds = greedy_icds(model, ds, "train", queries, pools, ds.seq_len)  # (n, S) train rows in pick order
-        accs = [
-            100 * float(backend.score("train", queries, model.cfg.to_prompt(icds[:, :k]))["acc"].mean())
-            for k in range(1, ds.seq_len + 1)
-        ]
+        accs = [100 * float(a.mean()) for a in prefix_accuracy(model, backend, queries, icds, range(1, ds.seq_len + 1))]
         out.update({f"val/acc_{k}": a for k, a in enumerate(accs, 1)}, **{"val/acc": sum(accs) / len(accs)})
         if model.cfg.can_stop:  # how many it gives, up to the data's sequence length
             out["val/demos"] = float((icds >= 0).sum(-1).double().mean())
