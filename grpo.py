@@ -45,7 +45,7 @@ from tyro.conf import DisallowNone
 
 from icl_select import sharding
 from icl_select.backends import ScoreCache
-from icl_select.batches import Batch, Split, make_batch, split_queries, steps_per_epoch
+from icl_select.batches import Batch, Split, make_batch, pass_batches, split_queries, steps_per_epoch
 from icl_select.cli import alias, default_is, help_first, run_cli
 from icl_select.data import Dataset, RewardArgs, RewardMode, compute_reward, load_dataset
 from icl_select.epochs import EpochMeans, log_line, lr_factor, stop_if_diverged
@@ -381,13 +381,6 @@ def sample_and_score(
     greedy = GreedyPair(cut_copy, greedy_cut, reward[:, -1] - reward[:, -2]) if policy.cfg.can_stop else None
     explored = (order >= sampled)[ok].double().mean().item()
     return Batch(query, pool_emb, pool_mask, seqs, ok, reward[:, :G]), explored, greedy
-
-
-def pass_batches(train: Tensor, batch: int, shuffle: torch.Generator) -> list[tuple[Tensor, bool]]:
-    """An epoch of a run without a budget: one shuffled pass over the training anchors in batches (the last may be
-    smaller), each with whether it is the epoch's last."""
-    parts = train[torch.randperm(len(train), generator=shuffle)].split(batch)
-    return [(idx, i == len(parts) - 1) for i, idx in enumerate(parts)]
 
 
 # An online budget's epoch takes at most this many times its planned steps: where a policy's groups stop costing calls

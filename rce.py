@@ -37,7 +37,7 @@ import tyro
 from torch import Tensor
 from torch.optim import AdamW
 
-from icl_select.batches import Batch, Split, make_batch, split_queries, steps_per_epoch
+from icl_select.batches import Batch, Split, image_index, make_batch, pass_batches, split_queries, steps_per_epoch
 from icl_select.cli import alias, default_is, help_first, run_cli
 from icl_select.data import Quality, load_dataset
 from icl_select.epochs import EpochMeans, log_line, lr_factor, stop_if_diverged
@@ -179,9 +179,8 @@ def held_out_gain(
     epoch) on one half's training anchors picks for the other half's anchors (the first `cap` of them, or all), and
     back. -> per anchor (n,), the picks' mean accuracy at 1..S shots minus zero-shot's, each answered by `backend`
     (S + 1 prompts an anchor)."""
-    image = torch.tensor([ds.items["train"][q]["image_id"] for q in ds.groups.queries.tolist()])
-    rest = torch.ones(len(image), dtype=torch.bool).index_fill(0, split.val, False).nonzero()[:, 0]  # (n,)
-    _, image = image[rest].unique(return_inverse=True)
+    rest = torch.ones(len(ds.groups), dtype=torch.bool).index_fill(0, split.val, False).nonzero()[:, 0]  # (n,)
+    image = image_index(ds, rest)  # (n,)
     side = torch.randperm(int(image.max()) + 1, generator=torch.Generator().manual_seed(args.seed + 2))[image] % 2
     gains = []
     for h in (0, 1):
@@ -191,9 +190,7 @@ def held_out_gain(
         model, opt = new_selector(args, ds, init, picks)
         shuffle = torch.Generator().manual_seed(args.seed + 5 + h)
         for epoch in range(args.epochs):
-            order = rows[torch.randperm(len(rows), generator=shuffle)]
-            for i in range(steps):
-                idx = order[i * args.batch_size : (i + 1) * args.batch_size]
+            for i, (idx, _) in enumerate(pass_batches(rows, args.batch_size, shuffle)):
                 train_step(model, opt, ds, idx, split.reward, args, epoch * steps + i, args.epochs * steps)
         other = rest[side != h][:cap]
         queries, pools = ds.groups.queries[other], ds.groups.pools[other]
@@ -249,11 +246,9 @@ def main(args: Args) -> None:
             run.log(record | ({"lvlm/calls": backend.calls} if backend else {}))
 
         for epoch in range(loop["epoch"] + 1, args.epochs + 1):
-            order = split.train[torch.randperm(len(split.train), generator=rngs["shuffle"])]
             means = EpochMeans()
             bar = run.progress(epoch, args.epochs, steps)
-            for i in range(steps):
-                idx = order[i * args.batch_size : (i + 1) * args.batch_size]
+            for idx, _ in pass_batches(split.train, args.batch_size, rngs["shuffle"]):
                 loss, norm, tau = train_step(model, opt, ds, idx, split.reward, args, loop["step"], total)
                 loop["step"] += 1
                 m = {"train/loss": loss.item(), "train/tau": tau, "train/grad_norm": norm}
@@ -288,15 +283,14 @@ def main(args: Args) -> None:
             best = load_selector(out)
             go = set_first_stop(best, gain)
             best.save(out)
-            se = float(gain.std()) / math.sqrt(len(gain))
             keep = {k: loop[k] for k in ("epoch", "step", "best_epoch")}
             run.log(
                 {"phase": "rce", **keep, "lvlm/calls": backend.calls, "stop/gain": float(gain.mean()), "stop/go_on": go}
             )
             run.say(
                 f"stop before the first pick: on {len(gain)} training anchors, picks trained without them gain "
-                f"{100 * float(gain.mean()):+.2f} +- {196 * se:.2f} over zero-shot (1..{ds.seq_len} shots, 95%): it "
-                f"goes on with p = {go:.2f}"
+                f"{100 * float(gain.mean()):+.2f} points over zero-shot (1..{ds.seq_len} shots): it goes on with "
+                f"p = {go:.2f}, their wins' share of all they won or lost"
             )
         elif model.cfg.can_stop and backend is None:
             run.say("its stop stays untrained: nothing answers the training anchors to weigh it (--val-lvlm would)")

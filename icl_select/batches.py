@@ -22,14 +22,20 @@ class Split:
     reward: Tensor  # (Q, G) float64, 0 where padded
 
 
+def image_index(ds: Dataset, anchors: Tensor) -> Tensor:
+    """Each of these anchors' image, numbered 0..m-1 among them: (n,) -> (n,). Splits go by image, so that questions
+    on one image never straddle them."""
+    image = torch.tensor([ds.items["train"][q]["image_id"] for q in ds.groups.queries[anchors].tolist()])
+    return image.unique(return_inverse=True)[1]
+
+
 def split_queries(ds: Dataset, args: TrainArgs) -> Split:
     """Validation queries held out by image (questions on one image never straddle the split), fixed by the seed;
     the curriculum filters apply to the training part only."""
     g = ds.groups
     n = len(g)
     target = int(round(n * args.val_frac))
-    image = torch.tensor([ds.items["train"][q]["image_id"] for q in g.queries.tolist()])
-    _, image = image.unique(return_inverse=True)  # (Q,) image index of each query
+    image = image_index(ds, torch.arange(n))  # (Q,)
     order = torch.randperm(int(image.max()) + 1, generator=torch.Generator().manual_seed(args.seed))
     taken = torch.bincount(image, minlength=len(order))[order].cumsum(0)  # queries held out after each image
     val_images = order[: int((taken < target).sum()) + 1] if target > 0 else order[:0]
@@ -57,6 +63,13 @@ def split_queries(ds: Dataset, args: TrainArgs) -> Split:
 
 def steps_per_epoch(split: Split, batch_size: int) -> int:
     return math.ceil(len(split.train) / batch_size)
+
+
+def pass_batches(train: Tensor, batch: int, shuffle: torch.Generator) -> list[tuple[Tensor, bool]]:
+    """An epoch without a budget: one shuffled pass over the training anchors in batches (the last may be smaller),
+    each with whether it is the epoch's last."""
+    parts = train[torch.randperm(len(train), generator=shuffle)].split(batch)
+    return [(idx, i == len(parts) - 1) for i, idx in enumerate(parts)]
 
 
 @dataclass

@@ -86,12 +86,12 @@ def selection_metric(backend) -> str:
 @torch.no_grad()
 def set_first_stop(model: PointerSelector, gain: Tensor) -> float:
     """Set a may-stop selector's stop before its first pick, alike for every question, from `gain` (n,): what its picks
-    won over zero-shot on n anchors they never trained on. p(going on) = Phi(mean / standard error), the chance that
-    picks like these beat zero-shot, within [0.01, 0.99] so online GRPO can still move it; the stop weight w = 0, the
-    later steps' biases kept. Greedy decoding goes on where the mean gain is above 0. -> p(going on)."""
-    n, mean = len(gain), float(gain.mean())
-    se = float(gain.std()) / math.sqrt(n) if n > 1 else 0.0
-    go = 0.5 * math.erfc(-mean / (se * math.sqrt(2))) if se > 0 else float(mean > 0)
+    won over zero-shot on n anchors they never trained on. p(going on) = (sum of the wins) / (sum of |gain|), the
+    constant `stop_loss` would reach on these anchors, within [0.01, 0.99]: greedy decoding goes on exactly where the
+    mean gain is above 0, and the closer the wins and losses, the more easily online GRPO moves it. The stop weight
+    w = 0, the later steps' biases kept. -> p(going on)."""
+    size = float(gain.abs().sum())
+    go = float(gain.clamp_min(0).sum()) / size if size > 0 else 0.5
     go = min(max(go, 0.01), 0.99)
     model.stop_weight.zero_()
     model.stop_bias[0] = model.cfg.temperature * math.log((1 - go) / go)

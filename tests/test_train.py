@@ -29,7 +29,7 @@ from icl_select.backends import ScoreCache
 from icl_select.cli import run_cli
 from icl_select.data import load_dataset
 from icl_select.runs import checkpoint_meta, load_selector, save_checkpoint
-from model import PointerSelector, SelectorConfig
+from model import PointerSelector, SelectorConfig, stop_loss
 
 FAST = dict(batch_size=8, val_frac=0.25, keep_every=1)
 FIELDS = ("acc", "correct", "gt_prob", "rel")
@@ -241,21 +241,26 @@ def test_a_selector_that_may_stop_learns_its_picks_as_one_that_cannot_and_its_fi
 @settings(max_examples=30, deadline=None, database=None)
 @given(seed=st.integers(0, 2**31 - 1), n=st.integers(2, 60), shift=st.floats(-0.5, 0.5), temperature=st.floats(0.3, 2))
 def test_the_stop_before_the_first_pick_goes_on_where_picks_win_held_out(seed, n, shift, temperature):
-    """p(going on) before the first pick = Phi(mean gain / its standard error), within [0.01, 0.99], for every
-    question alike (w = 0; the later steps' biases kept); greedy decoding gives no demonstration where the mean gain is
-    below 0 and goes on where it is above."""
+    """p(going on) before the first pick = the held-out wins' share of all won or lost, within [0.01, 0.99], for every
+    question alike (w = 0; the later steps' biases kept): the constant the stop's own loss would reach on these anchors.
+    Greedy decoding gives no demonstration where the mean gain is below 0 and goes on where it is above."""
     g = torch.Generator().manual_seed(seed)
     gain = torch.rand(n, generator=g, dtype=torch.float64) * 2 - 1 + shift  # (n,)
-    mean, se = float(gain.mean()), float(gain.std()) / n**0.5
-    assume(abs(mean) > 1e-9 and se > 0)
+    mean = float(gain.mean())
+    assume(abs(mean) > 1e-9)
     model = PointerSelector(SelectorConfig(dim=8, hidden=16, num_heads=2, can_stop=True, temperature=temperature))
     with torch.no_grad():
         model.stop_weight.normal_(generator=g)
         model.stop_bias.normal_(generator=g)
     later = model.stop_bias[1:].clone()
     go = validation.set_first_stop(model, gain)
-    phi = 0.5 * (1 + math.erf(mean / se / math.sqrt(2)))
-    assert go == pytest.approx(min(max(phi, 0.01), 0.99), abs=1e-12)
+    wins = sum(x for x in gain.tolist() if x > 0) / sum(abs(x) for x in gain.tolist())
+    assert go == pytest.approx(min(max(wins, 0.01), 0.99), abs=1e-12)
+    stop = torch.full((n,), math.log(1 - go), dtype=torch.float64)  # (n,) log p(stop), constant: the stop's own loss
+    for nudge in (-1e-3, 1e-3):  # is least there (unless clamped)
+        moved = torch.full((n,), math.log(1 - min(max(go + nudge, 1e-6), 1 - 1e-6)), dtype=torch.float64)
+        if 0.01 < go < 0.99:
+            assert stop_loss(stop, -gain) <= stop_loss(moved, -gain) + 1e-12
     assert not model.stop_weight.any() and torch.equal(model.stop_bias[1:], later)
     query, pool = torch.randn(5, 8, generator=g), torch.randn(5, 7, 8, generator=g)
     picks, _ = model.greedy(query, pool, torch.ones(5, 7, dtype=torch.bool), 3)  # (5, 3)
