@@ -159,7 +159,8 @@ def bench_log_probs(repeats: int, B=32, G=40, S=4, K=64, d=512, queries=800) -> 
 
 def bench_epochs(data: Path | None, repeats: int, thread_counts: list[int]) -> None:
     """One RCE, one offline and one online GRPO epoch (steps + validation + start-up) over the default simulated
-    data (800 x 16 x 4, K=64), and evaluating 800 questions x 4 shots, at each thread count. Stages and thread
+    data (800 x 16 x 4, K=64), the same for a selector that may stop (RCE's cross-fit included), and evaluating 800
+    questions x 4 shots, at each thread count. Stages and thread
     counts are interleaved in every repeat, so machine load hits them alike."""
     import contextlib
     import io
@@ -185,6 +186,10 @@ def bench_epochs(data: Path | None, repeats: int, thread_counts: list[int]) -> N
             "grpo --online --replay-steps 0": lambda r: grpo.main(  # what replay, online's default, costs
                 grpo.Args(data=data, init=r / "rce", out=r / "o0", epochs=1, online=True, replay_steps=0)
             ),
+            "rce --can-stop": lambda r: rce.main(rce.Args(data=data, out=r / "rce-stop", epochs=1, can_stop=True)),
+            "grpo --online, may stop": lambda r: grpo.main(  # its greedy pairs beside each group
+                grpo.Args(data=data, init=r / "rce-stop", out=r / "os", epochs=1, online=True)
+            ),
             "evaluate 800": lambda r: evaluate.main(evaluate.Args(data=data, runs=[r / "rce"], num_samples=[800])),
         }
         times = {(name, t): [] for name in stages for t in thread_counts}
@@ -203,7 +208,7 @@ def bench_epochs(data: Path | None, repeats: int, thread_counts: list[int]) -> N
         for t in thread_counts:
             x = times[name, t]
             print(
-                f"  {name:14s} {t} thread(s): min {min(x):6.2f} s  median {statistics.median(x):6.2f} s  "
+                f"  {name:30s} {t} thread(s): min {min(x):6.2f} s  median {statistics.median(x):6.2f} s  "
                 f"max {max(x):6.2f} s   (median {statistics.median(x) / base:.2f}x {thread_counts[0]} thread(s))"
             )
 
