@@ -7,9 +7,9 @@ cross-entropy on each group's best sequence (a supervised baseline), `--weights 
 keeps the best epoch on held-out anchors; docs/design.md says why each choice differs from Lever-Plus. A selector that
 may stop (--can-stop) learns its picks here as one that fills every slot does, from the same loss on its picks given
 that it goes on. Its stop before the first pick is then set from cross-fitting, alike for every question: two more
-selectors, each trained on half of the training anchors, pick for the other half, and it goes on with the chance that
-such picks beat zero-shot there (S + 1 LVLM prompts an anchor, the simulator's or --val-lvlm's; without either its stop
-stays untrained). grpo.py --online then learns which questions to stop on.
+selectors, each trained on half of the training anchors, pick for the other half, and it goes on with p = what such
+picks won over zero-shot there, as a share of all they won or lost (S + 1 LVLM prompts an anchor, the simulator's or
+--val-lvlm's; without either its stop stays untrained). grpo.py --online then learns which questions to stop on.
 
 `--retriever` trains a bi-encoder on the same scored groups instead (MSIER / EPR): no cross-attention and no state
 update, so the query scores each candidate alone and the top k are its picks. Each demonstration is credited with a
