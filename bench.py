@@ -160,8 +160,8 @@ def bench_log_probs(repeats: int, B=32, G=40, S=4, K=64, d=512, queries=800) -> 
 def bench_epochs(data: Path | None, repeats: int, thread_counts: list[int]) -> None:
     """One RCE, one offline and one online GRPO epoch (steps + validation + start-up) over the default simulated
     data (800 x 16 x 4, K=64), the same for a selector that may stop (RCE's cross-fit included), and evaluating 800
-    questions x 4 shots, at each thread count. Stages and thread
-    counts are interleaved in every repeat, so machine load hits them alike."""
+    questions x 4 shots, at each thread count. Stages and thread counts are interleaved in every repeat, so machine
+    load hits them alike."""
     import contextlib
     import io
 
