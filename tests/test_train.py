@@ -256,11 +256,9 @@ def test_the_stop_before_the_first_pick_goes_on_where_picks_win_held_out(seed, n
     go = validation.set_first_stop(model, gain)
     wins = sum(x for x in gain.tolist() if x > 0) / sum(abs(x) for x in gain.tolist())
     assert go == pytest.approx(min(max(wins, 0.01), 0.99), abs=1e-12)
-    stop = torch.full((n,), math.log(1 - go), dtype=torch.float64)  # (n,) log p(stop), constant: the stop's own loss
-    for nudge in (-1e-3, 1e-3):  # is least there (unless clamped)
-        moved = torch.full((n,), math.log(1 - min(max(go + nudge, 1e-6), 1 - 1e-6)), dtype=torch.float64)
-        if 0.01 < go < 0.99:
-            assert stop_loss(stop, -gain) <= stop_loss(moved, -gain) + 1e-12
+    if 0.01 < go < 0.99:  # unclamped: the stop's own loss, for one p(stop) shared by all n, is least there
+        loss = [stop_loss(torch.full((n,), math.log(1 - go + d), dtype=torch.float64), -gain) for d in (0, -1e-3, 1e-3)]
+        assert loss[0] <= min(loss[1:]) + 1e-12
     assert not model.stop_weight.any() and torch.equal(model.stop_bias[1:], later)
     query, pool = torch.randn(5, 8, generator=g), torch.randn(5, 7, 8, generator=g)
     picks, _ = model.greedy(query, pool, torch.ones(5, 7, dtype=torch.bool), 3)  # (5, 3)
