@@ -674,7 +674,7 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
     A short budget's warm start runs first on the same cache, so its scores are counted, and paid for, once."""
     out = args.out or default_out(args)
     split = split_queries(ds, args)
-    S, steps = ds.seq_len, steps_per_epoch(split, args.batch_size)
+    S, steps = ds.seq_len, steps_per_epoch(split.train, args.batch_size)
     metric, cap = selection_metric(backend), None if ds.is_sim else args.val_max_queries
     plan, init, warm, short = None, Path(args.init), None, False
     if args.lvlm_budget is not None:

@@ -36,6 +36,7 @@ import torch
 import tyro
 from torch import Tensor
 from torch.optim import AdamW
+from tqdm import tqdm
 
 from icl_select.batches import Batch, Split, image_index, make_batch, pass_batches, split_queries, steps_per_epoch
 from icl_select.cli import alias, default_is, help_first, run_cli
@@ -183,21 +184,28 @@ def held_out_gain(
     image = image_index(ds, rest)  # (n,)
     side = torch.randperm(int(image.max()) + 1, generator=torch.Generator().manual_seed(args.seed + 2))[image] % 2
     gains = []
+    # each half: its training epochs, then its anchors at 0..S shots (on real data the LVLM's prompts, the long part)
+    bar = tqdm(total=2 * (args.epochs + ds.seq_len + 1), desc="cross-fit: epochs, then shots", leave=False)
     for h in (0, 1):
         rows = split.train[torch.isin(split.train, rest[side == h])]
-        steps = math.ceil(len(rows) / args.batch_size)
+        steps = steps_per_epoch(rows, args.batch_size)
         torch.manual_seed(args.seed + 3 + h)
         model, opt = new_selector(args, ds, init, picks)
         shuffle = torch.Generator().manual_seed(args.seed + 5 + h)
         for epoch in range(args.epochs):
             for i, (idx, _) in enumerate(pass_batches(rows, args.batch_size, shuffle)):
                 train_step(model, opt, ds, idx, split.reward, args, epoch * steps + i, args.epochs * steps)
+            bar.update()
         other = rest[side != h][:cap]
         queries, pools = ds.groups.queries[other], ds.groups.pools[other]
         icds = greedy_icds(model, ds, "train", queries, pools, ds.seq_len, min_picks=ds.seq_len)  # (m, S) pick order
-        acc = prefix_accuracy(model, backend, queries, icds, range(ds.seq_len + 1))  # S + 1 of (m,)
+        acc = []  # S + 1 of (m,)
+        for k in range(ds.seq_len + 1):
+            acc += prefix_accuracy(model, backend, queries, icds, range(k, k + 1))
+            bar.update()
         acc = torch.stack(acc, -1).double()  # (m, S + 1)
         gains.append(acc[:, 1:].mean(-1) - acc[:, 0])
+    bar.close()
     return torch.cat(gains)
 
 
@@ -222,7 +230,7 @@ def main(args: Args) -> None:
     if picks < ds.seq_len:
         raise ValueError(f"--picks {args.picks} is below the sequence length {ds.seq_len} of {ds.folder}")
     split = split_queries(ds, args)
-    steps = steps_per_epoch(split, args.batch_size)
+    steps = steps_per_epoch(split.train, args.batch_size)
     total = args.epochs * steps
     backend = validation_backend(ds, args)  # answers the validation anchors' greedy picks, where it can
     metric = selection_metric(backend)

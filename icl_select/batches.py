@@ -61,8 +61,9 @@ def split_queries(ds: Dataset, args: TrainArgs) -> Split:
     return Split(train, val, reward)
 
 
-def steps_per_epoch(split: Split, batch_size: int) -> int:
-    return math.ceil(len(split.train) / batch_size)
+def steps_per_epoch(train: Tensor, batch_size: int) -> int:
+    """Batches in a pass over the training anchors `train` (the last may be smaller)."""
+    return math.ceil(len(train) / batch_size)
 
 
 def pass_batches(train: Tensor, batch: int, shuffle: torch.Generator) -> list[tuple[Tensor, bool]]:

@@ -94,7 +94,7 @@ def test_rce_killed_mid_epoch_resumes_bit_identical(small_data, rce_run, tmp_pat
     real = rce.make_batch
     calls = {"n": 0}
     args = rce.Args(data=small_data, out=out, epochs=3, **FAST)
-    steps = batches.steps_per_epoch(batches.split_queries(load_dataset(small_data), args), args.batch_size)
+    steps = batches.steps_per_epoch(batches.split_queries(load_dataset(small_data), args).train, args.batch_size)
     assert steps >= 2
 
     def dies_in_epoch_3(*a):
