@@ -89,8 +89,7 @@ def set_first_stop(model: PointerSelector, gain: Tensor) -> float:
     won over zero-shot on n anchors they never trained on. p(going on) = (sum of the wins) / (sum of |gain|), the
     constant `stop_loss` would reach on these anchors (1/2 where nothing was won or lost), within [0.01, 0.99]: greedy
     decoding stops exactly where the mean gain is below 0 (a tie goes on), and the closer the wins and losses, the more
-    easily online GRPO moves it. The stop weight
-    w = 0, the later steps' biases kept. -> p(going on)."""
+    easily online GRPO moves it. The stop weight w = 0, the later steps' biases kept. -> p(going on)."""
     size = float(gain.abs().sum())
     go = float(gain.clamp_min(0).sum()) / size if size > 0 else 0.5
     go = min(max(go, 0.01), 0.99)
