@@ -16,10 +16,10 @@ few steps (--replay-steps), and the selector learns a score per train item (--it
 the default online run short first trains offline GRPO from --init, then the online run from it (--warm-start): no
 flag to add for a small budget. A selector that may stop (rce.py --can-stop) learns its stop online only (a warm
 start trains its picks alone): its groups are those a selector that cannot stop would draw (every slot filled), PPO
-and the KL take its picks given that it goes on, and its stop learns from a greedy pair scored beside each group: a
-copy of the greedy sequence cut short at a uniform length up to where greedy decoding stops against going on past the
-cut and then stopping where greedy decoding stops (`stop_loss`). The pair teaches the stop alone, and the samples the
-picks alone; the two gradients are clipped apart, and the stop learns at STOP_LR times --lr.
+and the KL take its picks given that it goes on, and beside each group a pair is scored: the query's zero-shot prompt
+against its greedy sequence made to take a first pick (then stopping where greedy decoding stops). After each epoch
+its stop before the first pick is fitted per question on the run's pairs so far (`icl_select.stops.fit_first_stop`);
+its later steps stay as rce.py set them. The pairs teach the stop alone, and the samples the picks alone.
 
 Usage:
     python grpo.py --kl-beta 0.1 --no-rank-advantage         # offline, init runs/rce -> runs/grpo-kl0.1
@@ -35,7 +35,7 @@ import itertools
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -51,6 +51,7 @@ from icl_select.data import Dataset, RewardArgs, RewardMode, compute_reward, loa
 from icl_select.epochs import EpochMeans, log_line, lr_factor, stop_if_diverged
 from icl_select.pools import first_distinct, query_pools, random_sequences
 from icl_select.runs import RunFolder, check_width, load_selector, new_loop
+from icl_select.stops import fit_first_stop
 from icl_select.train_args import TrainArgs, check_train_args
 from icl_select.validation import dataset_backend, greedy_icds, selection_metric, validate, validation_backend
 from model import (
@@ -64,7 +65,6 @@ from model import (
     ppo_clip_loss,
     reward_spread,
     slices,
-    stop_loss,
 )
 
 # What moves in GRPO, on the progress bar and the epoch line (the loss is ~beta * KL: the PPO term is ~0 at ratio 1).
@@ -321,15 +321,13 @@ def reference_dists(ref: PointerSelector, ds: Dataset, split: Split, batch_size:
 
 
 @dataclass
-class GreedyPair:
-    """A selector that may stop, online: beside each group, the policy's greedy sequence made to go on past a cut (then
-    stopping where greedy decoding stops) and its copy cut there, the pair its stop learns from (`stop_loss`): the stop
-    at the cut weighed against going on as the policy would. The cut is uniform over the lengths up to where greedy
-    decoding stops (below S): a policy that gives none weighs its one choice in every pair.
-    copy (B, S) the cut copy, cut (B,) its length, gain (B,) its reward minus going on's."""
+class StopPairs:
+    """A selector that may stop, online: beside each group, the query's zero-shot prompt against its greedy sequence
+    made to take a first pick (then stopping where greedy decoding stops), the pair its stop before the first pick is
+    fitted on. rows (B,) the questions, pool (B, K) their candidates, gain (B,) zero-shot's reward minus going on's."""
 
-    copy: Tensor
-    cut: Tensor
+    rows: Tensor
+    pool: Tensor
     gain: Tensor
 
 
@@ -343,16 +341,16 @@ def sample_and_score(
     gen,
     explore,
     fill: bool,
-) -> tuple[Batch, float, GreedyPair | None]:
+) -> tuple[Batch, float, StopPairs | None]:
     """Online groups: up to G distinct sequences per query, scored by the backend. From 2G samples of the current
     policy, the distinct ones, every slot filled, never cut short: the groups a selector that cannot stop would draw, so
     its picks learn as that selector's do (a cut sequence's reward is lower, or higher, for its stop, and PPO would
     credit its picks with it). With `fill` (a budgeted run) and fewer than G distinct (a policy sure of its choice),
     uniformly random sequences too: a group never collapses to the one sequence whose score is known, so it keeps a
-    signal and spends its calls. A selector that may stop has its greedy pair scored beside the group (GreedyPair, cuts
-    drawn from `explore`); the cache answers its full sequence where a sample is the same.
+    signal and spends its calls. A selector that may stop has its pair scored beside the group (StopPairs); the cache
+    answers a prompt scored before (a query's zero-shot prompt, a sample that is the greedy sequence) for free.
     rows (B,) train questions, pool (B, K) their candidates (train rows, -1 = padding) -> the batch, the share of its
-    sequences that are random fills, and the greedy pairs of a selector that may stop."""
+    sequences that are random fills, and the pairs of a selector that may stop."""
     S, G = ds.seq_len, args.group_size
     emb = ds.emb["train"]
     query, pool_emb, pool_mask = emb[rows], emb[pool.clamp_min(0)], pool >= 0  # (B, d), (B, K, d), (B, K)
@@ -364,13 +362,8 @@ def sample_and_score(
     seqs = cand.gather(1, order[..., None].expand(-1, -1, S)).masked_fill(~ok[..., None], -1)  # (B, G, S)
     scored, known = seqs, ok
     if policy.cfg.can_stop:
-        # cut where greedy decoding stops or before: the pairs weigh the choices it makes, none past them
-        made = (policy.greedy(query, pool_emb, pool_mask, S)[0] >= 0).sum(-1).clamp_max(S - 1)  # (B,)
-        greedy_cut = (torch.rand(len(rows), generator=explore, dtype=torch.float64) * (made + 1)).long()  # (B,) 0..made
-        on = torch.stack([policy.greedy(query, pool_emb, pool_mask, S, c + 1)[0] for c in range(S)], 1)  # (B, S, S)
-        full = on[torch.arange(len(rows)), greedy_cut]  # (B, S) on past the cut, then as greedy decoding goes
-        cut_copy = full.masked_fill(torch.arange(S) >= greedy_cut[:, None], -1)  # (B, S)
-        scored = torch.cat([seqs, full[:, None], cut_copy[:, None]], 1)  # (B, G + 2, S) scored together
+        going = policy.greedy(query, pool_emb, pool_mask, S, 1)[0]  # (B, S) a first pick, then as greedy goes
+        scored = torch.cat([seqs, going[:, None], torch.full_like(going, -1)[:, None]], 1)  # (B, G + 2, S) + zero-shot
         known = torch.cat([ok, ok.new_ones(len(rows), 2)], 1)
     prompt = policy.cfg.to_prompt(scored).flatten(1)  # (B, G'*S) -1 after a stop and in padded sequences
     icds = pool.gather(1, prompt.clamp_min(0)).where(prompt >= 0, -1).view(-1, S)  # (B*G', S) train rows, prompt order
@@ -378,9 +371,9 @@ def sample_and_score(
     fields = scorer.score("train", rows.repeat_interleave(scored.shape[1])[flat], icds[flat])
     fields = {k: v.new_zeros(len(flat)).masked_scatter(flat, v).view(known.shape) for k, v in fields.items()}
     reward = compute_reward(fields, args).where(known, 0.0)  # (B, G')
-    greedy = GreedyPair(cut_copy, greedy_cut, reward[:, -1] - reward[:, -2]) if policy.cfg.can_stop else None
+    pairs = StopPairs(rows, pool, reward[:, -1] - reward[:, -2]) if policy.cfg.can_stop else None
     explored = (order >= sampled)[ok].double().mean().item()
-    return Batch(query, pool_emb, pool_mask, seqs, ok, reward[:, :G]), explored, greedy
+    return Batch(query, pool_emb, pool_mask, seqs, ok, reward[:, :G]), explored, pairs
 
 
 # An online budget's epoch takes at most this many times its planned steps: where a policy's groups stop costing calls
@@ -464,31 +457,20 @@ class Learner:
     params: list[torch.nn.Parameter]
     ref_cache: Tensor | None  # (Q, G, S, K) offline
     buffer: list[dict[str, Tensor]]  # --replay-steps: the last steps' groups, oldest first
+    pairs: list[StopPairs] = field(default_factory=list)  # a selector that may stop: the run's, for its stop's fit
 
 
 def seq_logp(policy: PointerSelector, steps: Steps, seqs: Tensor) -> Tensor:
     """What PPO's ratio is taken on, (B, G): each sequence's log-prob; for a selector that may stop, of its picks
-    given that it went on (`going_on_logp`), its stop learning from the greedy pairs alone (`stop_loss`): in PPO's
-    ratio, where stopping wins most groups, the stop goes to certainty (docs/ablations.md)."""
+    given that it went on (`going_on_logp`), its stop fitted on the pairs alone (`end_epoch_stop`): in PPO's ratio,
+    where stopping wins most groups, the stop goes to certainty (docs/ablations.md)."""
     return going_on_logp(steps, seqs) if policy.cfg.can_stop else steps.logp.sum(-1)
 
 
-def clip_apart(lr: Learner, clip: float) -> tuple[float, float]:
-    """Clip the picks' gradient and the stop's (the optimizer's groups, `param_groups`) each to norm `clip`, apart: the
-    stop's loss, large where stopping wins about half its pairs, would otherwise set the one norm that scales every
-    pick's step (docs/ablations.md). -> both norms before clipping (the stop's 0 where it does not train)."""
-    clip = clip or math.inf
-    norms = {g["stop"]: float(torch.nn.utils.clip_grad_norm_(g["params"], clip)) for g in lr.opt.param_groups}
-    return norms.get(False, 0.0), norms.get(True, 0.0)
-
-
-def update(
-    lr: Learner, b: Batch, adv: Tensor, t: Batch, t_adv: Tensor, sampled, ref_dist: Tensor, args, loop, last, pair=None
-):
+def update(lr: Learner, b: Batch, adv: Tensor, t: Batch, t_adv: Tensor, sampled, ref_dist: Tensor, args, loop, last):
     """--num-iterations PPO-clipped updates with beta * exact KL to the reference, on the groups `t` (the batch `b`,
-    then any replayed groups, `sampled` their sampling log-probs) against the policy as it was before them, plus the
-    stop loss of the batch's greedy pairs (`pair`, a selector that may stop online); then the adaptive beta, if asked
-    for. Returns the step's metrics and the log-probs the batch was sampled with, (B, G)."""
+    then any replayed groups, `sampled` their sampling log-probs) against the policy as it was before them; then the
+    adaptive beta, if asked for. Returns the step's metrics and the log-probs the batch was sampled with, (B, G)."""
     m, tm = b.seq_mask, t.seq_mask  # (B, G), (B', G)
     temp = args.temperature if args.online else 1.0
     beta = loop["state"]["beta"]
@@ -499,23 +481,18 @@ def update(
         if old is None:  # a replayed group's ratio is to the policy that sampled it
             old = logp.detach() if sampled is None else replay_old(logp, sampled)
         ppo, st = ppo_clip_loss(logp, old, t_adv, tm, args.epsilon, args.epsilon_high)
-        if lr.policy.cfg.can_stop:  # over the picks given going on: the stop learns from its pairs alone
+        if lr.policy.cfg.can_stop:  # over the picks given going on: the stop is fitted on its pairs alone
             kl = exact_kl(picks_given_going_on(cur.log_dist), picks_given_going_on(ref_dist), cur.taken & (t.seqs >= 0))
             kl = kl[tm].mean()
         else:
             kl = exact_kl(cur.log_dist, ref_dist, cur.taken)[tm].mean()  # over each step taken
         loss = ppo + beta * kl
-        if pair is not None:  # its cut copy's stop at the step it stopped, at temperature 1 as greedy decoding sees it
-            one = torch.ones(len(m), 1, dtype=torch.bool)  # (B, 1) the copy, valid
-            copies = lr.policy(b.query, b.pool, b.pool_mask, pair.copy[:, None], one, True)
-            stop = stop_loss(copies.log_dist[torch.arange(len(m)), 0, pair.cut, -1], pair.gain)
-            loss, extra["grpo/stop_loss"] = loss + stop, stop.item()
         lr.opt.zero_grad(set_to_none=True)
-        if last:  # once per epoch, where the policy has left the reference (the stop loss aside)
+        if last:  # once per epoch, where the policy has left the reference
             extra["grpo/kl_grad_share"] = kl_grad_share(lr.params, ppo, beta * kl)
         loss.backward()
-        norm, stop_norm = clip_apart(lr, args.grad_clip)
-        if math.isfinite(norm + stop_norm):  # a NaN/inf gradient skips the step; the run stops just below
+        norm = float(torch.nn.utils.clip_grad_norm_(lr.params, args.grad_clip or math.inf))
+        if math.isfinite(norm):  # a NaN/inf gradient skips the step; the run stops just below
             lr.opt.step()
     if last:  # how far one batch's updates moved the policy, KL(old || new)
         with torch.no_grad():
@@ -536,7 +513,6 @@ def update(
         "grpo/ratio_mean": float(st["ratio_mean"]),
         "grpo/entropy": cur.entropy[cur.taken].mean().item(),
         "train/grad_norm": norm,
-        **({"grpo/stop_grad_norm": stop_norm} if lr.policy.cfg.can_stop else {}),
         "grpo/beta": beta,
         "grpo/reward_mean": r.mean().item(),
         "grpo/reward_std": r.std(correction=0).item(),
@@ -565,13 +541,16 @@ def online_step(lr: Learner, ds: Dataset, scorer: ScoreCache, queries, idx: Tens
     rows, pool = queries(idx)  # (B,), (B, K)
     fill = args.lvlm_budget is not None
     gens = rngs["sampler"], rngs["explore"]
-    b, explored, pair = sample_and_score(lr.policy, scorer, ds, rows, pool, args, *gens, fill)
-    stopping = {} if pair is None else {"grpo/stop_wins": (pair.gain > 0).double().mean().item()}
+    b, explored, pairs = sample_and_score(lr.policy, scorer, ds, rows, pool, args, *gens, fill)
+    stopping = {}
+    if pairs is not None:
+        lr.pairs.append(pairs)
+        stopping["grpo/stop_wins"] = (pairs.gain > 0).double().mean().item()
     adv = group_advantages(b.reward, b.seq_mask, args.scale_rewards, args.rank_advantage).float()  # (B, G)
     t, t_adv, sampled = with_replay(ds, b, adv, lr.buffer) if args.replay_steps else (b, adv, None)
     with torch.no_grad():
         ref_dist = lr.ref(t.query, t.pool, t.pool_mask, t.seqs, t.seq_mask, True, args.temperature).log_dist
-    metrics, logp = update(lr, b, adv, t, t_adv, sampled, ref_dist, args, loop, last, pair)
+    metrics, logp = update(lr, b, adv, t, t_adv, sampled, ref_dist, args, loop, last)
     if args.replay_steps:  # the fresh groups with the log-probs they were sampled with
         fresh = {"rows": rows, "pool": pool, "seqs": b.seqs, "mask": b.seq_mask, "adv": adv, "logp": logp}
         lr.buffer = [*lr.buffer, fresh][-args.replay_steps :]
@@ -595,23 +574,9 @@ def online_queries(ds: Dataset, split: Split, args: Args, draws: torch.Generator
     return draw
 
 
-# The stop's learning rate in multiples of --lr. A budget gives it a few dozen steps: at --lr its logit ended near 0,
-# p(stop) near 1/2 for every question, and where greedy decoding crossed 1/2 was the seed's draw; at ten times, it
-# stopped where demonstrations help (docs/ablations.md).
-STOP_LR = 3.0
-
-
-def param_groups(policy: PointerSelector, params: list[torch.nn.Parameter]) -> list[dict]:
-    """AdamW groups of the trained `params`: the picks' at --lr, and the stop's, where it trains, at STOP_LR times
-    --lr ("scale"), each group flagged "stop" for `clip_apart`."""
-    ids = {id(p) for p in policy.stop_parameters()}
-    parts = {False: [p for p in params if id(p) not in ids], True: [p for p in params if id(p) in ids]}
-    return [{"params": ps, "scale": STOP_LR if stop else 1.0, "stop": stop} for stop, ps in parts.items() if ps]
-
-
 def learner(args: Args, ds: Dataset, split: Split, init: Path) -> Learner:
     """The `init` selector as the policy (its picks kept, grown to the data's sequence length where fewer) and as the
-    frozen reference, its AdamW optimizer (`param_groups`), and for offline GRPO the reference's distributions over the
+    frozen reference, its AdamW optimizer, and for offline GRPO the reference's distributions over the
     scored groups."""
     policy = load_selector(init)
     check_width(policy, init, ds.folder, ds.emb["train"].shape[1])
@@ -622,12 +587,37 @@ def learner(args: Args, ds: Dataset, split: Split, init: Path) -> Learner:
     if args.freeze_backbone:
         for p in policy.backbone_parameters():
             p.requires_grad_(False)
-    for p in [] if args.online else policy.stop_parameters():  # offline, no pair scores a stop
+    for p in policy.stop_parameters():  # fitted at the end of an online epoch (`end_epoch_stop`), not by its steps
         p.requires_grad_(False)
     params = [p for p in policy.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(param_groups(policy, params), lr=args.lr, weight_decay=args.weight_decay)
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     ref_cache = None if args.online else reference_dists(ref, ds, split, args.batch_size)  # (Q, G, S, K)
     return Learner(policy, ref, opt, params, ref_cache, [])
+
+
+def end_epoch_stop(lr: Learner, ds: Dataset, batch_size: int) -> dict[str, float]:
+    """A may-stop selector, online: its stop before the first pick fitted on the run's pairs so far, each question's
+    state that of the policy as the epoch leaves it (`fit_first_stop`; an epoch's pairs alone, a few hundred, left its
+    ridge to chance). The pairs are kept as one (`stop_pair_tensors` carries them in the checkpoint).
+    -> the fit's record (empty where there is none)."""
+    if not lr.pairs:
+        return {}
+    lr.pairs = [StopPairs(*(torch.cat([getattr(p, k) for p in lr.pairs]) for k in ("rows", "pool", "gain")))]
+    rows, pool, gain = lr.pairs[0].rows, lr.pairs[0].pool, lr.pairs[0].gain  # (P,), (P, K), (P,)
+    emb = ds.emb["train"]
+    with torch.no_grad():  # (P, H) in slices, each pool's embeddings gathered only there
+        states = torch.cat(
+            [
+                lr.policy.encode(emb[rows[i]], emb[pool[i].clamp_min(0)], pool[i] >= 0)[0]
+                for i in slices(len(rows), batch_size)
+            ]
+        )
+    return fit_first_stop(lr.policy, states, gain) | {"stop/pairs": len(gain)}
+
+
+def stop_pair_tensors(pairs: list[StopPairs]) -> dict[str, Tensor]:
+    """The stop pairs kept at an epoch's end (one, or none), as named tensors for the epoch checkpoint."""
+    return {f"stop_pairs.{k}": getattr(pairs[0], k).contiguous() for k in ("rows", "pool", "gain")} if pairs else {}
 
 
 def epoch_record(epoch: int, loop: dict, means: dict, policy, ds, split, backend, cap, lvlm, ref_greedy) -> dict:
@@ -642,7 +632,7 @@ def epoch_record(epoch: int, loop: dict, means: dict, policy, ds, split, backend
 
 
 def stops(init: Path) -> bool:
-    """Whether the selector at `init` may stop. GRPO trains such a selector's stop online only, from its greedy pairs,
+    """Whether the selector at `init` may stop. GRPO trains such a selector's stop online only, from its stop pairs,
     which offline groups lack: so it is refused offline (a short budget's warm start trains its picks alone)."""
     return load_selector(init).cfg.can_stop
 
@@ -679,7 +669,7 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
     plan, init, warm, short = None, Path(args.init), None, False
     if args.lvlm_budget is not None:
         val_calls = 0 if backend is None else len(split.val[:cap]) * S  # validate() asks 1..S shots of each
-        query_calls = args.group_size + 2 * stops(init)  # at most: its group, and a may-stop selector's greedy pair
+        query_calls = args.group_size + 2 * stops(init)  # at most: its group, and a may-stop selector's stop pair
 
         def plan_for(budget: int) -> Plan:
             return budget_plan(budget, args.epochs, args.batch_size * query_calls, val_calls, query_calls, steps)
@@ -726,6 +716,8 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
         if resume_from is not None:
             loop, extra = run.restore(resume_from, lr.policy, lr.opt, rngs, lvlm)
             lr.buffer = replay_buffer(extra)
+            if "stop_pairs.gain" in extra:  # stop_pair_tensors' inverse
+                lr.pairs = [StopPairs(*(extra[f"stop_pairs.{k}"] for k in ("rows", "pool", "gain")))]
         planned = ({"budget_plan": asdict(plan)} if plan else {}) | ({"warm_start": warm} if warm else {})
         run.start(args, ds, split, loop, resume_from is not None, {"out": str(out), **planned})
         if resume_from is None:  # epoch 0 = the initial policy, the start of every curve
@@ -746,7 +738,7 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
                 done = lvlm.calls if lvlm else 0
                 progress = (loop["step"], total) if plan is None else (done - first, args.lvlm_budget - first)
                 for group in lr.opt.param_groups:  # a function of the step (a budget's: of its calls) alone
-                    group["lr"] = group["scale"] * args.lr * lr_factor(args.lr_schedule, *progress)
+                    group["lr"] = args.lr * lr_factor(args.lr_schedule, *progress)
                 if args.online:
                     metrics = online_step(lr, ds, scorer, queries, idx, args, loop, rngs, last)
                 else:
@@ -761,8 +753,9 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
                 bar.update(1 if plan is None else lvlm.calls - done)
             bar.close()
             per_s = (lvlm.calls - calls) / (time.perf_counter() - start) if args.online else None  # before validation
+            means = means.result() | end_epoch_stop(lr, ds, args.batch_size)
 
-            record = epoch_record(epoch, loop, means.result(), lr.policy, ds, split, backend, cap, lvlm, ref_greedy)
+            record = epoch_record(epoch, loop, means, lr.policy, ds, split, backend, cap, lvlm, ref_greedy)
             if per_s is not None and not ds.is_sim:  # the epoch's LVLM sequences a second, readable after the run
                 record["lvlm/seq_per_s"] = round(per_s, 3)
             if warnings := warnings_for(record, S):
@@ -772,7 +765,8 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
                 loop["best"], loop["best_epoch"] = record[metric], epoch
             record["best_epoch"] = loop["best_epoch"]
             loop["epoch"] = epoch
-            run.end_epoch(record, lr.policy, lr.opt, rngs, loop, args.keep_every, lvlm, replay_tensors(lr.buffer))
+            kept = replay_tensors(lr.buffer) | stop_pair_tensors(lr.pairs)
+            run.end_epoch(record, lr.policy, lr.opt, rngs, loop, args.keep_every, lvlm, kept)
             warned = "".join(f"\n  warning: {w}" for w in warnings)
             run.say(f"{out.name} epoch {epoch}: {log_line(record, (*SHOWN, 'val/reward', 'val/acc'))}{warned}")
         chosen = f"{args.select_epoch} epoch {loop['best_epoch']} ({metric} {loop['best']:.4f})"

@@ -6,10 +6,12 @@ the query attends over its pool (L cross-attention layers, residual + LayerNorm)
 projected (near-identity init) and L2-normalised, step t is a softmax over the unchosen, unpadded pool of
 cosine / temperature, and the state absorbs each pick through a gate: g = sigma(W[s; c]), s <- norm(g*s + (1-g)*c).
 With an item memory (grpo.py --item-bias), a learned score of each train item adds to its cosine wherever it is a
-candidate. A selector that may stop (--can-stop) decides at each step first whether to stop, p(stop) =
-sigmoid((s . w + b_t) / temperature), then which candidate given that it goes on: how sure it is of its picks never
-decides whether it stops, and the stop reads the state s without training it (no gradient from the stop reaches the
-weights its picks use). Its stop starts at w = b = 0, a coin flip that greedy decoding resolves by going on.
+candidate. A selector that may stop (--can-stop) decides at each step first whether to stop, then which candidate
+given that it goes on: how sure it is of its picks never decides whether it stops. Before the first pick p(stop) =
+sigmoid((s . w + b_0) / temperature), reading the query's state s without training it (no gradient from the stop
+reaches the weights its picks use); after t picks, sigmoid(b_t / temperature), alike for every question (a stop that
+read the state there drifted toward stopping as the state moved with its picks, where going on won). Its stop starts
+at w = b = 0, a coin flip that greedy decoding resolves by going on.
 
 Each query and its pool are encoded once and shared by all G sequences of its group: teacher forcing is vectorised
 over queries x sequences, with a Python loop only over the S steps, whose state is sequential. Log-distributions keep
@@ -236,7 +238,7 @@ class PointerSelector(
         self.query_proj = _near_identity(cfg.hidden)
         self.cand_proj = _near_identity(cfg.hidden)
         self.gate = nn.Linear(2 * cfg.hidden, cfg.hidden)
-        if cfg.can_stop:  # stopping against going on: logit (state . stop_weight + stop_bias[t]) / temperature
+        if cfg.can_stop:  # stopping against going on: logit (state . stop_weight [t = 0 only] + stop_bias[t]) / temp.
             self.stop_weight = nn.Parameter(torch.zeros(cfg.hidden))  # untrained: a coin flip, and greedy goes on
             self.stop_bias = nn.Parameter(torch.zeros(cfg.picks))
         self.items: ItemMemory | None = None  # remember_items, or a loaded selector that has one
@@ -294,8 +296,10 @@ class PointerSelector(
         can_go, can_stop = avail[..., :-1].any(-1), avail[..., -1]  # (B, M) x2
         picks = (scores / self.cfg.temperature).masked_fill(~avail[..., :-1], float("-inf"))  # (B, M, K)
         picks = picks.masked_fill(~can_go[..., None], 0.0).log_softmax(-1)  # which candidate, given going on
-        # the stop reads the state the picks train: its loss, pulling the shared weights, cost picks (docs/ablations.md)
-        z = (s.detach() @ self.stop_weight + self.stop_bias[min(t, len(self.stop_bias) - 1)]) / self.cfg.temperature
+        # before the first pick the stop reads the state the picks train, detached (a stop pulling the weights the
+        # picks share cost picks: docs/ablations.md); later, a constant per step
+        z = self.stop_bias[min(t, len(self.stop_bias) - 1)] + (s.detach() @ self.stop_weight if t == 0 else 0.0)
+        z = z / self.cfg.temperature
         go = F.logsigmoid(-z).where(can_stop, 0.0)  # (B, M) log p(go on), 0 where it must
         stop = F.logsigmoid(z).where(can_go, 0.0)  # (B, M) log p(stop), 0 where it must
         log_dist = torch.cat([picks + go[..., None], stop[..., None]], -1).masked_fill(~avail, float("-inf"))

@@ -6,10 +6,11 @@ cross-entropy on each group's best sequence (a supervised baseline), `--weights 
 (ICD-LM's objective on Lever-LM's InfoScore beams, docs/rivals.md). It trains on the groups whose rewards differ and
 keeps the best epoch on held-out anchors; docs/design.md says why each choice differs from Lever-Plus. A selector that
 may stop (--can-stop) learns its picks here as one that fills every slot does, from the same loss on its picks given
-that it goes on. Its stop before the first pick is then set from cross-fitting, alike for every question: two more
-selectors, each trained on half of the training anchors, pick for the other half, and it goes on with p = what such
-picks won over zero-shot there, as a share of all they won or lost (S + 1 LVLM prompts an anchor, the simulator's or
---val-lvlm's; without either its stop stays untrained). grpo.py --online then learns which questions to stop on.
+that it goes on. Its stop at each step is then set from cross-fitting, alike for every question: two more selectors,
+each trained on half of the training anchors, pick for the other half, answered at 0..S shots, and after t picks it goes
+on with p = what going on won there (the later steps deciding as set), as a share of all it won or lost
+(`icl_select.stops.set_stops`; S + 1 LVLM prompts an anchor, the simulator's or --val-lvlm's; without either its stop
+stays untrained). grpo.py --online then fits which questions to give none.
 
 `--retriever` trains a bi-encoder on the same scored groups instead (MSIER / EPR): no cross-attention and no state
 update, so the query scores each candidate alone and the top k are its picks. Each demonstration is credited with a
@@ -43,12 +44,12 @@ from icl_select.cli import alias, default_is, help_first, run_cli
 from icl_select.data import Quality, load_dataset
 from icl_select.epochs import EpochMeans, log_line, lr_factor, stop_if_diverged
 from icl_select.runs import RunFolder, check_width, load_selector, new_loop, read_metrics
+from icl_select.stops import set_stops
 from icl_select.train_args import TrainArgs, check_train_args
 from icl_select.validation import (
     greedy_icds,
     prefix_accuracy,
     selection_metric,
-    set_first_stop,
     validate,
     validation_backend,
 )
@@ -141,7 +142,7 @@ def starting_selector(args: Args, ds) -> PointerSelector | None:
 
 def new_selector(args: Args, ds, init: PointerSelector | None, picks: int) -> tuple[PointerSelector, AdamW]:
     """--init's selector (a copy), or a fresh one shaped by the flags, and its optimizer; the stop is not trained here
-    (`set_first_stop` sets it after)."""
+    (`set_stops` sets it after)."""
     if init is not None:
         model = copy.deepcopy(init)
         model.set_picks(picks)  # what it may be asked for from here on
@@ -173,17 +174,17 @@ def train_step(model, opt, ds, idx: Tensor, reward: Tensor, args: Args, step: in
     return loss, norm, tau
 
 
-def held_out_gain(
+def held_out_accuracy(
     args: Args, ds, split: Split, backend, init: PointerSelector | None, picks: int, cap: int | None
 ) -> Tensor:
     """Cross-fitting: the anchors outside validation, halved by image; a selector trained as this run's (its last
     epoch) on one half's training anchors picks for the other half's anchors (the first `cap` of them, or all), and
-    back. -> per anchor (n,), the picks' mean accuracy at 1..S shots minus zero-shot's, each answered by `backend`
-    (S + 1 prompts an anchor)."""
+    back. -> per anchor, the accuracy of the picks' first 0..S (n, S + 1), each answered by `backend` (S + 1 prompts an
+    anchor)."""
     rest = torch.ones(len(ds.groups), dtype=torch.bool).index_fill(0, split.val, False).nonzero()[:, 0]  # (n,)
     image = image_index(ds, rest)  # (n,)
     side = torch.randperm(int(image.max()) + 1, generator=torch.Generator().manual_seed(args.seed + 2))[image] % 2
-    gains = []
+    accs = []
     # each half: its training epochs, then its anchors at 0..S shots (on real data the LVLM's prompts, the long part)
     bar = tqdm(total=2 * (args.epochs + ds.seq_len + 1), desc="cross-fit: epochs, then shots", leave=False)
     for h in (0, 1):
@@ -203,10 +204,9 @@ def held_out_gain(
         for k in range(ds.seq_len + 1):
             acc += prefix_accuracy(model, backend, queries, icds, range(k, k + 1))
             bar.update()
-        acc = torch.stack(acc, -1).double()  # (m, S + 1)
-        gains.append(acc[:, 1:].mean(-1) - acc[:, 0])
+        accs.append(torch.stack(acc, -1).double())  # (m, S + 1)
     bar.close()
-    return torch.cat(gains)
+    return torch.cat(accs)
 
 
 def main(args: Args) -> None:
@@ -279,26 +279,25 @@ def main(args: Args) -> None:
             run.say(f"{out.name} epoch {epoch}: {log_line(record, (*SHOWN, 'val/reward', 'val/acc'))}")
         run.say(f"best epoch {loop['best_epoch']} ({metric} {loop['best']:.4f}) -> {out}/model.safetensors")
 
-        # the stop before the first pick, from what picks like its own win on anchors they never trained on (once: its
-        # record, with the calls it took, ends metrics.jsonl)
+        # the stop at each step, from what picks like its own win on anchors they never trained on (once: its record,
+        # with the calls it took, ends metrics.jsonl)
         if (
             model.cfg.can_stop
             and backend is not None
             and loop["best_epoch"] is not None
             and "stop/go_on" not in read_metrics(out / "metrics.jsonl")[-1]
         ):
-            gain = held_out_gain(args, ds, split, backend, init, picks, cap)  # (n,)
+            acc = held_out_accuracy(args, ds, split, backend, init, picks, cap)  # (n, S + 1)
             best = load_selector(out)
-            go = set_first_stop(best, gain)
+            go = set_stops(best, acc)
             best.save(out)
             keep = {k: loop[k] for k in ("epoch", "step", "best_epoch")}
-            run.log(
-                {"phase": "rce", **keep, "lvlm/calls": backend.calls, "stop/gain": float(gain.mean()), "stop/go_on": go}
-            )
+            gain = float((acc[:, 1:].mean(-1) - acc[:, 0]).mean())  # over zero-shot, 1..S shots
+            run.log({"phase": "rce", **keep, "lvlm/calls": backend.calls, "stop/gain": gain, "stop/go_on": go})
             run.say(
-                f"stop before the first pick: on {len(gain)} training anchors, picks trained without them gain "
-                f"{100 * float(gain.mean()):+.2f} points over zero-shot (1..{ds.seq_len} shots): it goes on with "
-                f"p = {go:.2f}, their wins' share of all they won or lost"
+                f"the stop: on {len(acc)} training anchors, picks trained without them gain {100 * gain:+.2f} points "
+                f"over zero-shot (1..{ds.seq_len} shots); after 0..{ds.seq_len - 1} picks it goes on with p = "
+                f"{' '.join(f'{p:.2f}' for p in go)}, going on's wins' share of all it won or lost"
             )
         elif model.cfg.can_stop and backend is None:
             run.say("its stop stays untrained: nothing answers the training anchors to weigh it (--val-lvlm would)")

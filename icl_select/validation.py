@@ -3,8 +3,6 @@ of the greedy picks, which chooses a run's best epoch."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -81,18 +79,3 @@ def selection_metric(backend) -> str:
     reward over the scored validation groups (a proxy: it need not move the greedy picks). Epoch 0 is logged but never a
     candidate: a trained start was chosen on these anchors, so its score there is biased upwards."""
     return "val/reward" if backend is None else "val/acc"
-
-
-@torch.no_grad()
-def set_first_stop(model: PointerSelector, gain: Tensor) -> float:
-    """Set a may-stop selector's stop before its first pick, alike for every question, from `gain` (n,): what its picks
-    won over zero-shot on n anchors they never trained on. p(going on) = (sum of the wins) / (sum of |gain|), the
-    constant `stop_loss` would reach on these anchors (1/2 where nothing was won or lost), within [0.01, 0.99]: greedy
-    decoding stops exactly where the mean gain is below 0 (a tie goes on), and the closer the wins and losses, the more
-    easily online GRPO moves it. The stop weight w = 0, the later steps' biases kept. -> p(going on)."""
-    size = float(gain.abs().sum())
-    go = float(gain.clamp_min(0).sum()) / size if size > 0 else 0.5
-    go = min(max(go, 0.01), 0.99)
-    model.stop_weight.zero_()
-    model.stop_bias[0] = model.cfg.temperature * math.log((1 - go) / go)
-    return go

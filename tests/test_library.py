@@ -111,9 +111,8 @@ def test_pools_built_afresh_pick_what_evaluate_picks(image_run):
 
 @pytest.fixture(scope="module")
 def stopping_run(tmp_path_factory):
-    """A selector that may stop, its picks trained by RCE, its stop then set where its greedy choice gives some
-    questions none, some a few and some four (a trained one need not be so varied), saved and evaluated exactly k and
-    up to k."""
+    """A selector that may stop, its picks trained by RCE, its stop then set so that its greedy choice gives half the
+    questions none and the others two (a trained one need not be so even), saved and evaluated exactly k and up to k."""
     root = tmp_path_factory.mktemp("lib-stop")
     small = dict(num_train=600, num_val=100, num_queries=48, group_size=8, pool_size=24)
     generate(GenArgs(out=root / "data", **small))
@@ -122,16 +121,10 @@ def stopping_run(tmp_path_factory):
     model, ds = PointerSelector.load(run), load_dataset(root / "data")
     pool = ds.eval_pools
     query, pool_emb = ds.emb["val"], ds.emb["train"][pool]
-    with torch.no_grad():  # a stop that differs by question
+    with torch.no_grad():  # before the first pick a stop that differs by question, then on, on, stop
         model.stop_weight.copy_(0.1 * torch.randn(model.cfg.hidden, generator=torch.Generator().manual_seed(0)))
-    lengths = {}
-    for start in torch.linspace(-0.3, 0.3, 61).tolist():  # stopping a little likelier at each step
-        with torch.no_grad():
-            model.stop_bias.copy_(start + 0.01 * torch.arange(4))
-        n = (model.greedy(query, pool_emb, pool >= 0, 4)[0] >= 0).sum(-1)  # (V,) demonstrations given
-        lengths[start] = len(n.unique())
-    with torch.no_grad():
-        model.stop_bias.copy_(max(lengths, key=lengths.get) + 0.01 * torch.arange(4))
+        z = model.encode(query, pool_emb, pool >= 0)[0] @ model.stop_weight  # (V,)
+        model.stop_bias.copy_(torch.tensor([-float(z.median()), -1.0, 1.0, 1.0]))
     model.save(run)
     evaluate.main(evaluate.Args(runs=[run], data=root / "data", num_samples=[100]))
     return run, *(json.loads((run / "eval" / f"val{s}.json").read_text()) for s in ("", "-upto"))
@@ -145,7 +138,7 @@ def test_a_selector_that_may_stop_gives_what_evaluate_gives_and_only_library_ite
     demos = Demonstrations.from_run(run)
     ds = load_dataset(demos.data)
     used = {len(r["icds"]) for r in upto["results"] if r["shot"] == 4}
-    assert 0 in used and 4 in used and len(used) >= 3  # the fixture stops at several lengths
+    assert used == {0, 2}  # the fixture gives none or fewer
     for doc, exactly in ((exact, True), (upto, False)):
         want = eval_icds(doc)
         for k in doc["shots"]:

@@ -537,12 +537,14 @@ def test_going_on_scores_the_picks_among_the_candidates_alone_and_leaves_the_sto
 
 @given(batches())
 def test_the_stop_is_a_coin_of_its_own_beside_the_picks_of_the_selector_that_fills_every_slot(batch):
-    """At each step p(stop) = sigmoid((s . w + b_t) / temperature) of the state s (by hand), and the picks given going
-    on are exactly those of the selector with the same weights that cannot stop, whatever the stop's parameters: how
-    sure it is of its picks never decides whether it stops (scored among the candidates, a stop buried under sharp
-    picks never rose within a budget). The stop reads the state and never trains it: its log-prob moves its own weight
-    and bias alone (its loss, pulling the shared weights, cost the picks where demonstrations help). Untrained, its stop
-    is a coin flip and greedy decoding fills every slot as the selector that cannot stop does."""
+    """Before the first pick p(stop) = sigmoid((s . w + b_0) / temperature) of the query's state s, after t picks
+    sigmoid(b_t / temperature) alike for every state (by hand; a stop that read the moving state drifted toward stopping
+    where going on won), and the picks given going on are exactly those of the selector with the same weights that
+    cannot stop, whatever the stop's parameters: how sure it is of its picks never decides whether it stops (scored
+    among the candidates, a stop buried under sharp picks never rose within a budget). The stop reads the state and
+    never trains it: its log-prob moves its own weight and bias alone (its loss, pulling the shared weights, cost the
+    picks where demonstrations help). Untrained, its stop is a coin flip and greedy decoding fills every slot as the
+    selector that cannot stop does."""
     query, pool, pool_mask, seqs, seq_mask, seed = batch  # full-length sequences
     S, K = seqs.shape[2], pool.shape[1]
     model = stopping(seed)
@@ -556,7 +558,7 @@ def test_the_stop_is_a_coin_of_its_own_beside_the_picks_of_the_selector_that_fil
         s, keys, _ = model.encode(query, pool, pool_mask)
         s = s[:, None].expand(-1, seqs.shape[1], -1)  # (B, G, H)
         for t in range(S):
-            z = (s @ model.stop_weight + model.stop_bias[t]) / STOP.temperature  # (B, G)
+            z = ((s @ model.stop_weight) * (t == 0) + model.stop_bias[t]) / STOP.temperature  # (B, G)
             assert torch.allclose(out[:, t, K].exp(), torch.sigmoid(z)[seq_mask], atol=1e-6)
             s = model.advance(s, keys, seqs[..., t].clamp_min(0))
     stop = model(query, pool, pool_mask, seqs, seq_mask, with_dists=True).log_dist[..., K][seq_mask].sum()
