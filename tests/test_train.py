@@ -1123,7 +1123,7 @@ def test_a_selector_that_may_stop_learns_when_to(tmp_path, help_base, stops):
     """Planted worlds: where every demonstration hurts (help_base -2) the selector learns to stop at once; where every
     one helps (+1) it fills its k slots. RCE warms its picks up on the full-length sequences of groups that hold shorter
     ones too (--min-shots 0: those train nothing) and sets its stop before the first pick from held-out picks (it stops
-    already where demonstrations hurt), online GRPO then learns its stop from the greedy pairs."""
+    already where demonstrations hurt), online GRPO then fits its first stop on its stop pairs."""
     data = tmp_path / "data"
     sim = dict(num_train=600, num_val=150, num_queries=96, group_size=8, pool_size=24)
     gen_rl_data.generate(gen_rl_data.Args(out=data, min_shots=0, sim_set=[f"help_base={help_base}"], **sim))
