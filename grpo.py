@@ -602,7 +602,7 @@ def end_epoch_stop(lr: Learner, ds: Dataset, batch_size: int) -> dict[str, float
     -> the fit's record (empty where there is none)."""
     if not lr.pairs:
         return {}
-    lr.pairs = [StopPairs(*(torch.cat([getattr(p, k) for p in lr.pairs]) for k in ("rows", "pool", "gain")))]
+    lr.pairs = [StopPairs(*(torch.cat([getattr(p, f.name) for p in lr.pairs]) for f in fields(StopPairs)))]
     rows, pool, gain = lr.pairs[0].rows, lr.pairs[0].pool, lr.pairs[0].gain  # (P,), (P, K), (P,)
     emb = ds.emb["train"]
     with torch.no_grad():  # (P, H) in slices, each pool's embeddings gathered only there
@@ -617,7 +617,13 @@ def end_epoch_stop(lr: Learner, ds: Dataset, batch_size: int) -> dict[str, float
 
 def stop_pair_tensors(pairs: list[StopPairs]) -> dict[str, Tensor]:
     """The stop pairs kept at an epoch's end (one, or none), as named tensors for the epoch checkpoint."""
-    return {f"stop_pairs.{k}": getattr(pairs[0], k).contiguous() for k in ("rows", "pool", "gain")} if pairs else {}
+    return {f"stop_pairs.{f.name}": getattr(pairs[0], f.name).contiguous() for f in fields(StopPairs)} if pairs else {}
+
+
+def stop_pairs(tensors: dict[str, Tensor]) -> list[StopPairs]:
+    """stop_pair_tensors' inverse, from a checkpoint's extra tensors (none: no pairs)."""
+    names = [f"stop_pairs.{f.name}" for f in fields(StopPairs)]
+    return [StopPairs(*(tensors[n] for n in names))] if names[0] in tensors else []
 
 
 def epoch_record(epoch: int, loop: dict, means: dict, policy, ds, split, backend, cap, lvlm, ref_greedy) -> dict:
@@ -715,9 +721,7 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
         loop = new_loop({"beta": args.kl_beta})  # beta moves only with --kl-target
         if resume_from is not None:
             loop, extra = run.restore(resume_from, lr.policy, lr.opt, rngs, lvlm)
-            lr.buffer = replay_buffer(extra)
-            if "stop_pairs.gain" in extra:  # stop_pair_tensors' inverse
-                lr.pairs = [StopPairs(*(extra[f"stop_pairs.{k}"] for k in ("rows", "pool", "gain")))]
+            lr.buffer, lr.pairs = replay_buffer(extra), stop_pairs(extra)
         planned = ({"budget_plan": asdict(plan)} if plan else {}) | ({"warm_start": warm} if warm else {})
         run.start(args, ds, split, loop, resume_from is not None, {"out": str(out), **planned})
         if resume_from is None:  # epoch 0 = the initial policy, the start of every curve

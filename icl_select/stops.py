@@ -1,5 +1,5 @@
 """The stop of a selector that may stop (--can-stop): its later steps set from cross-fitting (rce.py), its first step
-fitted per question on the stop pairs of an online epoch (grpo.py). Both are fits of `model.stop_loss`, whose least
+fitted per question on an online run's stop pairs (grpo.py). Both are fits of `model.stop_loss`, whose least
 value for one p(stop) shared by all pairs is p = (sum of stopping's wins) / (sum of |gain|)."""
 
 from __future__ import annotations
@@ -39,17 +39,22 @@ def set_stops(model: PointerSelector, acc: Tensor) -> list[float]:
     return go
 
 
+def stop_logp(states: Tensor, w: Tensor, b: Tensor, temperature: float) -> Tensor:
+    """log p(stop) before the first pick, sigmoid((states . w + b) / temperature), in float64: states (P, H) -> (P,)."""
+    return F.logsigmoid((states.double() @ w + b) / temperature)
+
+
 def ridge_fit(states: Tensor, gain: Tensor, temperature: float, ridge: float) -> tuple[Tensor, Tensor]:
     """(w, b) minimising `stop_loss` of p(stop) = sigmoid((states . w + b) / temperature) on P pairs, states (P, H),
     gain (P,) stopping's reward minus going on's, plus ridge * |w|^2: convex, solved by L-BFGS in float64 from 0."""
-    x, gain = states.double(), gain.double()
-    w = torch.zeros(x.shape[1], dtype=torch.float64, requires_grad=True)
+    gain = gain.double()
+    w = torch.zeros(states.shape[1], dtype=torch.float64, requires_grad=True)
     b = torch.zeros((), dtype=torch.float64, requires_grad=True)
     opt = torch.optim.LBFGS([w, b], max_iter=200, tolerance_grad=1e-9, line_search_fn="strong_wolfe")
 
     def closure() -> Tensor:
         opt.zero_grad()
-        loss = stop_loss(F.logsigmoid((x @ w + b) / temperature), gain) + ridge * w.square().sum()
+        loss = stop_loss(stop_logp(states, w, b, temperature), gain) + ridge * w.square().sum()
         loss.backward()
         return loss
 
@@ -74,7 +79,7 @@ def fit_first_stop(model: PointerSelector, states: Tensor, gain: Tensor) -> dict
         for h in (0, 1):
             fit, other = half == h, half != h
             w, b = ridge_fit(states[fit], gain[fit], T, ridge)
-            loss += float(stop_loss(F.logsigmoid((states[other].double() @ w + b) / T), gain[other].double()))
+            loss += float(stop_loss(stop_logp(states[other], w, b, T), gain[other].double()))
         held_out.append(loss)
     ridge = RIDGE[min(range(len(RIDGE)), key=held_out.__getitem__)]
     w, b = ridge_fit(states, gain, T, ridge)
