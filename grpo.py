@@ -16,10 +16,11 @@ few steps (--replay-steps), and the selector learns a score per train item (--it
 the default online run short first trains offline GRPO from --init, then the online run from it (--warm-start): no
 flag to add for a small budget. A selector that may stop (rce.py --can-stop) learns its stop online only (a warm
 start trains its picks alone): its groups are those a selector that cannot stop would draw (every slot filled), PPO
-and the KL take its picks given that it goes on, and beside each group a pair is scored: the query's zero-shot prompt
-against its greedy sequence made to take a first pick (then stopping where greedy decoding stops). After each epoch
-its stop before the first pick is fitted per question on the run's pairs so far (`icl_select.stops.fit_first_stop`);
-its later steps stay as rce.py set them. The pairs teach the stop alone, and the samples the picks alone.
+and the KL take its picks given that it goes on, and beside each group a ladder is scored: the query's greedy
+sequence at each of its lengths 0..S. After each epoch its stop at every step is set from the run's ladders so far,
+backward from the last step (`icl_select.stops.set_stops`), and before the first pick fitted per question
+(`fit_first_stop`): a stop rce.py set for its own picks would go stale as the picks improve. The ladders teach the
+stop alone, and the samples the picks alone.
 
 Usage:
     python grpo.py --kl-beta 0.1 --no-rank-advantage         # offline, init runs/rce -> runs/grpo-kl0.1
@@ -51,7 +52,7 @@ from icl_select.data import Dataset, RewardArgs, RewardMode, compute_reward, loa
 from icl_select.epochs import EpochMeans, log_line, lr_factor, stop_if_diverged
 from icl_select.pools import first_distinct, query_pools, random_sequences
 from icl_select.runs import RunFolder, check_width, load_selector, new_loop
-from icl_select.stops import fit_first_stop
+from icl_select.stops import fit_first_stop, set_stops
 from icl_select.train_args import TrainArgs, check_train_args
 from icl_select.validation import dataset_backend, greedy_icds, selection_metric, validate, validation_backend
 from model import (
@@ -321,14 +322,14 @@ def reference_dists(ref: PointerSelector, ds: Dataset, split: Split, batch_size:
 
 
 @dataclass
-class StopPairs:
-    """A selector that may stop, online: beside each group, the query's zero-shot prompt against its greedy sequence
-    made to take a first pick (then stopping where greedy decoding stops), the pair its stop before the first pick is
-    fitted on. rows (B,) the questions, pool (B, K) their candidates, gain (B,) zero-shot's reward minus going on's."""
+class StopLadders:
+    """A selector that may stop, online: beside each group, the query's greedy sequence filling every slot, scored at
+    each of its lengths 0..S (0: the zero-shot prompt), what its stop at every step is set from (`end_epoch_stop`).
+    rows (B,) the questions, pool (B, K) their candidates, reward (B, S + 1) each length's."""
 
     rows: Tensor
     pool: Tensor
-    gain: Tensor
+    reward: Tensor
 
 
 def sample_and_score(
@@ -341,16 +342,16 @@ def sample_and_score(
     gen,
     explore,
     fill: bool,
-) -> tuple[Batch, float, StopPairs | None]:
+) -> tuple[Batch, float, StopLadders | None]:
     """Online groups: up to G distinct sequences per query, scored by the backend. From 2G samples of the current
     policy, the distinct ones, every slot filled, never cut short: the groups a selector that cannot stop would draw, so
     its picks learn as that selector's do (a cut sequence's reward is lower, or higher, for its stop, and PPO would
     credit its picks with it). With `fill` (a budgeted run) and fewer than G distinct (a policy sure of its choice),
     uniformly random sequences too: a group never collapses to the one sequence whose score is known, so it keeps a
-    signal and spends its calls. A selector that may stop has its pair scored beside the group (StopPairs); the cache
-    answers a prompt scored before (a query's zero-shot prompt, a sample that is the greedy sequence) for free.
+    signal and spends its calls. A selector that may stop has its ladder scored beside the group (StopLadders); the
+    cache answers a prompt scored before (a query's zero-shot prompt, a sample that is the greedy sequence) for free.
     rows (B,) train questions, pool (B, K) their candidates (train rows, -1 = padding) -> the batch, the share of its
-    sequences that are random fills, and the pairs of a selector that may stop."""
+    sequences that are random fills, and the ladders of a selector that may stop."""
     S, G = ds.seq_len, args.group_size
     emb = ds.emb["train"]
     query, pool_emb, pool_mask = emb[rows], emb[pool.clamp_min(0)], pool >= 0  # (B, d), (B, K, d), (B, K)
@@ -361,19 +362,20 @@ def sample_and_score(
     order, ok = first_distinct(cand, G)  # (B, G)
     seqs = cand.gather(1, order[..., None].expand(-1, -1, S)).masked_fill(~ok[..., None], -1)  # (B, G, S)
     scored, known = seqs, ok
-    if policy.cfg.can_stop:
-        going = policy.greedy(query, pool_emb, pool_mask, S, 1)[0]  # (B, S) a first pick, then as greedy goes
-        scored = torch.cat([seqs, going[:, None], torch.full_like(going, -1)[:, None]], 1)  # (B, G + 2, S) + zero-shot
-        known = torch.cat([ok, ok.new_ones(len(rows), 2)], 1)
+    if policy.cfg.can_stop:  # the greedy sequence's first 0..S picks: (B, S + 1, S), -1 past each length
+        going = policy.greedy(query, pool_emb, pool_mask, S, S)[0]  # (B, S)
+        ladder = going[:, None].where(torch.arange(S) < torch.arange(S + 1)[:, None], -1)
+        scored = torch.cat([seqs, ladder], 1)  # (B, G + S + 1, S)
+        known = torch.cat([ok, ok.new_ones(len(rows), S + 1)], 1)
     prompt = policy.cfg.to_prompt(scored).flatten(1)  # (B, G'*S) -1 after a stop and in padded sequences
     icds = pool.gather(1, prompt.clamp_min(0)).where(prompt >= 0, -1).view(-1, S)  # (B*G', S) train rows, prompt order
     flat = known.flatten()  # (B*G',) a padded sequence is never scored: its reward is 0 anyway
     fields = scorer.score("train", rows.repeat_interleave(scored.shape[1])[flat], icds[flat])
     fields = {k: v.new_zeros(len(flat)).masked_scatter(flat, v).view(known.shape) for k, v in fields.items()}
     reward = compute_reward(fields, args).where(known, 0.0)  # (B, G')
-    pairs = StopPairs(rows, pool, reward[:, -1] - reward[:, -2]) if policy.cfg.can_stop else None
+    ladders = StopLadders(rows, pool, reward[:, G:]) if policy.cfg.can_stop else None
     explored = (order >= sampled)[ok].double().mean().item()
-    return Batch(query, pool_emb, pool_mask, seqs, ok, reward[:, :G]), explored, pairs
+    return Batch(query, pool_emb, pool_mask, seqs, ok, reward[:, :G]), explored, ladders
 
 
 # An online budget's epoch takes at most this many times its planned steps: where a policy's groups stop costing calls
@@ -457,12 +459,12 @@ class Learner:
     params: list[torch.nn.Parameter]
     ref_cache: Tensor | None  # (Q, G, S, K) offline
     buffer: list[dict[str, Tensor]]  # --replay-steps: the last steps' groups, oldest first
-    pairs: list[StopPairs] = field(default_factory=list)  # a selector that may stop: the run's, for its stop's fit
+    ladders: list[StopLadders] = field(default_factory=list)  # a selector that may stop: the run's, for its stop
 
 
 def seq_logp(policy: PointerSelector, steps: Steps, seqs: Tensor) -> Tensor:
     """What PPO's ratio is taken on, (B, G): each sequence's log-prob; for a selector that may stop, of its picks
-    given that it went on (`going_on_logp`), its stop fitted on the pairs alone (`end_epoch_stop`): in PPO's ratio,
+    given that it went on (`going_on_logp`), its stop set from its ladders alone (`end_epoch_stop`): in PPO's ratio,
     where stopping wins most groups, the stop goes to certainty (docs/ablations.md)."""
     return going_on_logp(steps, seqs) if policy.cfg.can_stop else steps.logp.sum(-1)
 
@@ -481,7 +483,7 @@ def update(lr: Learner, b: Batch, adv: Tensor, t: Batch, t_adv: Tensor, sampled,
         if old is None:  # a replayed group's ratio is to the policy that sampled it
             old = logp.detach() if sampled is None else replay_old(logp, sampled)
         ppo, st = ppo_clip_loss(logp, old, t_adv, tm, args.epsilon, args.epsilon_high)
-        if lr.policy.cfg.can_stop:  # over the picks given going on: the stop is fitted on its pairs alone
+        if lr.policy.cfg.can_stop:  # over the picks given going on: the stop is set from its ladders alone
             kl = exact_kl(picks_given_going_on(cur.log_dist), picks_given_going_on(ref_dist), cur.taken & (t.seqs >= 0))
             kl = kl[tm].mean()
         else:
@@ -541,11 +543,9 @@ def online_step(lr: Learner, ds: Dataset, scorer: ScoreCache, queries, idx: Tens
     rows, pool = queries(idx)  # (B,), (B, K)
     fill = args.lvlm_budget is not None
     gens = rngs["sampler"], rngs["explore"]
-    b, explored, pairs = sample_and_score(lr.policy, scorer, ds, rows, pool, args, *gens, fill)
-    stopping = {}
-    if pairs is not None:
-        lr.pairs.append(pairs)
-        stopping["grpo/stop_wins"] = (pairs.gain > 0).double().mean().item()
+    b, explored, ladders = sample_and_score(lr.policy, scorer, ds, rows, pool, args, *gens, fill)
+    if ladders is not None:
+        lr.ladders.append(ladders)
     adv = group_advantages(b.reward, b.seq_mask, args.scale_rewards, args.rank_advantage).float()  # (B, G)
     t, t_adv, sampled = with_replay(ds, b, adv, lr.buffer) if args.replay_steps else (b, adv, None)
     with torch.no_grad():
@@ -554,7 +554,7 @@ def online_step(lr: Learner, ds: Dataset, scorer: ScoreCache, queries, idx: Tens
     if args.replay_steps:  # the fresh groups with the log-probs they were sampled with
         fresh = {"rows": rows, "pool": pool, "seqs": b.seqs, "mask": b.seq_mask, "adv": adv, "logp": logp}
         lr.buffer = [*lr.buffer, fresh][-args.replay_steps :]
-    return metrics | {"grpo/explored": explored} | stopping
+    return metrics | {"grpo/explored": explored}
 
 
 def online_queries(ds: Dataset, split: Split, args: Args, draws: torch.Generator):
@@ -587,7 +587,7 @@ def learner(args: Args, ds: Dataset, split: Split, init: Path) -> Learner:
     if args.freeze_backbone:
         for p in policy.backbone_parameters():
             p.requires_grad_(False)
-    for p in policy.stop_parameters():  # fitted at the end of an online epoch (`end_epoch_stop`), not by its steps
+    for p in policy.stop_parameters():  # set at the end of an online epoch (`end_epoch_stop`), not by its steps
         p.requires_grad_(False)
     params = [p for p in policy.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
@@ -596,14 +596,15 @@ def learner(args: Args, ds: Dataset, split: Split, init: Path) -> Learner:
 
 
 def end_epoch_stop(lr: Learner, ds: Dataset, batch_size: int) -> dict[str, float]:
-    """A may-stop selector, online: its stop before the first pick fitted on the run's pairs so far, each question's
-    state that of the policy as the epoch leaves it (`fit_first_stop`; an epoch's pairs alone, a few hundred, left its
-    ridge to chance). The pairs are kept as one (`stop_pair_tensors` carries them in the checkpoint).
-    -> the fit's record (empty where there is none)."""
-    if not lr.pairs:
+    """A may-stop selector, online: its stop at each step set from the run's ladders so far (`set_stops`), then before
+    the first pick fitted per question on zero-shot against what a first pick leads to, each question's state that of
+    the policy as the epoch leaves it (`fit_first_stop`; an epoch's ladders alone, a few hundred, left its ridge to
+    chance). The ladders are kept as one (`stop_ladder_tensors` carries them in the checkpoint).
+    -> the record of the stop (empty where there is none)."""
+    if not lr.ladders:
         return {}
-    lr.pairs = [StopPairs(*(torch.cat([getattr(p, f.name) for p in lr.pairs]) for f in fields(StopPairs)))]
-    rows, pool, gain = lr.pairs[0].rows, lr.pairs[0].pool, lr.pairs[0].gain  # (P,), (P, K), (P,)
+    lr.ladders = [StopLadders(*(torch.cat([getattr(p, f.name) for p in lr.ladders]) for f in fields(StopLadders)))]
+    rows, pool, reward = lr.ladders[0].rows, lr.ladders[0].pool, lr.ladders[0].reward  # (P,), (P, K), (P, S + 1)
     emb = ds.emb["train"]
     with torch.no_grad():  # (P, H) in slices, each pool's embeddings gathered only there
         states = torch.cat(
@@ -612,18 +613,22 @@ def end_epoch_stop(lr: Learner, ds: Dataset, batch_size: int) -> dict[str, float
                 for i in slices(len(rows), batch_size)
             ]
         )
-    return fit_first_stop(lr.policy, states, gain) | {"stop/pairs": len(gain)}
+    go, going = set_stops(lr.policy, reward)  # going (P,): what a first pick leads to, the later steps as set
+    record = {"stop/go_later": go[1:], "stop/ladders": len(rows)}
+    return record | fit_first_stop(lr.policy, states, reward[:, 0] - going)
 
 
-def stop_pair_tensors(pairs: list[StopPairs]) -> dict[str, Tensor]:
-    """The stop pairs kept at an epoch's end (one, or none), as named tensors for the epoch checkpoint."""
-    return {f"stop_pairs.{f.name}": getattr(pairs[0], f.name).contiguous() for f in fields(StopPairs)} if pairs else {}
+def stop_ladder_tensors(ladders: list[StopLadders]) -> dict[str, Tensor]:
+    """The stop ladders kept at an epoch's end (one, or none), as named tensors for the epoch checkpoint."""
+    if not ladders:
+        return {}
+    return {f"stop_ladders.{f.name}": getattr(ladders[0], f.name).contiguous() for f in fields(StopLadders)}
 
 
-def stop_pairs(tensors: dict[str, Tensor]) -> list[StopPairs]:
-    """stop_pair_tensors' inverse, from a checkpoint's extra tensors (none: no pairs)."""
-    names = [f"stop_pairs.{f.name}" for f in fields(StopPairs)]
-    return [StopPairs(*(tensors[n] for n in names))] if names[0] in tensors else []
+def stop_ladders(tensors: dict[str, Tensor]) -> list[StopLadders]:
+    """stop_ladder_tensors' inverse, from a checkpoint's extra tensors (none: no ladders)."""
+    names = [f"stop_ladders.{f.name}" for f in fields(StopLadders)]
+    return [StopLadders(*(tensors[n] for n in names))] if names[0] in tensors else []
 
 
 def epoch_record(epoch: int, loop: dict, means: dict, policy, ds, split, backend, cap, lvlm, ref_greedy) -> dict:
@@ -638,7 +643,7 @@ def epoch_record(epoch: int, loop: dict, means: dict, policy, ds, split, backend
 
 
 def stops(init: Path) -> bool:
-    """Whether the selector at `init` may stop. GRPO trains such a selector's stop online only, from its stop pairs,
+    """Whether the selector at `init` may stop. GRPO trains such a selector's stop online only, from its stop ladders,
     which offline groups lack: so it is refused offline (a short budget's warm start trains its picks alone)."""
     return load_selector(init).cfg.can_stop
 
@@ -675,7 +680,7 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
     plan, init, warm, short = None, Path(args.init), None, False
     if args.lvlm_budget is not None:
         val_calls = 0 if backend is None else len(split.val[:cap]) * S  # validate() asks 1..S shots of each
-        query_calls = args.group_size + 2 * stops(init)  # at most: its group, and a may-stop selector's stop pair
+        query_calls = args.group_size + (S + 1) * stops(init)  # at most: its group, and a may-stop selector's ladder
 
         def plan_for(budget: int) -> Plan:
             return budget_plan(budget, args.epochs, args.batch_size * query_calls, val_calls, query_calls, steps)
@@ -721,7 +726,7 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
         loop = new_loop({"beta": args.kl_beta})  # beta moves only with --kl-target
         if resume_from is not None:
             loop, extra = run.restore(resume_from, lr.policy, lr.opt, rngs, lvlm)
-            lr.buffer, lr.pairs = replay_buffer(extra), stop_pairs(extra)
+            lr.buffer, lr.ladders = replay_buffer(extra), stop_ladders(extra)
         planned = ({"budget_plan": asdict(plan)} if plan else {}) | ({"warm_start": warm} if warm else {})
         run.start(args, ds, split, loop, resume_from is not None, {"out": str(out), **planned})
         if resume_from is None:  # epoch 0 = the initial policy, the start of every curve
@@ -769,7 +774,7 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
                 loop["best"], loop["best_epoch"] = record[metric], epoch
             record["best_epoch"] = loop["best_epoch"]
             loop["epoch"] = epoch
-            kept = replay_tensors(lr.buffer) | stop_pair_tensors(lr.pairs)
+            kept = replay_tensors(lr.buffer) | stop_ladder_tensors(lr.ladders)
             run.end_epoch(record, lr.policy, lr.opt, rngs, loop, args.keep_every, lvlm, kept)
             warned = "".join(f"\n  warning: {w}" for w in warnings)
             run.say(f"{out.name} epoch {epoch}: {log_line(record, (*SHOWN, 'val/reward', 'val/acc'))}{warned}")

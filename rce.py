@@ -289,7 +289,7 @@ def main(args: Args) -> None:
         ):
             acc = held_out_accuracy(args, ds, split, backend, init, picks, cap)  # (n, S + 1)
             best = load_selector(out)
-            go = set_stops(best, acc)
+            go, _ = set_stops(best, acc)
             best.save(out)
             keep = {k: loop[k] for k in ("epoch", "step", "best_epoch")}
             gain = float((acc[:, 1:].mean(-1) - acc[:, 0]).mean())  # over zero-shot, 1..S shots

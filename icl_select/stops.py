@@ -1,5 +1,6 @@
-"""The stop of a selector that may stop (--can-stop): its later steps set from cross-fitting (rce.py), its first step
-fitted per question on an online run's stop pairs (grpo.py). Both are fits of `model.stop_loss`, whose least
+"""The stop of a selector that may stop (--can-stop): each step's set from the reward of its picks' first 0..S on a
+set of questions (rce.py: anchors they never trained on, by cross-fitting; grpo.py: the run's stop ladders), and online
+its first step fitted per question on the same ladders. Both are fits of `model.stop_loss`, whose least
 value for one p(stop) shared by all pairs is p = (sum of stopping's wins) / (sum of |gain|)."""
 
 from __future__ import annotations
@@ -17,17 +18,19 @@ RIDGE = (1e-3, 1e-2, 1e-1, 1.0, 10.0)
 
 
 @torch.no_grad()
-def set_stops(model: PointerSelector, acc: Tensor) -> list[float]:
-    """Set a may-stop selector's stop at each step, alike for every question, from `acc` (n, S + 1): the accuracy of
-    its picks' first 0..S on n anchors they never trained on. Backward from the last step: after t picks, going on
-    wins gain_t = v_{t+1} - acc_t, where v is what an anchor gets from step t + 1 on with the later steps as set (acc_S
-    at the end); p(going on) = (sum of the wins) / (sum of |gain_t|), the constant `stop_loss` would reach on these
-    anchors (1/2 where nothing was won or lost), within [0.01, 0.99]. Greedy decoding thus gives a number of
+def set_stops(model: PointerSelector, acc: Tensor) -> tuple[list[float], Tensor]:
+    """Set a may-stop selector's stop at each step, alike for every question, from `acc` (n, S + 1): the reward of
+    its picks' first 0..S on n questions. Backward from the last step: after t picks, going on
+    wins gain_t = v_{t+1} - acc_t, where v is what a question gets from step t + 1 on with the later steps as set
+    (acc_S at the end); p(going on) = (sum of the wins) / (sum of |gain_t|), the constant `stop_loss` would reach on
+    these questions (1/2 where nothing was won or lost), within [0.01, 0.99]. Greedy decoding thus gives a number of
     demonstrations that scored on them at least as well as any fewer. The stop weight w = 0; steps past S take step
-    S - 1's. -> p(going on) after 0..S - 1 picks."""
+    S - 1's. -> p(going on) after 0..S - 1 picks, and v_1 (n,): what each question gets once it takes a first pick."""
     S = acc.shape[1] - 1
     go, value = [0.5] * S, acc[:, S]  # value (n,): from step t + 1 on, the later steps deciding as set
     for t in reversed(range(S)):
+        if t == 0:
+            first = value
         gain = value - acc[:, t]  # (n,)
         size = float(gain.abs().sum())
         go[t] = min(max(float(gain.clamp_min(0).sum()) / size if size > 0 else 0.5, 0.01), 0.99)
@@ -36,7 +39,7 @@ def set_stops(model: PointerSelector, acc: Tensor) -> list[float]:
     for t in range(len(model.stop_bias)):
         p = go[min(t, S - 1)]
         model.stop_bias[t] = model.cfg.temperature * math.log((1 - p) / p)
-    return go
+    return go, first
 
 
 def stop_logp(states: Tensor, w: Tensor, b: Tensor, temperature: float) -> Tensor:
@@ -65,7 +68,7 @@ def ridge_fit(states: Tensor, gain: Tensor, temperature: float, ridge: float) ->
 
 @torch.no_grad()
 def fit_first_stop(model: PointerSelector, states: Tensor, gain: Tensor) -> dict[str, float]:
-    """Fit a may-stop selector's stop before its first pick, per question, on P stop pairs: states (P, H) each
+    """Fit a may-stop selector's stop before its first pick, per question, on P questions: states (P, H) each
     question's state before its first pick, gain (P,) its zero-shot reward minus going on's (`ridge_fit`, the ridge
     chosen among RIDGE by the loss on the other half of two halves). One full-batch fit of the pairs, whatever order
     they came in: trained by Adam a few pairs a step, the stop's bias swung from seed to seed, giving none where going

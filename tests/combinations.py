@@ -118,7 +118,7 @@ REFUSED = [
         ("can_stop", "training"),
         "can_stop with training offline",
         lambda r: r["can_stop"] and r["training"] == "offline",
-        "a selector's stop is fitted on its stop pairs, which only an online run scores",
+        "a selector's stop is set from its stop ladders, which only an online run scores",
         "grpo.py",
         r"^--init \S+ may stop, and GRPO learns when to stop online only: add --online",
         {"can_stop": True, "training": "offline"},

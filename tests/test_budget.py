@@ -253,7 +253,7 @@ def test_budget_plan_takes_one_epoch_where_a_second_cannot_pay_for_its_validatio
 def test_a_budget_is_spent_whatever_the_selector_does(tmp_path, counted, stop_bias):
     """At least 95% of the budget and never more, counted at the backend, by a selector that may stop (one that fills
     its slots: the test above), from untrained (a coin flip, where greedy decoding goes on) to nearly always at once
-    (whose stop pairs repeat the query's zero-shot prompt, scored once: once such a run spent a third of its budget).
+    (whose stop ladders repeat the query's zero-shot prompt, scored once: once such a run spent a third of its budget).
     What the cache saves buys more steps."""
     import gen_rl_data
     import rce

@@ -256,9 +256,11 @@ def test_the_stop_at_each_step_goes_on_where_going_on_wins_held_out(seed, n, S, 
     with torch.no_grad():
         model.stop_weight.normal_(generator=g)
         model.stop_bias.normal_(generator=g)
-    go = stops.set_stops(model, acc)
+    go, first = stops.set_stops(model, acc)
     rows, value, means = acc.tolist(), [row[S] for row in acc.tolist()], [0.0] * S
     for t in reversed(range(S)):  # by hand, per anchor
+        if t == 0:  # what each anchor gets once it takes a first pick, the later steps as set
+            assert first.tolist() == pytest.approx(value, abs=1e-12)
         gain = [v - row[t] for v, row in zip(value, rows)]
         means[t] = sum(gain) / n
         wins = sum(x for x in gain if x > 0) / sum(abs(x) for x in gain)
@@ -279,12 +281,11 @@ def test_the_stop_at_each_step_goes_on_where_going_on_wins_held_out(seed, n, S, 
 
 
 @pytest.mark.parametrize("fill", [False, True])
-def test_a_stopping_selectors_groups_are_one_that_cannot_stops_with_its_stop_pair_beside(small_data, fill):
+def test_a_stopping_selectors_groups_are_one_that_cannot_stops_with_its_stop_ladder_beside(small_data, fill):
     """For a selector that may stop, online groups are those a selector that cannot stop would draw: samples that fill
     every slot however likely the stop, never cut short, distinct sequences of distinct pool positions, scored by the
-    backend for each prompt in prompt order. Beside each group its stop pair: the query's zero-shot prompt against its
-    greedy sequence made to take a first pick and then stop where greedy decoding stops; the pair's gain is zero-shot's
-    reward minus going on's."""
+    backend for each prompt in prompt order. Beside each group its stop ladder: the query's greedy sequence filling
+    every slot, however likely the stop, scored at each of its lengths 0..S (0: the zero-shot prompt)."""
     ds = load_dataset(small_data)
     torch.manual_seed(0)
     policy = PointerSelector(SelectorConfig(dim=512, hidden=32, num_heads=2, can_stop=True)).eval()
@@ -302,30 +303,28 @@ def test_a_stopping_selectors_groups_are_one_that_cannot_stops_with_its_stop_pai
     rows, pool = ds.groups.queries[:24], ds.groups.pools[:24]
     args = grpo.resolve(grpo.Args(online=True, group_size=6, lvlm_budget=1000 if fill else None))
     gens = [torch.Generator().manual_seed(s) for s in (0, 1)]
-    b, explored, pair = grpo.sample_and_score(policy, Scorer(), ds, rows, pool, args, *gens, fill)
+    b, explored, ladder = grpo.sample_and_score(policy, Scorer(), ds, rows, pool, args, *gens, fill)
     S = ds.seq_len
-    assert torch.equal(pair.rows, rows) and torch.equal(pair.pool, pool)
-    going = torch.full((len(rows), S), -1)  # by hand: the first pick, then greedy decoding's choices from its state
+    assert torch.equal(ladder.rows, rows) and torch.equal(ladder.pool, pool)
+    going = torch.full((len(rows), S), -1)  # by hand: greedy decoding's choices from its state, never stopping
+    stopping = torch.zeros(len(rows), S, dtype=torch.bool)  # and where it would have stopped
     with torch.no_grad():
         s, keys, _ = policy.encode(b.query, b.pool, b.pool_mask)
         avail = b.pool_mask.clone()
         for i in range(len(rows)):
             state, left = s[i : i + 1, None], avail[i : i + 1, None].clone()  # (1, 1, H), (1, 1, K)
             for t in range(S):
-                a = torch.cat([left, torch.tensor([[[t > 0]]])], -1)
+                a = torch.cat([left, torch.tensor([[[True]]])], -1)
                 dist = policy.step_log_dist(state, keys[i : i + 1], None, a, t=t)[0, 0]  # (K + 1,)
-                if t > 0 and dist[-1].exp() > 0.5:
-                    break
+                stopping[i, t] = bool(dist[-1].exp() > 0.5)
                 going[i, t] = int(dist[:-1].argmax())
                 left[0, 0, going[i, t]] = False
                 state = policy.advance(state, keys[i : i + 1], going[i, t].view(1, 1))
-    n = (going >= 0).sum(-1)
-    assert (n >= 1).all() and (n < S).any() and (n > 1).any(), n
-    rewards = [
-        grpo.compute_reward(score(rows, pool.gather(1, x.clamp_min(0)).where(x >= 0, -1)), args)
-        for x in (going, torch.full_like(going, -1))
-    ]
-    assert torch.allclose(pair.gain, rewards[1] - rewards[0])
+    assert stopping[:, 1:].any(-1).all(), stopping  # greedy decoding would stop on each: the ladder does not
+    for length in range(S + 1):  # its first `length` picks, in prompt order as the backend gets them
+        x = going.where(torch.arange(S) < length, -1)
+        want = grpo.compute_reward(score(rows, pool.gather(1, x.clamp_min(0)).where(x >= 0, -1)), args)
+        assert torch.allclose(ladder.reward[:, length], want)
     for group, mask in zip(b.seqs.tolist(), b.seq_mask.tolist()):
         kept = [tuple(x) for x, m in zip(group, mask) if m]
         assert len(set(kept)) == len(kept) and all(
@@ -343,8 +342,8 @@ def test_a_stopping_selectors_picks_learn_as_one_that_cannot_stops_do_and_its_st
     """Online, the picks of a selector that may stop take the update a selector that cannot stop, with the same picks,
     takes on the same groups (PPO and the KL over its picks given that it goes on), to rounding, even against a
     reference whose stop differs; no update moves its stop beyond rounding (and the optimizer never holds it), which is
-    fitted on its pairs alone (PPO once drove the stop to certainty against them; the KL pulled it toward a reference
-    whose stop no pair had trained)."""
+    set from its ladders alone (PPO once drove the stop to certainty against them; the KL pulled it toward a reference
+    whose stop no ladder had set)."""
     g = torch.Generator().manual_seed(seed)
     B, G, S, K, d = 5, 6, 4, 9, 16
     torch.manual_seed(seed)
@@ -482,10 +481,10 @@ def test_grpo_online_and_resume_bit_identical(small_data, rce_run, tmp_path, mon
 
 
 def test_a_selector_that_may_stop_trains_online_only_and_resumes_bit_identical(small_data, tmp_path, monkeypatch):
-    """After each epoch its stop before the first pick is fitted on the run's pairs so far (the ridge chosen, the
-    share going on, the share of pairs stopping won) from --init itself, with no warm start (that is a short budget's):
-    a run killed after epoch 1 resumes to the same bytes, the pairs carried in its checkpoint. Offline GRPO of it is
-    refused in one line before any work."""
+    """After each epoch its stop is set on the run's ladders so far (each later step's p(going on), the first step's
+    ridge and share going on) from --init itself, with no warm start (that is a short budget's): a run killed after
+    epoch 1 resumes to the same bytes, the ladders carried in its checkpoint. Offline GRPO of it is refused in one line
+    before any work."""
     rce.main(rce.Args(data=small_data, out=tmp_path / "rce", can_stop=True, epochs=1, **FAST))
     with pytest.raises(
         ValueError, match=r"^--init \S+ may stop, and GRPO learns when to stop online only: add --online"
@@ -496,8 +495,9 @@ def test_a_selector_that_may_stop_trains_online_only_and_resumes_bit_identical(s
     full = whole_and_resumed(monkeypatch, tmp_path, data=small_data, init=tmp_path / "rce", **flags)
     assert not (full / "offline").exists() and "warm_start" not in json.loads((full / "config.json").read_text())
     last = records(full)[-1]
-    assert last["stop/ridge"] in stops.RIDGE and 0 <= last["stop/go_on"] <= 1 and 0 < last["grpo/stop_wins"] < 1, last
-    assert last["stop/pairs"] > records(full)[-2]["stop/pairs"] > 0  # each fit on the run's pairs so far
+    assert last["stop/ridge"] in stops.RIDGE and 0 <= last["stop/go_on"] <= 1, last
+    assert len(last["stop/go_later"]) == 3 and all(0.01 <= p <= 0.99 for p in last["stop/go_later"]), last
+    assert last["stop/ladders"] > records(full)[-2]["stop/ladders"] > 0  # each set on the run's ladders so far
     # no optimizer step moves its stop: it is not among the parameters the optimizer holds
     groups = checkpoint_meta(full / "ckpt" / "epoch_002.safetensors")["optimizer"]["param_groups"]
     model = load_selector(full)
@@ -1123,7 +1123,7 @@ def test_a_selector_that_may_stop_learns_when_to(tmp_path, help_base, stops):
     """Planted worlds: where every demonstration hurts (help_base -2) the selector learns to stop at once; where every
     one helps (+1) it fills its k slots. RCE warms its picks up on the full-length sequences of groups that hold shorter
     ones too (--min-shots 0: those train nothing) and sets its stop before the first pick from held-out picks (it stops
-    already where demonstrations hurt), online GRPO then fits its first stop on its stop pairs."""
+    already where demonstrations hurt), online GRPO then sets its stop on its stop ladders."""
     data = tmp_path / "data"
     sim = dict(num_train=600, num_val=150, num_queries=96, group_size=8, pool_size=24)
     gen_rl_data.generate(gen_rl_data.Args(out=data, min_shots=0, sim_set=[f"help_base={help_base}"], **sim))
