@@ -595,7 +595,7 @@ def learner(args: Args, ds: Dataset, split: Split, init: Path) -> Learner:
     return Learner(policy, ref, opt, params, ref_cache, [])
 
 
-def end_epoch_stop(lr: Learner, ds: Dataset, batch_size: int) -> dict[str, float]:
+def end_epoch_stop(lr: Learner, ds: Dataset, batch_size: int) -> dict[str, float | list[float]]:
     """A may-stop selector, online: its stop at each step set from the run's ladders so far (`set_stops`), then before
     the first pick fitted per question on zero-shot against what a first pick leads to, each question's state that of
     the policy as the epoch leaves it (`fit_first_stop`; an epoch's ladders alone, a few hundred, left its ridge to
