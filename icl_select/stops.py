@@ -50,7 +50,7 @@ def stop_logp(states: Tensor, w: Tensor, b: Tensor, temperature: float) -> Tenso
 def ridge_fit(states: Tensor, gain: Tensor, temperature: float, ridge: float) -> tuple[Tensor, Tensor]:
     """(w, b) minimising `stop_loss` of p(stop) = sigmoid((states . w + b) / temperature) on P pairs, states (P, H),
     gain (P,) stopping's reward minus going on's, plus ridge * |w|^2: convex, solved by L-BFGS in float64 from 0."""
-    gain = gain.double()
+    states, gain = states.double(), gain.double()  # once, not at every L-BFGS evaluation
     w = torch.zeros(states.shape[1], dtype=torch.float64, requires_grad=True)
     b = torch.zeros((), dtype=torch.float64, requires_grad=True)
     opt = torch.optim.LBFGS([w, b], max_iter=200, tolerance_grad=1e-9, line_search_fn="strong_wolfe")
@@ -75,7 +75,7 @@ def fit_first_stop(model: PointerSelector, states: Tensor, gain: Tensor) -> dict
     on won. The later steps are kept. -> the chosen ridge and the share of the pairs' questions that now go on."""
     if not gain.abs().sum() > 0:  # nothing won or lost: the stop stays as it was
         return {}
-    T, half = model.cfg.temperature, torch.arange(len(gain)) % 2
+    states, T, half = states.double(), model.cfg.temperature, torch.arange(len(gain)) % 2
     held_out = []
     for ridge in RIDGE:
         loss = 0.0
@@ -88,5 +88,5 @@ def fit_first_stop(model: PointerSelector, states: Tensor, gain: Tensor) -> dict
     w, b = ridge_fit(states, gain, T, ridge)
     model.stop_weight.copy_(w)
     model.stop_bias[0] = b
-    go = (states.double() @ w + b <= 0).double().mean()  # greedy decoding goes on where p(stop) <= 1/2
+    go = (states @ w + b <= 0).double().mean()  # greedy decoding goes on where p(stop) <= 1/2
     return {"stop/ridge": ridge, "stop/go_on": float(go)}
