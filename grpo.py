@@ -139,6 +139,8 @@ class Args(TrainArgs):
     """Online: where each step's queries come from: any train question, or the anchors (docs/flags.md)."""
     lvlm_budget: int | None = None
     """Online: LVLM scores allowed in the whole run, validation included (docs/flags.md)."""
+    ladder_every: int = 4
+    """Online, a selector that may stop: one query in N of each batch has its stop ladder scored (docs/flags.md)."""
     replay_steps: Annotated[int | None, per_mode("replay_steps")] = None
     """Online: also learn, each step, from the groups of the last N steps (0 = off; docs/flags.md)."""
     warm_start: bool = True
@@ -211,6 +213,8 @@ def check_args(args: Args) -> None:
         raise ValueError(f"--lvlm-budget needs --online and must be >= 1, got {args.lvlm_budget}")
     if args.replay_steps < 0 or (args.replay_steps and not args.online):
         raise ValueError(f"--replay-steps needs --online and must be >= 0, got {args.replay_steps}")
+    if args.ladder_every < 1:
+        raise ValueError(f"--ladder-every must be at least 1, got {args.ladder_every}")
     check_train_args(args)
     numbers = {"--kl-beta": args.kl_beta, "--kl-target": args.kl_target, "--epsilon": args.epsilon}
     numbers |= {"--epsilon-high": args.epsilon_high, "--temperature": args.temperature}
@@ -348,8 +352,9 @@ def sample_and_score(
     its picks learn as that selector's do (a cut sequence's reward is lower, or higher, for its stop, and PPO would
     credit its picks with it). With `fill` (a budgeted run) and fewer than G distinct (a policy sure of its choice),
     uniformly random sequences too: a group never collapses to the one sequence whose score is known, so it keeps a
-    signal and spends its calls. A selector that may stop has its ladder scored beside the group (StopLadders); the
-    cache answers a prompt scored before (a query's zero-shot prompt, a sample that is the greedy sequence) for free.
+    signal and spends its calls. A selector that may stop has its ladder scored beside the group of one query in
+    --ladder-every (StopLadders): its stop is a few numbers, its picks need the calls. The cache answers a prompt
+    scored before (a query's zero-shot prompt, a sample that is the greedy sequence) for free.
     rows (B,) train questions, pool (B, K) their candidates (train rows, -1 = padding) -> the batch, the share of its
     sequences that are random fills, and the ladders of a selector that may stop."""
     S, G = ds.seq_len, args.group_size
@@ -366,14 +371,15 @@ def sample_and_score(
         going = policy.greedy(query, pool_emb, pool_mask, S, S)[0]  # (B, S)
         ladder = going[:, None].where(torch.arange(S) < torch.arange(S + 1)[:, None], -1)
         scored = torch.cat([seqs, ladder], 1)  # (B, G + S + 1, S)
-        known = torch.cat([ok, ok.new_ones(len(rows), S + 1)], 1)
+        laddered = torch.arange(len(rows)) % args.ladder_every == 0  # (B,) the rest leave their ladder unscored
+        known = torch.cat([ok, laddered[:, None].expand(-1, S + 1)], 1)
     prompt = policy.cfg.to_prompt(scored).flatten(1)  # (B, G'*S) -1 after a stop and in padded sequences
     icds = pool.gather(1, prompt.clamp_min(0)).where(prompt >= 0, -1).view(-1, S)  # (B*G', S) train rows, prompt order
     flat = known.flatten()  # (B*G',) a padded sequence is never scored: its reward is 0 anyway
     fields = scorer.score("train", rows.repeat_interleave(scored.shape[1])[flat], icds[flat])
     fields = {k: v.new_zeros(len(flat)).masked_scatter(flat, v).view(known.shape) for k, v in fields.items()}
     reward = compute_reward(fields, args).where(known, 0.0)  # (B, G')
-    ladders = StopLadders(rows, pool, reward[:, G:]) if policy.cfg.can_stop else None
+    ladders = StopLadders(rows[laddered], pool[laddered], reward[laddered, G:]) if policy.cfg.can_stop else None
     explored = (order >= sampled)[ok].double().mean().item()
     return Batch(query, pool_emb, pool_mask, seqs, ok, reward[:, :G]), explored, ladders
 
@@ -384,19 +390,19 @@ MAX_STEPS = 10
 
 
 def budget_batches(
-    train: Tensor, batch: int, shuffle: torch.Generator, cache: ScoreCache, until: int, group: int, planned: int
+    train: Tensor, batch: int, shuffle: torch.Generator, cache: ScoreCache, until: int, calls, planned: int
 ) -> Iterator[tuple[Tensor, bool]]:
     """An epoch of a budgeted run: batches of anchors from one shuffled pass after another, each as large as the calls
-    left before `until` (the cache's count, read before each step) allow at `group` calls a query, so that cached
-    prompts buy more steps rather than leave the budget unspent; it ends where no query fits, or after MAX_STEPS x
-    `planned` steps. Each batch comes with whether no full step would fit after it (the epoch's last, where it spends
+    left before `until` (the cache's count, read before each step) allow, `calls(n)` the most n queries ask, so that
+    cached prompts buy more steps rather than leave the budget unspent; it ends where no query fits, or after MAX_STEPS
+    x `planned` steps. Each batch comes with whether no full step would fit after it (the epoch's last, where it spends
     all)."""
     anchors = (row for _ in itertools.count() for row in train[torch.randperm(len(train), generator=shuffle)].tolist())
     for _ in range(MAX_STEPS * planned):
         left = until - cache.calls
-        if (n := min(batch, left // group)) == 0:
+        if (n := next((m for m in range(batch, 0, -1) if calls(m) <= left), 0)) == 0:
             return
-        yield torch.tensor(list(itertools.islice(anchors, n))), left - n * group < group
+        yield torch.tensor(list(itertools.islice(anchors, n))), left - calls(n) < calls(1)
 
 
 def with_replay(ds: Dataset, b: Batch, adv: Tensor, buffer: list[dict[str, Tensor]]) -> tuple[Batch, Tensor, Tensor]:
@@ -680,10 +686,13 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
     plan, init, warm, short = None, Path(args.init), None, False
     if args.lvlm_budget is not None:
         val_calls = 0 if backend is None else len(split.val[:cap]) * S  # validate() asks 1..S shots of each
-        query_calls = args.group_size + (S + 1) * stops(init)  # at most: its group, and a may-stop selector's ladder
+        ladders = stops(init)
+
+        def step_calls(n: int) -> int:  # at most, for n queries: their groups, and a may-stop selector's ladders
+            return n * args.group_size + ladders * -(-n // args.ladder_every) * (S + 1)
 
         def plan_for(budget: int) -> Plan:
-            return budget_plan(budget, args.epochs, args.batch_size * query_calls, val_calls, query_calls, steps)
+            return budget_plan(budget, args.epochs, step_calls(args.batch_size), val_calls, step_calls(1), steps)
 
         plan = plan_for(args.lvlm_budget)
         short = plan.steps < (args.epochs or MODE_DEFAULTS["online"]["epochs"]) * steps  # fewer than the default run
@@ -740,7 +749,7 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
             else:  # an epoch is its share of the calls left once every validation is kept, however many steps it takes
                 later = args.epochs - epoch + 1  # this epoch and those after it
                 until = calls + (args.lvlm_budget - calls - later * plan.val_calls) // later
-                batches = budget_batches(split.train, args.batch_size, rngs["shuffle"], lvlm, until, query_calls, steps)
+                batches = budget_batches(split.train, args.batch_size, rngs["shuffle"], lvlm, until, step_calls, steps)
                 bar = run.progress(epoch, args.epochs, until - calls, unit="call")
             means = EpochMeans()
             for idx, last in batches:

@@ -287,8 +287,9 @@ def test_the_stop_at_each_step_goes_on_where_going_on_wins_held_out(seed, n, S, 
 def test_a_stopping_selectors_groups_are_one_that_cannot_stops_with_its_stop_ladder_beside(small_data, fill):
     """For a selector that may stop, online groups are those a selector that cannot stop would draw: samples that fill
     every slot however likely the stop, never cut short, distinct sequences of distinct pool positions, scored by the
-    backend for each prompt in prompt order. Beside each group its stop ladder: the query's greedy sequence filling
-    every slot, however likely the stop, scored at each of its lengths 0..S (0: the zero-shot prompt)."""
+    backend for each prompt in prompt order. Beside the group of one query in --ladder-every its stop ladder: the
+    query's greedy sequence filling every slot, however likely the stop, scored at each of its lengths 0..S (0: the
+    zero-shot prompt); no other query's ladder is asked of the backend."""
     ds = load_dataset(small_data)
     torch.manual_seed(0)
     policy = PointerSelector(SelectorConfig(dim=512, hidden=32, num_heads=2, can_stop=True)).eval()
@@ -300,15 +301,20 @@ def test_a_stopping_selectors_groups_are_one_that_cannot_stops_with_its_stop_lad
         return dict.fromkeys(FIELDS, (icds >= 0).sum(-1).double() / 4 + queries / 1000)
 
     class Scorer:
+        asked = 0
+
         def score(self, split, queries, icds):
+            self.asked += len(queries)
             return score(queries, icds)
 
     rows, pool = ds.groups.queries[:24], ds.groups.pools[:24]
-    args = grpo.resolve(grpo.Args(online=True, group_size=6, lvlm_budget=1000 if fill else None))
+    args = grpo.resolve(grpo.Args(online=True, group_size=6, lvlm_budget=1000 if fill else None, ladder_every=3))
     gens = [torch.Generator().manual_seed(s) for s in (0, 1)]
-    b, explored, ladder = grpo.sample_and_score(policy, Scorer(), ds, rows, pool, args, *gens, fill)
+    scorer = Scorer()
+    b, explored, ladder = grpo.sample_and_score(policy, scorer, ds, rows, pool, args, *gens, fill)
     S = ds.seq_len
-    assert torch.equal(ladder.rows, rows) and torch.equal(ladder.pool, pool)
+    assert scorer.asked == b.seq_mask.sum() + len(rows[::3]) * (S + 1)
+    assert torch.equal(ladder.rows, rows[::3]) and torch.equal(ladder.pool, pool[::3])
     going = torch.full((len(rows), S), -1)  # by hand: greedy decoding's choices from its state, never stopping
     stopping = torch.zeros(len(rows), S, dtype=torch.bool)  # and where it would have stopped
     with torch.no_grad():
@@ -327,7 +333,7 @@ def test_a_stopping_selectors_groups_are_one_that_cannot_stops_with_its_stop_lad
     for length in range(S + 1):  # its first `length` picks, in prompt order as the backend gets them
         x = going.where(torch.arange(S) < length, -1)
         want = grpo.compute_reward(score(rows, pool.gather(1, x.clamp_min(0)).where(x >= 0, -1)), args)
-        assert torch.allclose(ladder.reward[:, length], want)
+        assert torch.allclose(ladder.reward[:, length], want[::3])
     for group, mask in zip(b.seqs.tolist(), b.seq_mask.tolist()):
         kept = [tuple(x) for x, m in zip(group, mask) if m]
         assert len(set(kept)) == len(kept) and all(
