@@ -41,11 +41,14 @@ def prefix_accuracy(model: PointerSelector, backend, queries: Tensor, icds: Tens
 
 
 @torch.no_grad()
-def validate(model: PointerSelector, ds: Dataset, split: Split, backend=None, max_queries: int | None = None) -> dict:
+def validate(
+    model: PointerSelector, ds: Dataset, split: Split, backend=None, max_queries: int | None = None, min_picks: int = 0
+) -> dict:
     """val/reward = mean over validation queries of sum_i softmax_i(log pi(seq_i)) r_i (the policy's expected
     reward when restricted to the scored sequences); with a backend, val/acc_k = VQA accuracy (%) of the greedy
     picks' first k on (the first `max_queries` of) the validation anchors, and val/acc = its mean over k; for a
-    selector that may stop, val/demos = the demonstrations its greedy picks give."""
+    selector that may stop, val/demos = the demonstrations its greedy picks give, at least `min_picks` (the sequence
+    length: its picks alone, judged as those of a selector that cannot stop)."""
     model.eval()
     b = make_batch(ds, split.val, split.reward, model.cfg)
     logp = model.log_probs(b.query, b.pool, b.pool_mask, b.seqs, b.seq_mask).sum(-1)  # (B, G)
@@ -54,7 +57,7 @@ def validate(model: PointerSelector, ds: Dataset, split: Split, backend=None, ma
     if backend is not None:
         n = max_queries or len(split.val)
         queries, pools = ds.groups.queries[split.val[:n]], ds.groups.pools[split.val[:n]]
-        icds = greedy_icds(model, ds, "train", queries, pools, ds.seq_len)  # (n, S) train rows in pick order
+        icds = greedy_icds(model, ds, "train", queries, pools, ds.seq_len, min_picks)  # (n, S) train rows, pick order
         accs = [100 * float(a.mean()) for a in prefix_accuracy(model, backend, queries, icds, range(1, ds.seq_len + 1))]
         out.update({f"val/acc_{k}": a for k, a in enumerate(accs, 1)}, **{"val/acc": sum(accs) / len(accs)})
         if model.cfg.can_stop:  # how many it gives, up to the data's sequence length
