@@ -6,21 +6,20 @@ KL(pi || pi_ref) over the pool at every visited step, averaged over valid sequen
 selector (--init, or the warm start below), frozen; the old policy is the current one, refreshed every --num-iterations
 updates, so the ratio starts at exactly 1; every log-prob is taken with dropout off.
 
-Offline (default), the groups are the scored sequences of rl_data.jsonl, drawn by gen_rl_data.py and not by the
-policy, with no importance weight: a reward-weighted policy gradient on fixed groups, cheap (no LVLM calls) but blind
-to sequences nobody scored; with --num-iterations 1 the clip never binds. Online (--online), each step samples G
-distinct sequences per query from the current policy at --temperature and scores them with the dataset's backend:
-on-policy GRPO, the mode that learns most wherever LVLM calls during training are affordable. Defaults differ by
-mode (MODE_DEFAULTS; docs/ablations.md measures them); online, each step also learns from the groups of the last
-few steps (--replay-steps), and the selector learns a score per train item (--item-bias). A --lvlm-budget that cuts
-the default online run short first trains offline GRPO from --init, then the online run from it (--warm-start): no
-flag to add for a small budget. A selector that may stop (rce.py --can-stop) learns its stop online only (a warm
-start trains its picks alone): its groups are those a selector that cannot stop would draw (every slot filled), PPO
-and the KL take its picks given that it goes on, and beside each group a ladder is scored: the query's greedy
-sequence at each of its lengths 0..S. After each epoch its stop at every step is set from the run's ladders so far,
-backward from the last step (`icl_select.stops.set_stops`), and before the first pick fitted per question
-(`fit_first_stop`): a stop rce.py set for its own picks would go stale as the picks improve. The ladders teach the
-stop alone, and the samples the picks alone.
+Offline (default), the groups are the scored sequences of rl_data.jsonl, drawn by gen_rl_data.py and not by the policy,
+with no importance weight: a reward-weighted policy gradient on fixed groups, cheap (no LVLM calls) but blind to
+sequences nobody scored; with --num-iterations 1 the clip never binds. Online (--online), each step samples G distinct
+sequences per query from the current policy at --temperature and scores them with the dataset's backend: on-policy GRPO,
+the mode that learns most wherever LVLM calls during training are affordable. Defaults differ by mode (MODE_DEFAULTS;
+docs/ablations.md measures them); online, each step also learns from the groups of the last few steps (--replay-steps),
+and the selector learns a score per train item (--item-bias). A --lvlm-budget that cuts the default online run short
+first trains offline GRPO from --init, then the online run from it (--warm-start): no flag to add for a small budget. A
+selector that may stop (rce.py --can-stop) learns its stop online only (a warm start trains, and is judged on, its picks
+alone): its groups are those a selector that cannot stop would draw (every slot filled), PPO and the KL take its picks
+given that it goes on, and beside the group of one query in --ladder-every a ladder is scored: its greedy sequence at
+each length 0..S. After each epoch its stop at every step is set from the ladders so far, backward from the last step
+(`icl_select.stops.set_stops`), and before the first pick fitted per question (`fit_first_stop`): a stop rce.py set for
+its own picks would go stale as the picks improve. The ladders teach the stop alone, and the samples the picks alone.
 
 Usage:
     python grpo.py --kl-beta 0.1 --no-rank-advantage         # offline, init runs/rce -> runs/grpo-kl0.1
