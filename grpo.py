@@ -34,7 +34,7 @@ import copy
 import itertools
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Annotated, Literal
@@ -389,7 +389,13 @@ MAX_STEPS = 10
 
 
 def budget_batches(
-    train: Tensor, batch: int, shuffle: torch.Generator, cache: ScoreCache, until: int, calls, planned: int
+    train: Tensor,
+    batch: int,
+    shuffle: torch.Generator,
+    cache: ScoreCache,
+    until: int,
+    calls: Callable[[int], int],
+    planned: int,
 ) -> Iterator[tuple[Tensor, bool]]:
     """An epoch of a budgeted run: batches of anchors from one shuffled pass after another, each as large as the calls
     left before `until` (the cache's count, read before each step) allow, `calls(n)` the most n queries ask, so that
