@@ -388,6 +388,12 @@ def sample_and_score(
 MAX_STEPS = 10
 
 
+def most_calls(n: int, args: Args, S: int, can_stop: bool) -> int:
+    """The most LVLM calls a step of n queries asks (`sample_and_score`): their groups, and a may-stop selector's
+    ladders, S + 1 calls beside each of the batch's queries 0, N, 2N, ... (N = --ladder-every)."""
+    return n * args.group_size + can_stop * -(-n // args.ladder_every) * (S + 1)
+
+
 def budget_batches(
     train: Tensor,
     batch: int,
@@ -694,10 +700,10 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
     plan, init, warm, short = None, Path(args.init), None, False
     if args.lvlm_budget is not None:
         val_calls = 0 if backend is None else len(split.val[:cap]) * S  # validate() asks 1..S shots of each
-        ladders = stops(init)
+        can_stop = stops(init)
 
-        def step_calls(n: int) -> int:  # at most, for n queries: their groups, and a may-stop selector's ladders
-            return n * args.group_size + ladders * -(-n // args.ladder_every) * (S + 1)
+        def step_calls(n: int) -> int:
+            return most_calls(n, args, S, can_stop)
 
         def plan_for(budget: int) -> Plan:
             return budget_plan(budget, args.epochs, step_calls(args.batch_size), val_calls, step_calls(1), steps)
