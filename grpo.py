@@ -648,12 +648,12 @@ def stop_ladders(tensors: dict[str, Tensor]) -> list[StopLadders]:
     return [StopLadders(*(tensors[n] for n in names))] if names[0] in tensors else []
 
 
-def epoch_record(epoch: int, loop: dict, means: dict, policy, ds, split, backend, cap, fill, lvlm, ref_greedy) -> dict:
-    """An epoch's line of metrics.jsonl: its step means, validation (eval mode; with `fill`, a selector that may stop
-    fills every slot), the selection change against the reference's greedy picks and the LVLM calls of the run so far
+def epoch_record(epoch: int, loop: dict, means: dict, policy, ds, split, backend, cap, min_picks, lvlm, ref_greedy):
+    """An epoch's line of metrics.jsonl: its step means, validation (eval mode; a selector that may stop makes at least
+    `min_picks` picks), the selection change against the reference's greedy picks and the LVLM calls of the run so far
     (kept in the loop state for a resume)."""
     record = {"phase": "grpo", "epoch": epoch, "step": loop["step"], **means}
-    record.update(validate(policy, ds, split, backend, cap, ds.seq_len if fill else 0))
+    record.update(validate(policy, ds, split, backend, cap, min_picks))
     record["grpo/selection_change"] = selection_change(policy, ds, split, ref_greedy)
     if lvlm is not None:  # cumulative, training and validation
         record["lvlm/calls"] = loop["state"]["lvlm_calls"] = lvlm.calls
@@ -695,8 +695,9 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
     split = split_queries(ds, args)
     S, steps = ds.seq_len, steps_per_epoch(split.train, args.batch_size)
     metric, cap = selection_metric(backend), None if ds.is_sim else args.val_max_queries
-    fill = not args.online  # offline, a selector that may stop is a warm start, training its picks alone: they are
-    # judged, and its best epoch chosen, filling every slot (by the stop it does not train, that epoch was chance's)
+    # Offline, a may-stop selector is a warm start, training its picks alone: they are judged, and its best epoch
+    # chosen, filling every slot (by the stop it does not train, that epoch was chance's).
+    min_picks = 0 if args.online else S
     plan, init, warm, short = None, Path(args.init), None, False
     if args.lvlm_budget is not None:
         val_calls = 0 if backend is None else len(split.val[:cap]) * S  # validate() asks 1..S shots of each
@@ -753,7 +754,7 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
         planned = ({"budget_plan": asdict(plan)} if plan else {}) | ({"warm_start": warm} if warm else {})
         run.start(args, ds, split, loop, resume_from is not None, {"out": str(out), **planned})
         if resume_from is None:  # epoch 0 = the initial policy, the start of every curve
-            run.log(epoch_record(0, loop, {}, lr.policy, ds, split, backend, cap, fill, lvlm, ref_greedy))
+            run.log(epoch_record(0, loop, {}, lr.policy, ds, split, backend, cap, min_picks, lvlm, ref_greedy))
 
         for epoch in range(loop["epoch"] + 1, args.epochs + 1):
             start, calls = time.perf_counter(), lvlm.calls if lvlm else 0  # the bar's LVLM sequences a second
@@ -787,7 +788,7 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
             per_s = (lvlm.calls - calls) / (time.perf_counter() - start) if args.online else None  # before validation
             means = means.result() | end_epoch_stop(lr, ds, args.batch_size)
 
-            record = epoch_record(epoch, loop, means, lr.policy, ds, split, backend, cap, fill, lvlm, ref_greedy)
+            record = epoch_record(epoch, loop, means, lr.policy, ds, split, backend, cap, min_picks, lvlm, ref_greedy)
             if per_s is not None and not ds.is_sim:  # the epoch's LVLM sequences a second, readable after the run
                 record["lvlm/seq_per_s"] = round(per_s, 3)
             if warnings := warnings_for(record, S):
