@@ -235,6 +235,9 @@ def main(args: Args) -> None:
     backend = validation_backend(ds, args)  # answers the validation anchors' greedy picks, where it can
     metric = selection_metric(backend)
     cap = None if ds.is_sim else args.val_max_queries
+    # A may-stop selector's picks train alone here, its stop set after: they are judged, and its best epoch chosen,
+    # filling every slot (by a stop --init brought, that epoch would be chance's).
+    min_picks = ds.seq_len
 
     with RunFolder(out) as run:
         resume_from = run.resume(args, ds)  # the last checkpoint of this very run, if a re-run continues it
@@ -250,7 +253,7 @@ def main(args: Args) -> None:
             loop, _ = run.restore(resume_from, model, opt, rngs, backend)
         run.start(args, ds, split, loop, resume_from is not None)
         if resume_from is None:  # epoch 0 = the initial selector, the start of every curve
-            record = {"phase": "rce", "epoch": 0, "step": 0, **validate(model, ds, split, backend, cap)}
+            record = {"phase": "rce", "epoch": 0, "step": 0, **validate(model, ds, split, backend, cap, min_picks)}
             run.log(record | ({"lvlm/calls": backend.calls} if backend else {}))
 
         for epoch in range(loop["epoch"] + 1, args.epochs + 1):
@@ -268,7 +271,7 @@ def main(args: Args) -> None:
 
             # validation, best and checkpoint
             record = {"phase": "rce", "epoch": epoch, "step": loop["step"], **means.result()}
-            record.update(validate(model, ds, split, backend, cap))
+            record.update(validate(model, ds, split, backend, cap, min_picks))
             if backend is not None:  # cumulative over the run, as grpo logs it
                 record["lvlm/calls"] = loop["state"]["lvlm_calls"] = backend.calls
             if record[metric] > loop["best"]:  # epoch 0 is no candidate: see validation.selection_metric

@@ -213,9 +213,10 @@ def test_a_selector_that_may_stop_learns_its_picks_as_one_that_cannot_and_its_st
     """RCE with --can-stop trains the very picks RCE trains without it (to rounding) and then sets its stop at each
     step, alike for every question, from cross-fitting: each half of the anchors outside validation is picked for by a
     selector trained on the other half, answered at 0..S shots, and every such prompt is counted in the run's last
-    record, its own, which a re-run of the finished run neither repeats nor changes. The offline warm start of a
-    budgeted online run keeps that stop, and judges its picks filling every slot (a stop sure to give none would leave
-    its best epoch to chance); its online part sets every step again from its ladders, the first per question."""
+    record, its own, which a re-run of the finished run neither repeats nor changes. RCE continuing it (--init) and the
+    offline warm start of a budgeted online run judge its picks filling every slot (a stop sure to give none would leave
+    their best epoch to chance); the warm start keeps the stop, the online part sets every step again from its ladders,
+    the first per question."""
     out = tmp_path / "rce"
     rce.main(rce.Args(data=small_data, out=out, epochs=3, can_stop=True, **FAST))
     may, cannot = PointerSelector.load(out), PointerSelector.load(rce_run)
@@ -235,10 +236,12 @@ def test_a_selector_that_may_stop_learns_its_picks_as_one_that_cannot_and_its_st
     with torch.no_grad():
         may.stop_bias.fill_(3.0)  # sure to stop at once
     may.save(out)
+    rce.main(rce.Args(data=small_data, init=out, out=tmp_path / "rce-again", epochs=2, **FAST))
     grpo_out = tmp_path / "grpo"
     grpo.main(grpo.resolve(grpo.Args(data=small_data, init=out, out=grpo_out, online=True, lvlm_budget=2500)))
-    demos = [r["val/demos"] for r in records(grpo_out / "offline") if "val/demos" in r]
-    assert demos and all(d == ds.seq_len for d in demos), demos
+    for trained in (tmp_path / "rce-again", grpo_out / "offline"):  # picks alone, judged filling every slot
+        demos = [r["val/demos"] for r in records(trained) if "val/demos" in r]
+        assert demos and all(d == ds.seq_len for d in demos), (trained, demos)
     warm, after = PointerSelector.load(grpo_out / "offline"), PointerSelector.load(grpo_out)
     assert all(torch.equal(a, b) for a, b in zip(warm.stop_parameters(), may.stop_parameters()))
     assert not torch.equal(warm.in_proj.weight, may.in_proj.weight)
