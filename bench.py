@@ -440,14 +440,14 @@ def bench_library(repeats: int, rows: int, pictures: int) -> None:
     extra = proc_status_bytes("VmHWM") - before
     print(f"  peak memory above the library: +{extra / gib:.2f} GiB (RSS before {before / gib:.2f} GiB)")
 
-    fixtures, root = real_fixtures(), Path(tempfile.mkdtemp(prefix="icl-select-bench-"))
-    vqa = fixtures.build_okvqa_fixture(root / "okvqa", image_size=(640, 480), train_images=pictures)
-    clip = str(fixtures.build_tiny_clip(root / "clip"))
-    times = []
-    for _ in range(2):  # embedded, then read back from its cache
-        t0 = time.perf_counter()
-        size = len(Library.from_vqa("okvqa", vqa, clip, device="cpu").items)
-        times.append(time.perf_counter() - t0)
+    fixtures, times = real_fixtures(), []
+    with tempfile.TemporaryDirectory(prefix="icl-select-bench-") as tmp:
+        vqa = fixtures.build_okvqa_fixture(Path(tmp, "okvqa"), image_size=(640, 480), train_images=pictures)
+        clip = str(fixtures.build_tiny_clip(Path(tmp, "clip")))
+        for _ in range(2):  # embedded, then read back from its cache
+            t0 = time.perf_counter()
+            size = len(Library.from_vqa("okvqa", vqa, clip, device="cpu").items)
+            times.append(time.perf_counter() - t0)
     print(
         f"one-time embedding on the TINY random CLIP (32-px input, not a real CLIP's cost), {size} items on "
         f"{pictures} 640x480 pictures: {times[0] / size * 1e3:.2f} ms per item; read back from the cache "
@@ -898,26 +898,28 @@ def bench_coco_sized(args: Args) -> dict:
     processing (tiny-3b-pixels: the CPU side of scoring at its real cost, beside a small model)."""
     from dataclasses import replace
 
-    fixtures, root = real_fixtures(), Path(tempfile.mkdtemp(prefix="icl-select-bench-"))
-    vqa = fixtures.build_okvqa_fixture(root / "okvqa", image_size=(640, 480), train_images=1000)
-    if args.lvlm == "random-3b":
-        folder = fixtures.build_qwen2_5_vl_3b_shape(root / "qwen2.5-vl-3b-shape")
-    else:
-        folder = fixtures.build_tiny_qwen_3b_pixels(root / "tiny-qwen-3b-pixels")
-    return bench_lvlm(replace(args, lvlm=str(folder), vqa_root=vqa))
+    fixtures = real_fixtures()
+    with tempfile.TemporaryDirectory(prefix="icl-select-bench-") as tmp:
+        root = Path(tmp)
+        vqa = fixtures.build_okvqa_fixture(root / "okvqa", image_size=(640, 480), train_images=1000)
+        if args.lvlm == "random-3b":
+            folder = fixtures.build_qwen2_5_vl_3b_shape(root / "qwen2.5-vl-3b-shape")
+        else:
+            folder = fixtures.build_tiny_qwen_3b_pixels(root / "tiny-qwen-3b-pixels")
+        return bench_lvlm(replace(args, lvlm=str(folder), vqa_root=vqa))
 
 
 def bench_tiny_families(args: Args) -> dict:
     """bench_lvlm for the tiny checkpoint of every family tested here, built offline in a temporary folder."""
     from dataclasses import replace
 
-    fixtures, root = real_fixtures(), Path(tempfile.mkdtemp(prefix="icl-select-bench-"))
-    vqa = fixtures.build_okvqa_fixture(root / "okvqa", mixed=True)
-    rows = {}
-    for family in TINY_FAMILIES:
-        builder = "build_tiny_qwen" if family == "qwen2_5_vl" else f"build_tiny_{family}"
-        folder = getattr(fixtures, builder)(root / family)
-        rows[family] = bench_lvlm(replace(args, lvlm=str(folder), vqa_root=vqa, device="cpu"))
+    fixtures, rows = real_fixtures(), {}
+    with tempfile.TemporaryDirectory(prefix="icl-select-bench-") as tmp:
+        vqa = fixtures.build_okvqa_fixture(Path(tmp, "okvqa"), mixed=True)
+        for family in TINY_FAMILIES:
+            builder = "build_tiny_qwen" if family == "qwen2_5_vl" else f"build_tiny_{family}"
+            folder = getattr(fixtures, builder)(Path(tmp, family))
+            rows[family] = bench_lvlm(replace(args, lvlm=str(folder), vqa_root=vqa, device="cpu"))
     print("\n| family | prompt tokens per sequence (shared) | fewer than unshared | same answers | max gt_prob diff |")
     print("|---|---|---|---|---|")
     for family, r in rows.items():
@@ -988,7 +990,8 @@ def gpu_report(args: Args) -> dict:
     shapes, device = (SMOKE_SHAPES, "cpu") if args.smoke else (GPU_SHAPES, args.device)
     out = args.report_dir
     out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="icl-select-report-"))
+    scratch = tempfile.TemporaryDirectory(prefix="icl-select-report-")  # models and data: removed on return or exit
+    work = Path(scratch.name)
     log = out / "report.log"
     log.write_text("")
     cuda = torch.cuda.is_available() and device != "cpu"
@@ -1161,6 +1164,7 @@ def gpu_report(args: Args) -> dict:
         if cuda:
             step("bench static", bench(lvlm_passes=["default", "static-inductor", "static-cudagraphs"]))
     save()
+    scratch.cleanup()
     print(f"wrote {out / 'report.md'} and {out / 'report.json'} ({doc['seconds']:.0f} s)")
     return doc
 

@@ -611,14 +611,17 @@ def test_lvlm_bench_recurring_pictures_are_encoded_once_per_pass(assets, items):
 @pytest.mark.slow
 def test_the_gpu_report_runs_end_to_end_in_its_smoke_form(tmp_path):
     """bench.py --only gpu-report --smoke: every step of the GPU run (the bench lines, CLIP, each stage as its own
-    command, the rates they record) with the tiny models on the CPU, and the pipeline's hours from those rates."""
+    command, the rates they record) with the tiny models on the CPU, and the pipeline's hours from those rates; the
+    models and data it built are removed (a full-shape run builds gigabytes)."""
     import bench
 
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    argv = [sys.executable, "bench.py", "--only", "gpu-report", "--smoke", "--report-dir", str(tmp_path)]
+    root, scratch = Path(__file__).resolve().parent.parent, tmp_path / "scratch"
+    scratch.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TMPDIR": str(scratch)}
+    argv = [sys.executable, "bench.py", "--only", "gpu-report", "--smoke", "--report-dir", str(tmp_path / "report")]
     subprocess.run(argv, check=True, cwd=root, env=env, capture_output=True)
-    doc = json.loads((tmp_path / "report.json").read_text())
+    assert list(scratch.iterdir()) == []
+    doc = json.loads((tmp_path / "report" / "report.json").read_text())
     steps = doc["steps"]
     assert [name for name, r in steps.items() if "error" in r] == []
     stages = ("gen_rl_data.py", "grpo.py --online", "evaluate.py selector", "evaluate.py zero-shot")
@@ -635,7 +638,7 @@ def test_the_gpu_report_runs_end_to_end_in_its_smoke_form(tmp_path):
 
     hours += 6 * sorted(start_up(n) for n in ("gen_rl_data.py", "evaluate.py selector", "evaluate.py zero-shot"))[1]
     assert doc["hours"]["total"] == pytest.approx(hours / 3600, rel=1e-9)
-    text = (tmp_path / "report.md").read_text()
+    text = (tmp_path / "report" / "report.md").read_text()
     assert text.startswith("# Scoring throughput report (SMOKE RUN") and f"**{doc['hours']['total']:.2f}**" in text
     assert all(f"`{name}`" in text for name in stages) and bench.LVLM_PASSES["picture-processes"][0] in text
 
