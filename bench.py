@@ -187,7 +187,7 @@ def bench_epochs(data: Path | None, repeats: int, thread_counts: list[int]) -> N
                 grpo.Args(data=data, init=r / "rce", out=r / "o0", epochs=1, online=True, replay_steps=0)
             ),
             "rce --can-stop": lambda r: rce.main(rce.Args(data=data, out=r / "rce-stop", epochs=1, can_stop=True)),
-            "grpo --online, may stop": lambda r: grpo.main(  # its stop ladders beside each group, its stop set
+            "grpo --online, may stop": lambda r: grpo.main(  # its ladders beside one query in four, its stop set
                 grpo.Args(data=data, init=r / "rce-stop", out=r / "os", epochs=1, online=True)
             ),
             "evaluate 800": lambda r: evaluate.main(evaluate.Args(data=data, runs=[r / "rce"], num_samples=[800])),
