@@ -280,10 +280,15 @@ def _token_f1(a: str, b: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
+@functools.lru_cache(maxsize=1 << 16)  # the simulator asks the same few thousand pairs of answers again and again
+def _closeness(a: str, b: str) -> float:
+    return max(_token_f1(a, b), _edit_similarity(a, b))
+
+
 def answer_rel(prediction: str, answers: list[str]) -> float:
     """Graded closeness to the ground truth: best max(token-F1, edit similarity) over distinct normalised answers."""
     if not answers:
         raise ValueError("answer_rel needs at least one annotator answer, got an empty list")
     pred = normalize_answer(prediction)
-    best = max(max(_token_f1(pred, g), _edit_similarity(pred, g)) for g in {normalize_answer(a) for a in answers})
+    best = max(_closeness(pred, g) for g in {normalize_answer(a) for a in answers})
     return round(best, 6)
