@@ -665,7 +665,7 @@ def how_many_figure(args: Args, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    for world in args.worlds:
+    for i, world in enumerate(args.worlds):
         gain, zero, used = [], [], []
         for s in args.seeds:
             root = args.out / world / f"seed{s}"
@@ -685,7 +685,8 @@ def how_many_figure(args: Args, path: Path) -> None:
             bins = np.clip(np.digitize(x, edges[1:-1]), 0, len(edges) - 2)
             full = [b for b in range(len(edges) - 1) if (bins == b).sum() >= 20]
             mids, means = [(edges[b] + edges[b + 1]) / 2 for b in full], [used[bins == b].mean() for b in full]
-            ax.plot(mids, means, marker="o", label=world)
+            # hollow markers of their own shape and size, so that worlds giving as many stay visible on each other
+            ax.plot(mids, means, marker="osD^v"[i % 5], markersize=9 - i, fillstyle="none", label=world)
     left.set(xlabel="the best single demonstration's gain over zero-shot (points)", ylabel="demonstrations given")
     right.set(xlabel="zero-shot score of the question (%)")
     left.set_title("against what the best single demonstration adds", fontsize=10)
