@@ -24,6 +24,8 @@ settings.register_profile("dev", max_examples=200, deadline=None, suppress_healt
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 SMALL = dict(num_train=600, num_val=150, num_queries=48, group_size=8, pool_size=24)
+# A small selector, for tests about runs (calls counted, bytes on resume, what training reads) rather than capacity.
+SMALL_NET = dict(hidden=32, num_heads=2)
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import SMALL_NET
 from hypothesis import example, given
 from hypothesis import strategies as st
 from test_sharding import COUNTING, ROOT, torchrun
@@ -20,7 +21,6 @@ from icl_select.backends import SimBackend
 from icl_select.runs import load_selector, save_checkpoint
 
 FAST = dict(batch_size=8, val_frac=0.25, group_size=6, online=True)
-NET = dict(hidden=32, num_heads=2)  # what is counted does not depend on the selector's size; its time does
 
 
 def records(run):
@@ -62,7 +62,7 @@ def init(small_data, tmp_path_factory):
     import rce
 
     out = tmp_path_factory.mktemp("runs") / "rce"
-    rce.main(rce.Args(data=small_data, out=out, epochs=2, batch_size=8, val_frac=0.25, **NET))
+    rce.main(rce.Args(data=small_data, out=out, epochs=2, batch_size=8, val_frac=0.25, **SMALL_NET))
     return out
 
 
@@ -263,7 +263,7 @@ def test_a_budget_is_spent_whatever_the_selector_does(tmp_path, counted, stop_bi
     data = tmp_path / "data"
     sim = dict(num_train=300, num_val=60, num_queries=32, group_size=6, pool_size=12, min_shots=0)
     gen_rl_data.generate(gen_rl_data.Args(out=data, world="harmful", **sim))
-    rce.main(rce.Args(data=data, out=tmp_path / "rce", can_stop=True, epochs=1, batch_size=8, **NET))
+    rce.main(rce.Args(data=data, out=tmp_path / "rce", can_stop=True, epochs=1, batch_size=8, **SMALL_NET))
     model = PointerSelector.load(tmp_path / "rce")
     with torch.no_grad():
         model.stop_bias.fill_(stop_bias)

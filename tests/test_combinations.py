@@ -26,6 +26,7 @@ from unittest.mock import patch
 
 import pytest
 from combinations import AXES, REFUSED, every_pair, pairs_of, pairwise
+from conftest import SMALL_NET
 
 import compare
 import evaluate
@@ -44,7 +45,6 @@ FAST = [i for i, r in enumerate(ROWS) if r["ranks"] == 1][:6]
 SIM = dict(num_train=240, num_val=40, num_queries=16, group_size=6, pool_size=12, seq_len=3)
 REAL = dict(num_queries=8, group_size=4, pool_size=6, seq_len=2, lvlm_batch_size=4)
 TRAIN = dict(batch_size=8, val_frac=0.25, keep_every=1)
-SMALL_NET = dict(hidden=32, num_heads=2)
 
 
 def flags(**kw) -> list[str]:

@@ -24,6 +24,7 @@ import traceback
 from types import SimpleNamespace
 
 import pytest
+from conftest import SMALL_NET
 
 import gen_rl_data
 import grpo
@@ -159,7 +160,7 @@ def test_the_guard_stops_every_read_but_the_scoring_path(small_data, guard):
 def test_training_reads_nothing_of_the_simulator_but_its_scores(small_data, tmp_path, guard):
     """RCE, offline GRPO from it, and online GRPO on a budget short enough for a warm start (offline GRPO first), each
     scoring through the backend (it validates on the simulator), none reading the hidden truth."""
-    rce.main(rce.Args(data=small_data, out=tmp_path / "rce", epochs=1, hidden=32, num_heads=2, **FAST))
+    rce.main(rce.Args(data=small_data, out=tmp_path / "rce", epochs=1, **SMALL_NET, **FAST))
     after_rce = guard.scored
     grpo.main(grpo.Args(data=small_data, init=tmp_path / "rce", out=tmp_path / "offline", epochs=1, **FAST))
     after_offline = guard.scored
@@ -181,7 +182,7 @@ def caption_data(tmp_path_factory):
 
 def test_training_on_captions_reads_nothing_of_the_captioning_simulator_but_its_scores(caption_data, tmp_path, guard):
     """The same for a dataset of the captioning world: RCE and a budgeted online GRPO score through the backend only."""
-    rce.main(rce.Args(data=caption_data, out=tmp_path / "rce", epochs=1, hidden=32, num_heads=2, **FAST))
+    rce.main(rce.Args(data=caption_data, out=tmp_path / "rce", epochs=1, **SMALL_NET, **FAST))
     online = dict(online=True, group_size=4, lvlm_budget=600)
     grpo.main(grpo.Args(data=caption_data, init=tmp_path / "rce", out=tmp_path / "online", **online, **FAST))
     assert guard.scored > 0 and not guard.reads, "\n".join(guard.reads)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import SMALL_NET
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -33,7 +34,6 @@ from icl_select.runs import checkpoint_meta, load_selector, save_checkpoint
 from model import PointerSelector, SelectorConfig, stop_loss
 
 FAST = dict(batch_size=8, val_frac=0.25, keep_every=1)
-NET = dict(hidden=32, num_heads=2)  # a small selector: these tests are about the runs, not its capacity
 FIELDS = ("acc", "correct", "gt_prob", "rel")
 
 
@@ -45,7 +45,7 @@ def records(run, kind=None):
 @pytest.fixture(scope="module")
 def rce_run(small_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "rce"
-    rce.main(rce.Args(data=small_data, out=out, epochs=3, **FAST, **NET))
+    rce.main(rce.Args(data=small_data, out=out, epochs=3, **FAST, **SMALL_NET))
     return out
 
 
@@ -83,9 +83,9 @@ def test_rce_resume_is_bit_identical(small_data, rce_run, tmp_path, monkeypatch)
     out = tmp_path / "rce"
     with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
         killed_after_epoch(m, 2)
-        rce.main(rce.Args(data=small_data, out=out, epochs=3, **FAST, **NET))
+        rce.main(rce.Args(data=small_data, out=out, epochs=3, **FAST, **SMALL_NET))
     assert not (out / "ckpt/epoch_003.safetensors").exists()
-    rce.main(rce.Args(data=small_data, out=out, epochs=3, **FAST, **NET))
+    rce.main(rce.Args(data=small_data, out=out, epochs=3, **FAST, **SMALL_NET))
     assert (out / "model.safetensors").read_bytes() == (rce_run / "model.safetensors").read_bytes()
     assert (out / "ckpt/epoch_003.safetensors").read_bytes() == (rce_run / "ckpt/epoch_003.safetensors").read_bytes()
     assert (out / "metrics.jsonl").read_text() == (rce_run / "metrics.jsonl").read_text()
@@ -95,7 +95,7 @@ def test_rce_killed_mid_epoch_resumes_bit_identical(small_data, rce_run, tmp_pat
     out = tmp_path / "mid"
     real = rce.make_batch
     calls = {"n": 0}
-    args = rce.Args(data=small_data, out=out, epochs=3, **FAST, **NET)
+    args = rce.Args(data=small_data, out=out, epochs=3, **FAST, **SMALL_NET)
     steps = batches.steps_per_epoch(batches.split_queries(load_dataset(small_data), args).train, args.batch_size)
     assert steps >= 2
 
@@ -107,13 +107,13 @@ def test_rce_killed_mid_epoch_resumes_bit_identical(small_data, rce_run, tmp_pat
 
     with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
         m.setattr(rce, "make_batch", dies_in_epoch_3)
-        rce.main(rce.Args(data=small_data, out=out, epochs=3, **FAST, **NET))
+        rce.main(rce.Args(data=small_data, out=out, epochs=3, **FAST, **SMALL_NET))
     assert (out / "ckpt/epoch_002.safetensors").exists() and not (out / "ckpt/epoch_003.safetensors").exists()
-    rce.main(rce.Args(data=small_data, out=out, epochs=3, **FAST, **NET))
+    rce.main(rce.Args(data=small_data, out=out, epochs=3, **FAST, **SMALL_NET))
     assert (out / "model.safetensors").read_bytes() == (rce_run / "model.safetensors").read_bytes()
     assert (out / "metrics.jsonl").read_text() == (rce_run / "metrics.jsonl").read_text()
     with pytest.raises(ValueError, match=r"mid.*--lr.*0\.0001.*0\.001"):
-        rce.main(rce.Args(data=small_data, out=out, epochs=3, lr=1e-3, **FAST, **NET))
+        rce.main(rce.Args(data=small_data, out=out, epochs=3, lr=1e-3, **FAST, **SMALL_NET))
 
 
 def test_validation_split_is_by_image(small_data):
@@ -130,10 +130,10 @@ def test_validation_split_is_by_image(small_data):
 def test_rerunning_a_finished_run_changes_nothing_and_top1(small_data, rce_run, tmp_path, capsys):
     """Every stage resumes when its command is re-run: a finished run is left as it is, and says so."""
     before = {p: p.read_bytes() for p in rce_run.rglob("*") if p.is_file()}
-    rce.main(rce.Args(data=small_data, out=rce_run, epochs=3, **FAST, **NET))
+    rce.main(rce.Args(data=small_data, out=rce_run, epochs=3, **FAST, **SMALL_NET))
     assert {p: p.read_bytes() for p in rce_run.rglob("*") if p.is_file()} == before
     assert "finished" in capsys.readouterr().err
-    rce.main(rce.Args(data=small_data, out=tmp_path / "sup", epochs=1, weights="top1", **FAST, **NET))
+    rce.main(rce.Args(data=small_data, out=tmp_path / "sup", epochs=1, weights="top1", **FAST, **SMALL_NET))
     reward = torch.tensor([[0.0, 2.0, 2.0, 1.0], [1.0, 0.0, 5.0, 0.0]])
     mask = torch.tensor([[True, True, True, True], [True, True, False, True]])
     assert torch.equal(rce.top1_weights(reward, mask), torch.tensor([[0.0, 1, 0, 0], [1, 0, 0, 0]]))
@@ -219,7 +219,7 @@ def test_a_selector_that_may_stop_learns_its_picks_as_one_that_cannot_and_its_st
     their best epoch to chance); the warm start keeps the stop, the online part sets every step again from its ladders,
     the first per question."""
     out = tmp_path / "rce"
-    rce.main(rce.Args(data=small_data, out=out, epochs=3, can_stop=True, **FAST, **NET))
+    rce.main(rce.Args(data=small_data, out=out, epochs=3, can_stop=True, **FAST, **SMALL_NET))
     may, cannot = PointerSelector.load(out), PointerSelector.load(rce_run)
     assert all(torch.allclose(v, may.state_dict()[k], atol=1e-5) for k, v in cannot.state_dict().items())
     assert not may.stop_weight.any()
@@ -232,12 +232,12 @@ def test_a_selector_that_may_stop_learns_its_picks_as_one_that_cannot_and_its_st
     stop = torch.sigmoid(may.stop_bias.detach() / may.cfg.temperature).tolist()  # p(stop) at each step
     assert len(go) == ds.seq_len and all(0.01 <= p <= 0.99 for p in go) and stop == pytest.approx([1 - p for p in go])
     weights, lines = (out / "model.safetensors").read_bytes(), (out / "metrics.jsonl").read_text()
-    rce.main(rce.Args(data=small_data, out=out, epochs=3, can_stop=True, **FAST, **NET))
+    rce.main(rce.Args(data=small_data, out=out, epochs=3, can_stop=True, **FAST, **SMALL_NET))
     assert (out / "model.safetensors").read_bytes() == weights and (out / "metrics.jsonl").read_text() == lines
     with torch.no_grad():
         may.stop_bias.fill_(3.0)  # sure to stop at once
     may.save(out)
-    rce.main(rce.Args(data=small_data, init=out, out=tmp_path / "rce-again", epochs=2, **FAST, **NET))
+    rce.main(rce.Args(data=small_data, init=out, out=tmp_path / "rce-again", epochs=2, **FAST, **SMALL_NET))
     grpo_out = tmp_path / "grpo"
     grpo.main(grpo.resolve(grpo.Args(data=small_data, init=out, out=grpo_out, online=True, lvlm_budget=2500)))
     for trained in (tmp_path / "rce-again", grpo_out / "offline"):  # picks alone, judged filling every slot
@@ -503,7 +503,7 @@ def test_a_selector_that_may_stop_trains_online_only_and_resumes_bit_identical(s
     ridge and share going on) from --init itself, with no warm start (that is a short budget's): a run killed after
     epoch 1 resumes to the same bytes, the ladders carried in its checkpoint. Offline GRPO of it is refused in one line
     before any work."""
-    rce.main(rce.Args(data=small_data, out=tmp_path / "rce", can_stop=True, epochs=1, **FAST, **NET))
+    rce.main(rce.Args(data=small_data, out=tmp_path / "rce", can_stop=True, epochs=1, **FAST, **SMALL_NET))
     with pytest.raises(
         ValueError, match=r"^--init \S+ may stop, and GRPO learns when to stop online only: add --online"
     ):
@@ -638,16 +638,18 @@ def test_a_selector_keeps_the_picks_it_was_made_with_through_every_stage(short_d
     """Lever-LM's recipe (2-shot sequences, asked for 4: rce.py --picks 4) and a selector that may stop, then GRPO and
     RCE from it: each keeps its 4 picks (GRPO once rebuilt it with its data's 2; with a stop bias of 4 entries the
     saved selector no longer loaded), loads, and evaluates at 1-4 shots. (GRPO of one that may stop: online.)"""
-    rce.main(rce.Args(data=short_data, out=tmp_path / "rce", picks=4, can_stop=can_stop, epochs=1, **FAST, **NET))
+    rce.main(rce.Args(data=short_data, out=tmp_path / "rce", picks=4, can_stop=can_stop, epochs=1, **FAST, **SMALL_NET))
     online = dict(online=True, group_size=4, warm_start=False) if can_stop else {}
     grpo.main(grpo.Args(data=short_data, init=tmp_path / "rce", out=tmp_path / "grpo", epochs=1, **online, **FAST))
-    rce.main(rce.Args(data=short_data, init=tmp_path / "grpo", out=tmp_path / "again", epochs=1, **FAST, **NET))
+    rce.main(rce.Args(data=short_data, init=tmp_path / "grpo", out=tmp_path / "again", epochs=1, **FAST, **SMALL_NET))
     for run in ("rce", "grpo", "again"):
         model = PointerSelector.load(tmp_path / run)
         assert model.cfg.picks == 4 and (not can_stop or model.stop_bias.shape == (4,))
     evaluate.main(evaluate.Args(data=short_data, runs=[tmp_path / "grpo"], num_samples=[20]))
     assert set(json.loads((tmp_path / "grpo" / "eval" / "val.json").read_text())["summary"]["20"]) == set("1234")
-    rce.main(rce.Args(data=short_data, init=tmp_path / "grpo", out=tmp_path / "six", picks=6, epochs=1, **FAST, **NET))
+    rce.main(
+        rce.Args(data=short_data, init=tmp_path / "grpo", out=tmp_path / "six", picks=6, epochs=1, **FAST, **SMALL_NET)
+    )
     assert PointerSelector.load(tmp_path / "six").cfg.picks == 6
 
 
@@ -704,7 +706,7 @@ def test_lr_schedule_starts_at_the_base_rate_and_never_rises(schedule, total, da
 def test_resume_identifies_the_data_by_content_and_survives_moved_folders(small_data, rce_run, tmp_path, monkeypatch):
     data, first = tmp_path / "data", tmp_path / "first"
     shutil.copytree(small_data, data)
-    args = dict(epochs=3, **FAST, **NET)
+    args = dict(epochs=3, **FAST, **SMALL_NET)
     with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
         killed_after_epoch(m, 1)
         rce.main(rce.Args(data=data, out=first, **args))
@@ -751,10 +753,10 @@ def test_bad_run_files_and_unwritable_folders_are_one_line(small_data, rce_run, 
     config = json.loads((run / "config.json").read_text())
     (run / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "args"}))
     with pytest.raises(ValueError, match=r"config\.json\b.*'args'"):
-        rce.main(rce.Args(data=small_data, out=run, epochs=3, **FAST, **NET))
+        rce.main(rce.Args(data=small_data, out=run, epochs=3, **FAST, **SMALL_NET))
     (run / "config.json").write_text("{")
     with pytest.raises(ValueError, match=r"config\.json\b.*\bJSON\b"):
-        rce.main(rce.Args(data=small_data, out=run, epochs=3, **FAST, **NET))
+        rce.main(rce.Args(data=small_data, out=run, epochs=3, **FAST, **SMALL_NET))
     # an output folder that cannot be written (here: its parent is a file) is one line on the command line
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -773,7 +775,7 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_nothing(small_data,
 
     monkeypatch.setattr(rce, "make_batch", broken)
     with pytest.raises(ValueError, match="is broken"):
-        rce.main(rce.Args(data=small_data, out=out, epochs=2, **FAST, **NET))
+        rce.main(rce.Args(data=small_data, out=out, epochs=2, **FAST, **SMALL_NET))
     assert not out.exists()
 
 
@@ -875,7 +877,7 @@ def test_resume_may_change_epochs_only_where_the_schedule_continues(small_data, 
     with pytest.raises(ValueError, match=r"--lr-schedule cosine.*--epochs 2"):
         grpo.main(grpo.Args(out=cosine, epochs=2, lr_schedule="cosine", **common))
     with pytest.raises(ValueError, match=r"--epochs 3.*tau.*--epochs 4"):
-        rce.main(rce.Args(data=small_data, out=rce_run, epochs=4, **FAST, **NET))
+        rce.main(rce.Args(data=small_data, out=rce_run, epochs=4, **FAST, **SMALL_NET))
 
 
 def test_trl_flag_names_are_aliases_with_the_same_meaning():
@@ -925,11 +927,11 @@ def test_report_to_tensorboard_holds_the_metrics_once_even_after_a_resume(small_
 
         with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
             m.setattr(runs, "save_checkpoint", dies_saving)
-            rce.main(rce.Args(data=small_data, out=out, epochs=3, report_to="tensorboard", **FAST, **NET))
-    rce.main(rce.Args(data=small_data, out=out, epochs=3, report_to="tensorboard", **FAST, **NET))
+            rce.main(rce.Args(data=small_data, out=out, epochs=3, report_to="tensorboard", **FAST, **SMALL_NET))
+    rce.main(rce.Args(data=small_data, out=out, epochs=3, report_to="tensorboard", **FAST, **SMALL_NET))
     files = sorted((out / "tensorboard").iterdir())
     rce.main(
-        rce.Args(data=small_data, out=out, epochs=3, report_to="tensorboard", **FAST, **NET)
+        rce.Args(data=small_data, out=out, epochs=3, report_to="tensorboard", **FAST, **SMALL_NET)
     )  # finished: logs nothing
     assert sorted((out / "tensorboard").iterdir()) == files
     events = EventAccumulator(str(out / "tensorboard"))
@@ -948,7 +950,7 @@ def test_report_to_a_missing_package_stops_before_any_work(small_data, tmp_path,
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(ValueError, match=r"--report-to wandb.*pip install wandb"):
-        rce.main(rce.Args(data=small_data, out=tmp_path / "w", report_to="wandb", **FAST, **NET))
+        rce.main(rce.Args(data=small_data, out=tmp_path / "w", report_to="wandb", **FAST, **SMALL_NET))
     assert not (tmp_path / "w").exists()
 
 
@@ -991,7 +993,7 @@ def test_a_damaged_last_checkpoint_falls_back_to_the_one_before(small_data, rce_
     shutil.copytree(rce_run, out)
     last = out / "ckpt/epoch_003.safetensors"
     last.write_bytes(last.read_bytes()[: len(last.read_bytes()) // 2] if damage == "half" else damage)
-    rce.main(rce.Args(data=small_data, out=out, epochs=3, **FAST, **NET))
+    rce.main(rce.Args(data=small_data, out=out, epochs=3, **FAST, **SMALL_NET))
     assert re.search(r"\bepoch_003\.safetensors\b.*\bdamaged\b", capsys.readouterr().err)
     for name in ("model.safetensors", "ckpt/epoch_003.safetensors", "metrics.jsonl"):
         assert (out / name).read_bytes() == (rce_run / name).read_bytes(), name
@@ -1000,7 +1002,7 @@ def test_a_damaged_last_checkpoint_falls_back_to_the_one_before(small_data, rce_
     with pytest.raises(
         ValueError, match=rf"{re.escape(str(out))}\b.*\bepoch_001\.safetensors\b.*\bepoch_003\.safetensors\b"
     ):
-        rce.main(rce.Args(data=small_data, out=out, epochs=3, **FAST, **NET))
+        rce.main(rce.Args(data=small_data, out=out, epochs=3, **FAST, **SMALL_NET))
 
 
 @given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 300), budget=st.integers(1, 2**16))
@@ -1078,7 +1080,7 @@ def test_retriever_learns_a_preference_planted_in_its_data(small_data, tmp_path)
     them far more often than chance on every anchor; it is a bi-encoder whose picks are its top k."""
     data, hidden = planted(small_data, tmp_path / "planted")
     out = tmp_path / "retriever"
-    rce.main(rce.Args(data=data, out=out, retriever=True, epochs=20, lr=1e-2, quality="all", **FAST, **NET))
+    rce.main(rce.Args(data=data, out=out, retriever=True, epochs=20, lr=1e-2, quality="all", **FAST, **SMALL_NET))
     # the last epoch: the validation accuracy that picks the best one knows nothing of the planted rewards
     model = load_selector(out / "ckpt" / "epoch_020.safetensors").eval()
     assert model.cfg.num_layers == 0 and not model.cfg.state_update
@@ -1125,7 +1127,7 @@ def test_a_runs_lvlm_calls_add_up_along_its_init_chain(small_data, tmp_path, mon
         return real(self, split, queries, icds, *a, **kw)
 
     monkeypatch.setattr(SimBackend, "score", counted)
-    rce.main(rce.Args(data=small_data, out=tmp_path / "rce", epochs=2, **FAST, **NET))
+    rce.main(rce.Args(data=small_data, out=tmp_path / "rce", epochs=2, **FAST, **SMALL_NET))
     online = dict(online=True, lvlm_budget=3000, warm_start=False, epochs=1)
     grpo.main(grpo.Args(data=small_data, init=tmp_path / "rce", out=tmp_path / "online", **online, **FAST))
     trained = sent["n"]
