@@ -31,6 +31,7 @@ Usage:
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import math
 import time
@@ -701,10 +702,7 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
     plan, init, warm, short = None, Path(args.init), None, False
     if args.lvlm_budget is not None:
         val_calls = 0 if backend is None else len(split.val[:cap]) * S  # validate() asks 1..S shots of each
-        can_stop = stops(init)
-
-        def step_calls(n: int) -> int:
-            return most_calls(n, args, S, can_stop)
+        step_calls = functools.partial(most_calls, args=args, S=S, can_stop=stops(init))  # n queries -> most calls
 
         def plan_for(budget: int) -> Plan:
             return budget_plan(budget, args.epochs, step_calls(args.batch_size), val_calls, step_calls(1), steps)
