@@ -31,10 +31,11 @@ import evaluate
 import gen_rl_data
 import grpo
 import rce
+from icl_select import lineage
 from icl_select.cli import SIDE_ARGS, run_cli
-from icl_select.data import METRIC
-from icl_select.files import read_json
-from icl_select.runs import flag_values, read_args, read_eval, read_metrics
+from icl_select.data import METRIC, data_digest
+from icl_select.files import read_json, sha256
+from icl_select.runs import flag_values, read_eval, read_metrics
 from icl_select.sim import WORLDS
 from icl_select.stats import bootstrap_ci, gap_share, paired, per_question
 from icl_select.tables import md_table
@@ -240,13 +241,13 @@ def build(args: Args, world: str, seed: int, names: list[str]) -> None:
     if not (data / "meta.json").is_file() or not read_json(data / "meta.json")["complete"]:
         quietly(gen_rl_data.generate, gen_rl_data.Args(out=data, seed=seed, **sim_args(world)))
     for b in BASELINES if world not in CAPTIONING else CAPTION_BASELINES:
-        if not (root / b / "eval" / "val.json").is_file():
+        if not evaluated(root / b, data):
             quietly(evaluate.main, evaluate.Args(data=data, baseline=b, out=root / b, num_samples=[800]))
     for name in names:
         stage, flags, _ = VARIANTS[name]
         if stage == "baseline":
             run = root / slug(name)
-            if not (run / "eval" / "val.json").is_file():
+            if not evaluated(run, data):
                 quietly(evaluate.main, evaluate.Args(data=data, out=run, num_samples=[800], **flags))
             continue
         for n, folder in enumerate(folders(args, name)):
@@ -269,19 +270,34 @@ def train(root: Path, world: str, seed: int, name: str, run: Path, training_seed
         run_args = rce.Args(**common, **flags)
     else:
         run_args = grpo.resolve(grpo.Args(**common, **{**flags, "init": root / slug(flags.get("init", "rce"))}))
-    if (run / "config.json").is_file():  # a cached run must have been made with exactly these flags
-        then = read_args(run / "config.json")
+    if (run / "config.json").is_file():  # a cached run must have been made with exactly these flags and data
+        config = read_json(run / "config.json")
         now = flag_values(run_args)
         planned = ("epochs",) if now.get("lvlm_budget") and now["epochs"] is None else ()  # grpo plans them
-        if diff := sorted(k for k in now if k not in ("out", *SIDE_ARGS, *planned) and now[k] != then.get(k)):
+        if diff := sorted(k for k in now if k not in ("out", *SIDE_ARGS, *planned) and now[k] != config["args"].get(k)):
             raise ValueError(f"{run} was made with other flags ({', '.join(diff)}): delete it to rebuild it")
-    if (run / "eval" / "val.json").is_file():
+        made = {"data": data_digest(common["data"])}
+        lineage.check(run / "config.json", config.get("made_from"), made, "delete it to rebuild it", list(made))
+    if evaluated(run, data):
         return
     start = time.perf_counter()
     quietly(rce.main if stage == "rce" else grpo.main, run_args)
     quietly(evaluate.main, evaluate.Args(data=data, runs=[run], num_samples=[800]))
     again = run.name.removeprefix(slug(name)).replace("--", ", ")  # ", training-2" for a second training
     print(f"{world} seed {seed}: {name}{again} ({time.perf_counter() - start:.0f} s)", flush=True)
+
+
+def evaluated(run: Path, data: Path) -> bool:
+    """Whether `run` holds its evaluation on `data` as the folder is now (and of the weights the run holds now): the
+    cache is used only where it is what this command would make; one made from other inputs is refused."""
+    path = run / "eval" / "val.json"
+    if not path.is_file():
+        return False
+    now = {"data": data_digest(data)}
+    if (run / "model.safetensors").is_file():
+        now["selector"] = sha256(run / "model.safetensors")
+    lineage.check(path, read_eval(path)["made_from"], now, "delete it to make it again", list(now))
+    return True
 
 
 def order(names: list[str], references: bool = True) -> list[str]:
@@ -707,6 +723,11 @@ def main(args: Args) -> None:
         raise ValueError(f"--only: unknown variants {unknown}; known: {list(VARIANTS)}")
     if args.trainings < 1:
         raise ValueError(f"--trainings must be at least 1, got {args.trainings}")
+    for flag, values in (("--seeds", args.seeds), ("--worlds", args.worlds)):
+        if not values:
+            raise ValueError(f"{flag} needs at least one value")
+        if len(set(values)) < len(values):
+            raise ValueError(f"{flag} names {max(values, key=values.count)} twice")
     torch.set_num_threads(1)
     names = order(args.only or list(VARIANTS), args.references)
     for world in args.worlds:

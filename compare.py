@@ -25,6 +25,7 @@ Usage:
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 import sys
@@ -36,9 +37,11 @@ from typing import Annotated, Literal
 import numpy as np
 import tyro
 
+from icl_select import lineage
+from icl_select.cider import coco_cider
 from icl_select.cli import SIDE_ARGS, default_is, run_cli
 from icl_select.data import METRIC
-from icl_select.files import atomic_write_text, sha256
+from icl_select.files import atomic_write_text, read_json, sha256
 from icl_select.runs import read_args, read_eval, read_metrics, unfinished
 from icl_select.stats import (
     Cell,
@@ -118,6 +121,8 @@ class Run:
     epoch_evals: dict[int, dict]
     args: dict | None  # config.json "args" (None without config.json)
     weights: str | None = None  # SHA-256 of the run's model.safetensors now (None without one)
+    task: str | None = None  # vqa or caption (its evaluation's, or its dataset's as config.json records it)
+    eval_sha: str | None = None  # SHA-256 of the evaluation file read: what the report was made from
     upto: bool = False  # its "up to k" evaluation (eval/<split>-upto.json): it chose how many, k at most
     filled: bool = False  # it could stop, and its "up to k" evaluation filled every slot (the same picks as exactly k)
 
@@ -146,6 +151,11 @@ class Run:
         if n is None:
             return "-" if self.ceiling else "?"
         return f"{n / 1e6:.3g}M" if n >= 1e6 else f"{n / 1e3:.3g}k" if n >= 1e3 else str(n)
+
+    @property
+    def label(self) -> str:
+        """Its name as the verdict says it: a stale evaluation is marked wherever the run is named."""
+        return self.name + " (STALE evaluation)" * self.stale
 
     @property
     def selected(self) -> int | None:
@@ -180,7 +190,8 @@ class Run:
         args = self.args or {}
         weights = args.get("weights", "reward")
         rce = "retriever" if args.get("retriever") else "RCE" + f", {weights} weights" * (weights != "reward")
-        stage = {"rce": rce, "grpo": "GRPO " + ("online" if args.get("online") else "offline")}
+        mode = "flags unknown: no config.json" if self.args is None else "online" if args.get("online") else "offline"
+        stage = {"rce": rce, "grpo": f"GRPO {mode}" if self.args is not None else f"GRPO ({mode})"}
         what = stage.get(self.phase, "selector") + ", up to k" * self.upto
         if self.unfinished:
             return f"{what}, UNFINISHED: {self.unfinished}"
@@ -200,14 +211,19 @@ def read_run(path: Path, split: str) -> Run | None:
     for f in sorted(path.glob(f"eval/{split}-epoch*.json")):
         if m := re.fullmatch(rf"{re.escape(split)}-epoch(\d+)\.json", f.name):
             epoch_evals[int(m.group(1))] = read_eval(f)
+    doc = read_eval(ev) if ev.is_file() else None
+    args = read_args(config) if config.is_file() else None
+    task = doc["task"] if doc else (read_json(config).get("dataset") or {}).get("task") if args is not None else None
     return Run(
         path,
         path.name,
-        read_eval(ev) if ev.is_file() else None,
+        doc,
         read_metrics(metrics) if metrics.is_file() else [],
         epoch_evals,
-        read_args(config) if config.is_file() else None,
+        args,
         sha256(path / "model.safetensors") if (path / "model.safetensors").is_file() else None,
+        task,
+        sha256(ev) if doc else None,
     )
 
 
@@ -216,21 +232,41 @@ def read_run(path: Path, split: str) -> Run | None:
 
 
 def not_comparable(a: dict, b: dict) -> str | None:
-    """Why two evaluations cannot be paired question by question (None when they can)."""
-    for key in ("task", "split", "backend", "simulation"):
-        if a.get(key) != b.get(key):
-            return f"different {key}: {a.get(key)!r} vs {b.get(key)!r}"
-    revisions = [(d.get("backend_info") or {}).get("revision") for d in (a, b)]  # a model folder's digest included
-    if revisions[0] != revisions[1]:
-        return f"different LVLM weights (revision {revisions[0]} vs {revisions[1]})"
-    # Same question ids are not enough: folders with other pools (another sampler or seed) pose other problems.
-    if a.get("data_digest") != b.get("data_digest"):
-        return f"different dataset content (digest {a.get('data_digest')} vs {b.get('data_digest')})"
+    """Why two evaluations cannot be paired question by question (None when they can): other inputs (lineage.py: the
+    task, the LVLM's weights, the dataset's content, whose pools and questions they are), another split or other
+    questions."""
+    if diffs := lineage.differences(a["made_from"], b["made_from"], names=("task", "lvlm", "data")):
+        return f"made from other inputs: {lineage.say(diffs)}"
+    if a.get("split") != b.get("split"):
+        return f"different split: {a.get('split')!r} vs {b.get('split')!r}"
     qa, qb = ([r["question_id"] for r in d["results"] if r["shot"] == d["shots"][0]] for d in (a, b))
     n = min(len(qa), len(qb))
     if qa[:n] != qb[:n]:
         return "different questions (another dataset folder or question order)"
     return None
+
+
+def on_questions(doc: dict, n: int) -> dict:
+    """The evaluation as its first n questions alone would have scored: a caption's CIDEr-D takes its document
+    frequencies from every question scored with it, so the first n of a larger evaluation score otherwise than n
+    evaluated alone, and a caption score is only compared with one of the same questions; it is scored again here
+    from the file's captions and references. VQA accuracy is a mean of per-question scores: the same."""
+    k = len(doc["shots"])
+    if doc["task"] != "caption" or len(doc["results"]) == n * k:
+        return doc
+    references = doc["references"][:n]
+    results = copy.deepcopy(doc["results"][: n * k])
+    for s in range(k):
+        rows = results[s::k]  # (n,) this shot's results, question order
+        seeds = [r.get("per_seed", [r]) for r in rows]
+        for j in range(len(seeds[0])):
+            _, scores = coco_cider([p[j]["prediction"] for p in seeds], references)
+            for p, score in zip(seeds, scores.tolist()):
+                p[j]["score"] = round(score, 6)
+        for r, p in zip(rows, seeds):
+            r["score"] = round(sum(x["score"] for x in p) / len(p), 6)
+    summary = {str(n): {str(shot): round(accuracy({**doc, "results": results}, shot, n), 4) for shot in doc["shots"]}}
+    return {**doc, "results": results, "summary": summary, "rescored_on": n}
 
 
 def common_n(runs: list[Run]) -> int:
@@ -288,6 +324,8 @@ def compare(runs: list[Run], args: Args) -> Comparison | None:
     apart = {r: why for r in evaluated if r is not base and (why := not_comparable(base.eval, r.eval))}
     evaluated = [r for r in evaluated if r not in apart]
     n = common_n(evaluated)
+    for r in evaluated:  # caption scores of the very questions compared
+        r.eval = on_questions(r.eval, n)
     shots = sorted(set.intersection(*(set(r.eval["shots"]) for r in evaluated)))
     if not shots:
         raise ValueError(f"no shot count is evaluated in every run: {[(r.name, r.eval['shots']) for r in evaluated]}")
@@ -380,7 +418,7 @@ def write_plots(runs: list[Run], c: Comparison | None, folder: Path) -> list[Pat
                 right.plot(xi, cells[k].delta, marker=s["marker"], color=s["color"], markerfacecolor=face, zorder=6)
         right.axhline(0, color=style[c.base.name]["color"], linewidth=1.2)
         right.set(title=f"Paired delta to {c.base.name}, 95% CI (filled: significant)", xlabel=shots_label)
-        right.set(ylabel=f"accuracy minus {c.base.name} (points)")
+        right.set(ylabel=f"{c.metric} minus {c.base.name} (points)")
         for ax in (left, right):
             ax.set_xticks(c.shots)
         save(fig, "accuracy_vs_shots.png", [handle(r) for r in c.evaluated])
@@ -393,8 +431,8 @@ def write_plots(runs: list[Run], c: Comparison | None, folder: Path) -> list[Pat
 
     panels = {
         "val/acc": (
-            "validation accuracy (%)",
-            "Validation accuracy per epoch\n(held-out train anchors, not test questions)",
+            column_label("val/acc", [r for r in runs if curve(r, "val/acc")]),
+            "Validation score per epoch\n(held-out train anchors, not test questions)",
         ),
         "grpo/kl_ref": ("KL to the reference (nats)", "KL to the reference policy"),
         "grpo/selection_change": (
@@ -482,26 +520,26 @@ def verdict_section(c: Comparison, args: Args) -> str:
         if x.significant:
             lines.append(
                 f"**Zero-shot wins.** Without demonstrations the LVLM scores {c.acc[zero.name]['avg']:.2f}; every "
-                f"selector scores less, the best ({best.name}) by {-x.delta:.2f} points [{-x.hi:.2f}, {-x.lo:.2f}]. "
+                f"selector scores less, the best ({best.label}) by {-x.delta:.2f} points [{-x.hi:.2f}, {-x.lo:.2f}]. "
                 "Demonstrations hurt on these questions."
             )
         else:
             lines.append(
-                f"**No selector beats zero-shot.** The best, {best.name}, is {signed(x.delta)} points "
+                f"**No selector beats zero-shot.** The best, {best.label}, is {signed(x.delta)} points "
                 f"[{signed(x.lo)}, {signed(x.hi)}] from zero-shot ({c.acc[zero.name]['avg']:.2f}): not significant."
             )
     beaten = [b for b in baselines if (x := avg.get((best.name, b.name))) and x.significant and x.delta > 0]
     if beaten and len(beaten) == len(baselines):
-        lines.append(f"**{best.name} beats every baseline** ({', '.join(b.name for b in baselines)}).")
+        lines.append(f"**{best.label} beats every baseline** ({', '.join(b.name for b in baselines)}).")
     elif not lines:
         lines.append(
-            f"**{best.name} beats {', '.join(b.name for b in beaten) or 'no baseline'}** and not "
+            f"**{best.label} beats {', '.join(b.name for b in beaten) or 'no baseline'}** and not "
             f"{', '.join(b.name for b in baselines if b not in beaten)}."
         )
     k = max(c.shots)
     if best.upto:  # it chose how many: say how many, and what choosing bought against filling every slot
         fixed = [r for r in selectors if not r.upto]
-        line = f"{best.name} chose how many: {best.used(c.n, k):.2f} demonstrations per question at up to {k}"
+        line = f"{best.label} chose how many: {best.used(c.n, k):.2f} demonstrations per question at up to {k}"
         # its own picks filling every slot are the same training: the difference is the choice alone, where two
         # trainings of one recipe differ by more than the questions' noise
         if own := next((r for r in fixed if r.path == best.path), None):
@@ -510,21 +548,21 @@ def verdict_section(c: Comparison, args: Args) -> str:
         top = max(fixed, key=lambda r: c.acc[r.name]["avg"], default=None)
         if top is not None and top is not own:
             x = pair_cells(top.eval, best.eval, c.shots, c.n, args.bootstrap, rng)["avg"]
-            line += f"; against the best selector that fills every slot, {top.name}: {words(x)}"
+            line += f"; against the best selector that fills every slot, {top.label}: {words(x)}"
         lines.append(line + ".")
     elif best.filled:
-        lines.append(f"{best.name} could stop, and gave every question {k} demonstrations at up to {k}.")
+        lines.append(f"{best.label} could stop, and gave every question {k} demonstrations at up to {k}.")
     if rivals:  # the strongest rival, whichever it is, against the best of the kit's selectors
         top = max(rivals, key=lambda r: c.acc[r.name]["avg"])
         x = pair_cells(top.eval, best.eval, c.shots, c.n, args.bootstrap, rng)["avg"]
         lines.append(
-            f"**Strongest rival: {top.name}** ({c.acc[top.name]['avg']:.2f}, built with {top.calls} LVLM calls); "
-            f"{best.name} ({c.acc[best.name]['avg']:.2f}, {best.calls} calls) against it: {words(x)}."
+            f"**Strongest rival: {top.label}** ({c.acc[top.name]['avg']:.2f}, built with {top.calls} LVLM calls); "
+            f"{best.label} ({c.acc[best.name]['avg']:.2f}, {best.calls} calls) against it: {words(x)}."
         )
     lines.append("")
     for r in selectors:
         against = [f"{BASELINE_WORDS[b.eval['baseline']]}: {words(avg[r.name, b.name])}" for b in baselines]
-        lines.append(f"- {r.name} ({c.acc[r.name]['avg']:.2f}) against " + "; ".join(against) + ".")
+        lines.append(f"- {r.label} ({c.acc[r.name]['avg']:.2f}) against " + "; ".join(against) + ".")
     lines += [
         "",
         f"Average over {', '.join(map(str, c.shots))} shots, first {c.n} questions, points. {rule(len(c.shots) + 1)}",
@@ -718,12 +756,21 @@ def fmt(x: float, sign: str = "") -> str:
     return f"{x:{sign},.0f}" if float(x).is_integer() else f"{x:{sign}.4g}"
 
 
+def column_label(key: str, runs: list[Run]) -> str:
+    """A training metric in words; validation accuracy is CIDEr-D for runs that caption."""
+    if key != "val/acc":
+        return TRAIN_COLUMNS[key]
+    tasks = {r.task or "vqa" for r in runs}
+    return f"validation {METRIC[tasks.pop()]}" if len(tasks) == 1 else "validation score (VQA accuracy % or CIDEr-D)"
+
+
 def curve_section(runs: list[Run]) -> list[str]:
     """Per metric and trained run: the start (epoch 0), the selected epoch, the last epoch and the change; metrics
     that barely move are left out."""
     rows = []
-    for key, label in TRAIN_COLUMNS.items():
+    for key in TRAIN_COLUMNS:
         for r in runs:
+            label = column_label(key, [r])
             pts = {e["epoch"]: e[key] for e in r.epochs if key in e}
             if len(pts) < 2 or not moves(list(pts.values())):
                 continue
@@ -791,7 +838,21 @@ def report_parts(runs: list[Run], c: Comparison | None, args: Args) -> tuple[str
         rest += count_section(c)
     if skipped := [r.name for r in runs if r.eval is None]:
         rest += [f"Runs without eval/{args.split}.json (training only): {', '.join(skipped)}", ""]
-    return f"{title}\n\n{glance}\n", rest
+    return f"{title}\n\n{glance}\n", rest + made_from_section(runs, args.split)
+
+
+def made_from_section(runs: list[Run], split: str) -> list[str]:
+    """What the report was made from: each evaluation file by its SHA-256, and what that file was made from."""
+    rows = []
+    for r in (r for r in runs if r.eval is not None):
+        m = r.eval["made_from"]
+        weights = (m.get("selector") or "-")[:16]
+        rows.append([r.name, r.eval_sha[:16], m["data"], m["lvlm"], weights])
+    if not rows:
+        return []
+    header = ["run", f"eval/{split}.json sha256", "dataset content", "LVLM", "selector weights sha256"]
+    note = "Every number above comes from these files; a file whose digest differs is another evaluation."
+    return ["## Made from", "", md_table(header, rows), "", note, ""]
 
 
 def same_picks(a: dict, b: dict | None) -> bool:
@@ -815,7 +876,9 @@ def read_runs(args: Args) -> list[Run]:
         if same_picks(doc := read_eval(upto), r.eval):
             r.filled = True
         else:
-            runs.append(replace(r, name=f"{r.name} (up to k)", eval=doc, epoch_evals={}, upto=True))
+            runs.append(
+                replace(r, name=f"{r.name} (up to k)", eval=doc, eval_sha=sha256(upto), epoch_evals={}, upto=True)
+            )
     if not runs:
         raise ValueError("no run folders to compare")
     for a, b in combinations(runs, 2):

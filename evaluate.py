@@ -39,15 +39,15 @@ import tyro
 from torch import Tensor
 from tqdm import tqdm
 
-from icl_select import pools, sharding
-from icl_select.backends import LVLMRun, check_lvlm_run, open_backend
+from icl_select import lineage, pools, sharding
+from icl_select.backends import LVLMRun, check_lvlm_run, lvlm_identity, open_backend
 from icl_select.cider import coco_cider
 from icl_select.cli import CpuArgs, default_is, help_first, run_cli
 from icl_select.data import DEFAULT_DATA, METRIC, TOP_SCORE, Dataset, data_digest, load_dataset
 from icl_select.files import DataError, atomic_write_text, full_disk_names, read_json, sha256
 from icl_select.locks import exclusive
 from icl_select.runs import (
-    check_width,
+    check_selector,
     checkpoints,
     load_selector,
     lvlm_spent,
@@ -65,6 +65,7 @@ from model import PointerSelector, reverse_picks
 Baseline = Literal["zero-shot", "random", "image-sim", "text-sim", "mmices", "mmr", "coreset", "oracle", "observable"]
 # Baselines that rank demonstrations by relevance to the query: the most relevant goes next to it (RICES' order).
 RANKED = ("image-sim", "text-sim", "mmices", "mmr", "coreset")
+VIEWS = {"image-sim": ("image",), "text-sim": ("text",), "mmices": ("image", "text"), "mmr": ("image",)}  # compared
 
 
 @help_first("baseline", "data", "out", "lvlm")
@@ -111,6 +112,9 @@ def check_args(args: Args) -> None:
         raise ValueError("--out is for baselines; a run's results go to RUN/eval/")
     if not args.shots or min(args.shots) < 1 or not args.num_samples or min(args.num_samples) < 1:
         raise ValueError("--shots and --num-samples must be positive")
+    for flag, values in (("--shots", args.shots), ("--num-samples", args.num_samples)):
+        if len(set(values)) < len(values):
+            raise ValueError(f"{flag} {' '.join(map(str, values))} names {max(values, key=values.count)} twice")
     if args.seeds < 1 or args.batch_size < 1:
         raise ValueError("--seeds and --batch-size must be >= 1")
     if not 0 <= args.mmr_lambda <= 1:
@@ -150,8 +154,6 @@ def baseline_icds(
     if args.baseline == "zero-shot":
         return [pool[:, :0] for _ in shots]
     if args.baseline in ("oracle", "observable"):
-        if not hasattr(backend, "sim"):
-            raise ValueError(f"--baseline {args.baseline} needs the simulator (it searches the known answer model)")
         # searched per shot count (the best 2 ICDs need not be a prefix of the best 4), already in prompt order; the
         # simulator rebuilt from meta.json searches its own world (a beam search where it is not additive)
         observable = args.baseline == "observable"
@@ -171,13 +173,7 @@ def baseline_icds(
         g = torch.Generator().manual_seed(seed)
         order = pools.random_sequences(pool >= 0, 1, k, g)[:, 0]  # (n, k)
         return [pool.gather(1, order[:, :s]) for s in shots]
-    views = {"image-sim": ("image",), "text-sim": ("text",), "mmices": ("image", "text"), "mmr": ("image",)}
-    if ds.meta["task"] == "caption" and "text" in views.get(args.baseline, ()):
-        raise ValueError(f"--baseline {args.baseline} compares questions; a picture to caption has none")
-    for view in views.get(args.baseline, ()):
-        if f"{split}_{view}" not in ds.emb:
-            raise ValueError(f"{ds.folder}: no '{split}_{view}' embeddings for --baseline {args.baseline}")
-    emb = {v: (ds.emb[f"{split}_{v}"][rows], ds.emb[f"train_{v}"]) for v in views.get(args.baseline, ())}
+    emb = {v: (ds.emb[f"{split}_{v}"][rows], ds.emb[f"train_{v}"]) for v in VIEWS.get(args.baseline, ())}
     if args.baseline == "coreset":  # clustered per shot count: the best 2 need not be a prefix of the best 4
         return [pool.gather(1, pools.coreset_order(ds.emb[split][rows], ds.emb["train"], pool, s)) for s in shots]
     if args.baseline == "mmices":
@@ -269,9 +265,10 @@ def read_partials(target: Path, seed: int, header: dict) -> dict[int, list[dict]
     return done
 
 
-def keep_other_settings(target: Path, header: dict, num_samples: list[int], digest: str) -> None:
-    """Never overwrite results made with other settings (compare.py pairs runs by their files), nor a file that is
-    not an evaluation (written atomically, a finished one always parses): refuse instead."""
+def keep_other_settings(target: Path, header: dict) -> None:
+    """Never overwrite results made from other inputs or settings (compare.py pairs runs by their files), nor a file
+    that is not an evaluation (written atomically, a finished one always parses): refuse instead. Other weights of
+    the same run are evaluated anew (a run trained further)."""
     if not target.is_file():
         return
     old = read_json(target)
@@ -279,13 +276,9 @@ def keep_other_settings(target: Path, header: dict, num_samples: list[int], dige
         raise DataError(
             f"{target}: not an evaluation file (expected an object with 'results'); it is kept: move it away"
         )
-    now = {**header, "num_samples": sorted(num_samples), "backend": header["lvlm"], "data_digest": digest}
-    keys = ("split", "order", "shots", "seeds", "num_samples", "backend", "data_digest", "baseline_settings")
-    if diff := [f"{k}: {old.get(k)!r} there, {now[k]!r} now" for k in keys if old.get(k, now[k]) != now[k]]:
-        raise ValueError(
-            f"{target} holds results made with other settings ({'; '.join(diff)}); it is kept: evaluate with its "
-            "settings, or move it away first"
-        )
+    now = header["made_from"]
+    fix = "it is kept: evaluate with what made it, or move it away first"
+    lineage.check(target, old.get("made_from"), now, fix, names=[k for k in now if k != "selector"])
 
 
 def run_status(run: Path) -> str:
@@ -345,20 +338,16 @@ def plan(args: Args, ds: Dataset) -> list[Job]:
     return jobs
 
 
-def job_header(args: Args, ds: Dataset, job: Job, lvlm: str) -> dict:
-    """The settings an evaluation file and its progress files are made with (a resumed one must match them)."""
+def job_header(args: Args, ds: Dataset, job: Job, digest: str, lvlm: str) -> dict:
+    """The settings an evaluation file and its progress files are made with, and what it is made from (lineage.py:
+    the dataset's content `digest`, the answering LVLM `lvlm`, the selector's weights, the flags): a progress file
+    left by other inputs is started afresh, and a finished file of other inputs is never overwritten."""
     order = args.order
     if order == "auto":  # how the selector was trained to be read; RICES puts the most similar next to the query
         nearest = args.baseline in RANKED or (job.model is not None and job.model.cfg.pick_order == "nearest_first")
         order = "reversed" if nearest else "selected"
     seeds = list(range(args.seed, args.seed + args.seeds)) if args.baseline == "random" else [args.seed]
-    return {
-        "selector": str(job.selector),
-        # which weights: compare.py flags the evaluation as stale once the run's model.safetensors is other weights,
-        # and progress left by other weights is not resumed
-        "selector_epoch": job.epoch,
-        "selector_sha256": job.sha256,
-        "task": ds.meta["task"],
+    settings = {
         "baseline": args.baseline,
         "upto": job.upto,
         "baseline_settings": {"mmices": {"prefilter": args.prefilter}, "mmr": {"lambda": args.mmr_lambda}}.get(
@@ -367,18 +356,27 @@ def job_header(args: Args, ds: Dataset, job: Job, lvlm: str) -> dict:
         "split": args.split,
         "order": order,
         "n": max(args.num_samples),
+        "num_samples": sorted(args.num_samples),
         "shots": args.shots,
         "seeds": seeds,
-        "data": str(ds.folder),
-        "lvlm": lvlm,
+    }
+    made_from = lineage.of_dataset(ds.meta, digest) | {"lvlm": lvlm, "selector": job.sha256, "flags": settings}
+    return {
+        "made_from": made_from,
+        "selector": str(job.selector),
+        # which weights: compare.py flags the evaluation as stale once the run's model.safetensors is other weights
+        "selector_epoch": job.epoch,
+        "selector_sha256": job.sha256,
+        "task": ds.meta["task"],
+        **settings,
     }
 
 
 def evaluate_job(
-    args: Args, ds: Dataset, digest: str, backend, job: Job, header: dict, known: dict | None = None
+    args: Args, ds: Dataset, backend, job: Job, header: dict, known: dict | None = None
 ) -> tuple[dict | None, dict]:
     """Evaluate one run, checkpoint or baseline into job.target (its lock held by the caller); under torchrun every
-    rank scores its share and rank 0 writes the file. `digest` is the dataset's content digest (data_digest).
+    rank scores its share and rank 0 writes the file.
     -> the file's contents (None on ranks other than 0) and this rank's answers, seed -> question index -> its shots:
     the `known` answers of the up-to-k evaluation that follows, whose prompts are mostly the same."""
     rank, world = sharding.init()
@@ -425,17 +423,17 @@ def evaluate_job(
             multi = {"score": score, "per_seed": [{"seed": sd, **p} for sd, p in zip(seeds, picks)]}
             results.append(r | (picks[0] if len(picks) == 1 else multi))
     doc = {
-        "data": str(ds.folder),
-        "data_digest": digest,  # compare.py pairs runs only on the same dataset content
+        "data": str(ds.folder),  # where it was (compare.py's refresh command); what it was: made_from
         "backend": backend.describe()["lvlm"],
         "simulation": ds.is_sim,
         "backend_info": backend.describe(),
         "self_check": getattr(backend, "check", None),  # the real backend against plain transformers, before the run
         "lvlm_calls": job.lvlm_calls,  # what it cost to build the selector: data, validation and online scoring
         **({"lvlm_seq_per_s": round(asked / seconds, 3)} if asked and not ds.is_sim else {}),  # rank 0's speed
-        **{k: v for k, v in header.items() if k not in ("data", "lvlm")},
-        "num_samples": sorted(args.num_samples),
+        **header,
         "results": results,
+        # a caption's CIDEr-D depends on every question scored with it: compare.py scores other question sets anew
+        **({"references": [it["answers"] for it in items]} if ds.meta["task"] == "caption" else {}),
         "summary": summarise(results, args.shots, args.num_samples),
         "demonstrations": demonstrations_used(results, args.shots, args.num_samples),
     }
@@ -483,12 +481,20 @@ def reroot_images(ds: Dataset, root: Path) -> None:
 
 
 def preflight(args: Args, ds: Dataset, jobs: list[Job]) -> None:
-    """What can be checked before the LVLM loads: the question count, the shots against the pools and each selector's
-    picks, and on real data every image the evaluation may read, so a bad file stops the run at once with its name."""
+    """What can be checked before the LVLM loads: the baseline against the data, the question count, each selector
+    against the data (task, encoder, width, picks), the shots against the pools, and on real data every image the
+    evaluation may read, so a bad file stops the run at once with its name."""
     rows, pool, items = questions(ds, args.split, max(args.num_samples))
     k = max(args.shots)
+    if args.baseline in ("oracle", "observable") and not ds.is_sim:
+        raise ValueError(f"--baseline {args.baseline} needs the simulator (it searches the known answer model)")
+    if ds.meta["task"] == "caption" and "text" in VIEWS.get(args.baseline, ()):
+        raise ValueError(f"--baseline {args.baseline} compares questions; a picture to caption has none")
+    for view in VIEWS.get(args.baseline, ()):
+        if f"{args.split}_{view}" not in ds.emb:
+            raise ValueError(f"{ds.folder}: no '{args.split}_{view}' embeddings for --baseline {args.baseline}")
     for job in (j for j in jobs if j.model is not None):
-        check_width(job.model, job.selector, ds.folder, ds.emb[args.split].shape[1])
+        check_selector(job.model, job.selector, lineage.reads(ds.meta), ds.folder, ds.emb[args.split].shape[1])
         if k > (picks := job.model.cfg.picks):
             raise ValueError(
                 f"--shots {k}: this selector makes {picks} picks ({settings_file(job.selector)}: field 'picks', the "
@@ -515,18 +521,18 @@ def main(args: Args) -> None:
         reroot_images(ds, args.data_root)
     jobs = plan(args, ds)
     preflight(args, ds, jobs)
+    lvlm, digest = lvlm_identity(ds.meta, args.lvlm), data_digest(ds.folder)
+    headers = [job_header(args, ds, job, digest, lvlm) for job in jobs]
+    for job, header in zip(jobs, headers):  # every file checked before a model loads or any file is written
+        keep_other_settings(job.target, header)
     backend = open_backend(ds.meta, ds.items, ds.emb, args, args.lvlm)
-    digest = data_digest(ds.folder)
     rank = sharding.init()[0]
-    with contextlib.ExitStack() as locks:  # one writer per evaluation file, every file checked before any is written
+    with contextlib.ExitStack() as locks:  # one writer per evaluation file
         for job in jobs:
             locks.enter_context(exclusive(job.target, rank))
-        headers = [job_header(args, ds, job, backend.describe()["lvlm"]) for job in jobs]
-        for job, header in zip(jobs, headers):
-            keep_other_settings(job.target, header, args.num_samples, digest)
         answers = {}  # the last job's: an up-to-k evaluation follows its selector's exactly-k one (`plan`)
         for job, header in zip(jobs, headers):
-            doc, answers = evaluate_job(args, ds, digest, backend, job, header, answers if job.upto else None)
+            doc, answers = evaluate_job(args, ds, backend, job, header, answers if job.upto else None)
             if doc is not None:  # rank 0 (or a single process)
                 label = " (simulated LVLM)" if ds.is_sim else f" ({doc['backend']})"
                 what = METRIC[ds.meta["task"]]

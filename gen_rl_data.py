@@ -42,7 +42,7 @@ import tyro
 from torch import Tensor
 from tqdm import tqdm
 
-from icl_select import pools, sharding
+from icl_select import lineage, pools, sharding
 from icl_select.backends import LVLMOptions, SimBackend, check_lvlm_run, lvlm_backend
 from icl_select.caption_data import DATASETS as CAPTION_FILES
 from icl_select.cli import CpuArgs, default_is, help_first, run_cli
@@ -57,13 +57,16 @@ from icl_select.data import (
     RewardArgs,
     compute_reward,
     load_dataset,
+    picture_ids,
     quality_labels,
     read_embeddings,
+    read_items,
     read_meta,
 )
-from icl_select.files import atomic_write_text, full_disk_names, save_tensors
+from icl_select.files import atomic_write_text, full_disk_names, save_tensors, sha256
 from icl_select.locks import exclusive
-from icl_select.runs import load_selector
+from icl_select.pictures import picture_digest
+from icl_select.runs import check_selector, load_selector, weights_file
 from icl_select.sim import WORLDS, Simulator, calibrate, parse_settings, world_config
 from icl_select.sim_caption import (
     CAPTION_WORLDS,
@@ -158,9 +161,7 @@ class Args(RewardArgs, LVLMOptions, CpuArgs):
     calibrate: bool = False
     """Print the simulator's calibration table (docs/worlds.md) and exit."""
     report: Path | None = None
-    """Print a Markdown report of this dataset folder and exit."""
-    allow_truncated: bool = False
-    """With --report: ignore a truncated last line of rl_data.jsonl instead of failing."""
+    """Print a Markdown report of this dataset folder (finished or not) and exit."""
 
 
 def rng(seed: int, stream: int) -> torch.Generator:
@@ -245,16 +246,17 @@ def check_args(args: Args) -> None:
 
 @dataclass
 class Source:
-    """What the folder is made from: items per split, their embeddings (None until computed), and the backend."""
+    """What the folder is made from: items per split, their embeddings (None until computed), and the backend (a real
+    LVLM: None until `open_lvlm` loads it, after every check that does not need it)."""
 
     items: dict[str, list[dict]]
     emb: dict[str, Tensor] | None
-    backend: object
+    backend: object | None
     settings: dict  # how the items, embeddings and scores were made
 
 
 def open_source(args: Args) -> Source:
-    """The simulator, or the real dataset files + the LVLM (loaded now, so a bad model fails before any write)."""
+    """The simulator, or the real dataset files (the LVLM is loaded later, by `open_lvlm`)."""
     if is_sim(args):
         sim = make_sim(args)
         return Source(sim.items, sim.emb, SimBackend(sim), {"source": "sim", "encoder": "sim"})
@@ -273,7 +275,6 @@ def open_source(args: Args) -> Source:
         load = load_vqa_split
     limit = {"train": args.max_train, "val": args.max_val}
     items = {s: load(dataset_name(args), args.data_root, s, *files[s])[: limit[s]] for s in ("train", "val")}
-    backend = lvlm_backend(args.lvlm, items, args, args.task)
     data = {
         "source": dataset_name(args),
         "data_root": str(Path(args.data_root).resolve()),
@@ -283,28 +284,40 @@ def open_source(args: Args) -> Source:
         # The commit of the cached CLIP snapshot, or a local folder's digest, as the LVLM's revision is recorded:
         # embeddings from other weights would silently change every pool.
         "encoder_revision": resolve_model(args.encoder)[1],
+        # the questions, answers and picture files read (a resumed build must read the same)
+        "items": lineage.digest(items),
     }
-    return Source(items, None, backend, {**data, "system_prompt": args.system_prompt})
+    return Source(items, None, None, {**data, "system_prompt": args.system_prompt})
+
+
+def open_lvlm(args: Args, src: Source) -> None:
+    """The real LVLM, loaded and self-checked (the simulator is its own backend)."""
+    if src.backend is None:
+        src.backend = lvlm_backend(args.lvlm, src.items, args, args.task)
 
 
 def embed(args: Args, items: dict[str, list[dict]]) -> dict[str, Tensor]:
     """CLIP image, question and fused embeddings of both splits (real data), as the task's selector reads them
-    (`lvlm.task_embed`: a captioning selector reads the picture alone)."""
+    (`lvlm.task_embed`: a captioning selector reads the picture alone). Each item gets its picture's pixel digest
+    ("picture", decoded for the embedding already), by which pools keep a question's own picture out, copies too."""
     from icl_select.lvlm import task_embed
 
     emb = {}
     for split, rows in items.items():
         e = task_embed(rows, args.task, args.encoder, args.device)
         emb.update({split: e["fused"], f"{split}_image": e["image"], f"{split}_text": e["text"]})
+        for it in rows:
+            it["picture"] = picture_digest(it["image"])
     return emb
 
 
 def settings(args: Args, src: Source) -> dict:
-    """Everything that determines the folder's content: a resumed run must match these exactly."""
+    """Everything that determines the folder's content: a resumed run must match these exactly. Before the real LVLM
+    loads (`open_lvlm`), all but what it says of itself."""
     init = None
     if args.init is not None:
         init = {
-            "run": str(args.init),
+            "sha256": sha256(weights_file(args.init))[:16],  # the weights, not their path
             "beams": args.init_beams,
             "samples": args.init_samples,
             "temperature": args.init_temperature,
@@ -313,7 +326,7 @@ def settings(args: Args, src: Source) -> dict:
         "format_version": FORMAT_VERSION,
         "task": args.task,
         **src.settings,
-        **src.backend.describe(),
+        **(src.backend.describe() if src.backend is not None else {}),
         "sampler": args.sampler,
         "groups": args.groups,
         "pool_size": args.pool_size,
@@ -333,8 +346,8 @@ def settings(args: Args, src: Source) -> dict:
 def make_pools(
     args: Args, items: dict, emb: dict, split: str, queries: Tensor, query_rows: Tensor, stream: int
 ) -> Tensor:
-    """(Q,) query rows of `split` -> (Q, K) train rows, built by the chosen sampler."""
-    image_ids = {s: torch.tensor([it["image_id"] for it in items[s]]) for s in {"train", split}}
+    """(Q,) query rows of `split` -> (Q, K) train rows, built by the chosen sampler, none on the query's picture."""
+    image_ids = picture_ids(items)
     return pools.query_pools(
         args.sampler, args.pool_size, emb, image_ids, split, queries, query_rows, rng(args.seed, stream)
     )
@@ -433,18 +446,17 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def prepare_folder(out: Path, want: dict) -> dict | None:
-    """The existing meta.json if this folder was started with the same settings, None if the folder is new."""
+def prepare_folder(out: Path, want: dict, partial: bool = False) -> dict | None:
+    """The existing meta.json if this folder was started with the settings `want` (`partial`: those it names, as
+    before the LVLM loads), None if the folder is new."""
     if not out.exists() or not any(out.iterdir()):
         return None
     if not (out / "meta.json").is_file():
         raise ValueError(f"{out} exists, is not empty and has no meta.json: not a dataset folder, refusing to write")
     meta = read_meta(out)
-    have = meta.get("settings", {})
-    have, want = flatten(have), flatten(json.loads(json.dumps(want)))  # tuples -> lists
-    if diff := sorted(k for k in have.keys() | want.keys() if have.get(k) != want.get(k)):
-        details = "; ".join(f"{k}: folder has {have.get(k)!r}, this run {want.get(k)!r}" for k in diff)
-        raise ValueError(f"{out} was made with different settings ({details}); use another --out")
+    have, want = flatten(meta.get("settings", {})), flatten(json.loads(json.dumps(want)))  # tuples -> lists
+    names = [*want, *(k for k in have if k not in want and not partial)]
+    lineage.check(out / "meta.json", have, want, "use another --out, or the flags that built it", names)
     return meta
 
 
@@ -522,10 +534,19 @@ def score_queries(
 
 
 def generate(args: Args) -> None:
+    """Check everything that needs no LVLM (flags, files, the folder's settings, --init), then build or resume the
+    folder under its lock."""
     check_args(args)
     rank, world = sharding.init()
+    src = open_source(args)
+    if args.num_queries > (n_train := len(src.items["train"])):
+        raise ValueError(f"--num-queries {args.num_queries} exceeds the {n_train} train items")
+    want = settings(args, src)
+    prepare_folder(out_folder(args), want, partial=src.backend is None)
+    if args.init is not None:  # a selector of this task and encoder (its width once the embeddings are known)
+        check_selector(load_selector(args.init), args.init, lineage.reads(want), out_folder(args), None)
     with exclusive(out_folder(args), rank):  # one writer per dataset folder (torchrun: one job)
-        build_folder(args, rank, world)
+        build_folder(args, src, rank, world)
 
 
 BUILDING = ".icl-select-building"  # marks a scratch folder as this kit's: only a marked (or empty) one is removed
@@ -563,25 +584,23 @@ def write_folder(out: Path, meta: dict, items: dict, emb: dict, val_pools: Tenso
     (out / BUILDING).unlink()
 
 
-def build_folder(args: Args, rank: int, world: int) -> None:
+def build_folder(args: Args, src: Source, rank: int, world: int) -> None:
     """Create, resume or complete the dataset folder: settings check, pools, embeddings, then the scored groups.
     Everything that can refuse (settings, --init, pools and groups) runs before the first file is written."""
     out = out_folder(args)
     if rank == 0 and (not out.exists() or not any(out.iterdir())):
         scratch_folder(out)  # a foreign <out>.building stops the run before any work
-    src = open_source(args)
+    open_lvlm(args, src)
     n_train, n_val = len(src.items["train"]), len(src.items["val"])
-    if args.num_queries > n_train:
-        raise ValueError(f"--num-queries {args.num_queries} exceeds the {n_train} train items")
     want = settings(args, src)
     meta = prepare_folder(out, want)
-    if args.init is not None:
-        load_selector(args.init)  # fail on a bad --init before anything is written
     sharding.barrier(world)  # every rank has checked the folder before rank 0 creates it
 
     anchors = torch.randperm(n_train, generator=rng(args.seed, 1))[: args.num_queries]  # (Q,)
     new = meta is None and rank == 0
     emb = embed(args, src.items) if src.emb is None and new else src.emb
+    if emb is not None and args.init is not None:
+        check_selector(load_selector(args.init), args.init, lineage.reads(want), out, emb["train"].shape[1])
     if emb is not None:  # pools and groups first: whatever refuses does so before a file is written
         anchor_pools, groups, sources = anchor_groups(args, src.items, emb, anchors)
     if new:
@@ -593,7 +612,8 @@ def build_folder(args: Args, rank: int, world: int) -> None:
         write_folder(out, {**meta, "complete": False, "created_at": created}, src.items, emb, val_pools)
     sharding.barrier(world)
     meta = read_meta(out)
-    if emb is None:  # a real dataset's embeddings, computed once and stored in the folder
+    if emb is None:  # a real dataset's embeddings and pictures' digests, computed once and stored in the folder
+        src.items = read_items(out / "items.json")
         emb = read_embeddings(out / "embeddings.safetensors", {"train": n_train, "val": n_val})
         anchor_pools, groups, sources = anchor_groups(args, src.items, emb, anchors)
 
@@ -655,7 +675,7 @@ def quantiles(x: Tensor) -> str:
 
 
 def report(folder: Path, args: Args) -> str:
-    ds = load_dataset(folder, args.allow_truncated)
+    ds = load_dataset(folder, allow_unfinished=True)
     g = ds.groups
     m = g.seq_mask
     sizes = m.sum(-1).tolist()
@@ -668,7 +688,7 @@ def report(folder: Path, args: Args) -> str:
         "",
         "| | |",
         "|---|---|",
-        f"| anchor queries | {len(g)} |",
+        f"| anchor queries | {len(g)}" + f" of {ds.meta['num_queries']}: UNFINISHED" * (not ds.meta["complete"]) + " |",
         f"| scored sequences | {int(m.sum())} |",
         f"| group size min / median / max | {min(sizes)} / {statistics.median(sizes):g} / {max(sizes)} |",
         f"| correct sequences | {100 * correct.sum() / m.sum():.1f}% |",

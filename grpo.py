@@ -44,14 +44,14 @@ import torch
 from torch import Tensor
 from tyro.conf import DisallowNone
 
-from icl_select import sharding
+from icl_select import lineage, sharding
 from icl_select.backends import ScoreCache
 from icl_select.batches import Batch, Split, make_batch, pass_batches, split_queries, steps_per_epoch
 from icl_select.cli import alias, default_is, help_first, run_cli
 from icl_select.data import Dataset, RewardArgs, RewardMode, compute_reward, load_dataset
 from icl_select.epochs import EpochMeans, log_line, lr_factor, stop_if_diverged
 from icl_select.pools import first_distinct, query_pools, random_sequences
-from icl_select.runs import RunFolder, check_width, load_selector, new_loop
+from icl_select.runs import RunFolder, check_selector, load_selector, new_loop
 from icl_select.stops import fit_first_stop, set_stops
 from icl_select.train_args import TrainArgs, check_train_args
 from icl_select.validation import dataset_backend, greedy_icds, selection_metric, validate, validation_backend
@@ -230,6 +230,11 @@ def check_args(args: Args) -> None:
         raise ValueError(f"--kl-beta must be >= 0, got {args.kl_beta}")
     if args.kl_target is not None and args.kl_target <= 0:
         raise ValueError(f"--kl-target must be > 0, got {args.kl_target}")
+    if args.kl_target is not None and args.kl_beta == 0:
+        raise ValueError(
+            "--kl-target moves beta by factors of 1.5 from --kl-beta, and from --kl-beta 0 it would stay 0: give a "
+            "starting --kl-beta > 0"
+        )
     if args.epsilon <= 0 or (args.epsilon_high is not None and args.epsilon_high <= 0):
         raise ValueError(f"--epsilon and --epsilon-high must be > 0, got {args.epsilon}, {args.epsilon_high}")
     if args.num_iterations < 1 or args.group_size < 2 or args.temperature <= 0:
@@ -579,7 +584,7 @@ def online_queries(ds: Dataset, split: Split, args: Args, draws: torch.Generator
     """The online step's queries for a batch of anchors idx (B,), as (rows (B,), pools (B, K)). anchors = those
     anchors and their pools; train = as many train questions, drawn with replacement among those whose image is no
     validation anchor's (validation stays held out), each with a fresh pool from the dataset's sampler."""
-    image_ids = {"train": torch.tensor([it["image_id"] for it in ds.items["train"]])}
+    image_ids = {"train": ds.picture_ids["train"]}
     eligible = (~torch.isin(image_ids["train"], image_ids["train"][ds.groups.queries[split.val]])).nonzero()[:, 0]
     K = ds.groups.pools.shape[1]
 
@@ -597,7 +602,6 @@ def learner(args: Args, ds: Dataset, split: Split, init: Path) -> Learner:
     frozen reference, its AdamW optimizer, and for offline GRPO the reference's distributions over the
     scored groups."""
     policy = load_selector(init)
-    check_width(policy, init, ds.folder, ds.emb["train"].shape[1])
     policy.set_picks(max(policy.cfg.picks, ds.seq_len))  # Lever-LM's 2-shot data: still asked for its 4
     if args.item_bias and policy.items is None:  # every score 0: the reference is the init's policy all the same
         policy.remember_items(ds.emb["train"])
@@ -661,6 +665,36 @@ def epoch_record(epoch: int, loop: dict, means: dict, policy, ds, split, backend
     return record
 
 
+def budget_terms(args: Args, ds: Dataset, split: Split) -> tuple[Callable[[int], Plan], Callable[[int], int], int]:
+    """What --lvlm-budget's plan rests on, from flags and files alone: the plan a budget affords, the most calls a
+    step of n queries asks (`most_calls`) and the most one validation asks (validate() asks 1..S shots of each
+    validation anchor, where something answers them)."""
+    S, steps = ds.seq_len, steps_per_epoch(split.train, args.batch_size)
+    answered = split.val if ds.is_sim else split.val[: args.val_max_queries] if args.val_lvlm else split.val[:0]
+    val_calls = len(answered) * S
+    step_calls = functools.partial(most_calls, args=args, S=S, can_stop=stops(Path(args.init)))
+
+    def plan_for(budget: int) -> Plan:
+        return budget_plan(budget, args.epochs, step_calls(args.batch_size), val_calls, step_calls(1), steps)
+
+    return plan_for, step_calls, val_calls
+
+
+def check_budget(args: Args, ds: Dataset, split: Split) -> None:
+    """Refuse, before any LVLM loads, a budget this run cannot spend at least 95% of: its last step may leave less than
+    one query's calls unspent, and its last validation ask none of the calls kept for it. (Above that least budget,
+    a warm start's validations always leave room for the online run.)"""
+    plan_for, step_calls, val_calls = budget_terms(args, ds, split)
+    least = 20 * (step_calls(1) - 1 + val_calls)
+    if args.lvlm_budget < least:
+        raise ValueError(
+            f"--lvlm-budget {args.lvlm_budget} is below {least}, the smallest this run spends at least 95% of: its "
+            f"last step may leave up to {step_calls(1) - 1} calls unspent (a query asks up to {step_calls(1)}) and "
+            f"its last validation up to {val_calls}"
+        )
+    plan_for(args.lvlm_budget)  # one epoch's steps and validations fit
+
+
 def stops(init: Path) -> bool:
     """Whether the selector at `init` may stop. GRPO trains such a selector's stop online only, from its stop ladders,
     which offline groups lack: so it is refused offline (a short budget's warm start trains its picks alone)."""
@@ -683,7 +717,10 @@ def main(args: Args) -> None:
             f"--init {args.init} may stop, and GRPO learns when to stop online only: add --online (a budgeted online "
             "run's warm start trains its picks offline first)"
         )
-    ds = load_dataset(args.data, args.allow_truncated)
+    ds = load_dataset(args.data)
+    check_selector(load_selector(args.init), args.init, lineage.reads(ds.meta), ds.folder, ds.emb["train"].shape[1])
+    if args.lvlm_budget is not None:
+        check_budget(args, ds, split_queries(ds, args))
     rank, world = sharding.init()  # every rank trains the same policy on the same batches; RunFolder: rank 0 writes
     train(args, ds, validation_backend(ds, args), rank, world)
     sharding.finish(world)
@@ -701,23 +738,9 @@ def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world:
     min_picks = 0 if args.online else S
     plan, init, warm, short = None, Path(args.init), None, False
     if args.lvlm_budget is not None:
-        val_calls = 0 if backend is None else len(split.val[:cap]) * S  # validate() asks 1..S shots of each
-        step_calls = functools.partial(most_calls, args=args, S=S, can_stop=stops(init))  # n queries -> most calls
-
-        def plan_for(budget: int) -> Plan:
-            return budget_plan(budget, args.epochs, step_calls(args.batch_size), val_calls, step_calls(1), steps)
-
+        plan_for, step_calls, _ = budget_terms(args, ds, split)
         plan = plan_for(args.lvlm_budget)
         short = plan.steps < (args.epochs or MODE_DEFAULTS["online"]["epochs"]) * steps  # fewer than the default run
-        if short and args.warm_start:  # its calls, once known, leave the steps' share
-            worst = (MODE_DEFAULTS["offline"]["epochs"] + 1) * val_calls
-            try:
-                plan_for(args.lvlm_budget - worst)
-            except ValueError:
-                raise ValueError(
-                    f"--lvlm-budget {args.lvlm_budget} is too small for a warm start whose validations may ask up to "
-                    f"{worst} calls and an online run after it: raise it, or pass --no-warm-start"
-                ) from None
     if args.online and args.warm_start and short:
         init = out / "offline"
         if rank == 0:

@@ -226,6 +226,8 @@ class PointerSelector(
 
     run_files: dict[str, bytes] | None = None  # RUN_FILES of the folder `from_pretrained` read, to travel with it
     run_eval: dict | None = None  # its eval/val.json, where it evaluated these weights, for the model card
+    # what it reads and was trained for: {"task", "encoder", "data"} (icl_select/lineage.py), in model.json
+    made_from: dict | None = None
 
     def __init__(self, cfg: SelectorConfig):
         super().__init__()
@@ -494,14 +496,18 @@ class PointerSelector(
         # whatever the sequence length of its data
         network = json.dumps({k: v for k, v in config.items() if k != "picks"}, indent=2)
         save_tensors(directory / "model.safetensors", self.state_dict(), {"config": network})
-        atomic_write_text(directory / "model.json", json.dumps(config, indent=2) + "\n")
+        made_from = {"made_from": self.made_from} if self.made_from is not None else {}
+        atomic_write_text(directory / "model.json", json.dumps(config | made_from, indent=2) + "\n")
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> PointerSelector:
         """What `save` wrote, read strictly: a bad field or tensor is one line naming the file."""
         directory = Path(directory)
-        model = cls(selector_config(read_json(directory / "model.json"), str(directory / "model.json")))
+        raw = read_json(directory / "model.json")
+        made_from = raw.pop("made_from", None) if isinstance(raw, dict) else None
+        model = cls(selector_config(raw, str(directory / "model.json")))
         load_state_strict(model, read_tensors(directory / "model.safetensors"), directory / "model.safetensors")
+        model.made_from = made_from
         return model
 
     # -- the Hub: huggingface_hub.ModelHubMixin's hooks, carried out by icl_select/hub.py ------------------------------

@@ -39,11 +39,12 @@ from torch import Tensor
 from torch.optim import AdamW
 from tqdm import tqdm
 
+from icl_select import lineage
 from icl_select.batches import Batch, Split, image_index, make_batch, pass_batches, split_queries, steps_per_epoch
 from icl_select.cli import alias, default_is, help_first, run_cli
 from icl_select.data import Quality, load_dataset
 from icl_select.epochs import EpochMeans, log_line, lr_factor, stop_if_diverged
-from icl_select.runs import RunFolder, check_width, load_selector, new_loop, read_metrics
+from icl_select.runs import RunFolder, check_selector, load_selector, new_loop, read_metrics
 from icl_select.stops import set_stops
 from icl_select.train_args import TrainArgs, check_train_args
 from icl_select.validation import (
@@ -127,7 +128,7 @@ def starting_selector(args: Args, ds) -> PointerSelector | None:
     if args.init is None:
         return None
     model = load_selector(args.init)
-    check_width(model, args.init, ds.folder, ds.emb["train"].shape[1])
+    check_selector(model, args.init, lineage.reads(ds.meta), ds.folder, ds.emb["train"].shape[1])
     shaped = [f for f in fields(SelectorConfig) if f.name not in ("dim", "picks")]
     if given := [f.name for f in shaped if getattr(args, f.name) not in (f.default, getattr(model.cfg, f.name))]:
         flag = given[0].replace("_", "-")
@@ -223,7 +224,7 @@ def main(args: Args) -> None:
     out = args.out or Path("runs/retriever" if args.retriever else "runs/rce")
 
     # data and split
-    ds = load_dataset(args.data, args.allow_truncated)
+    ds = load_dataset(args.data)
     init = starting_selector(args, ds)
     # Lever-LM trains on 2 demonstrations and is asked for more; a selector keeps the count it was made with
     picks = args.picks or max(ds.seq_len, init.cfg.picks if init is not None else 0)

@@ -18,7 +18,7 @@ from typing import Annotated, Literal
 import torch
 from torch import Tensor
 
-from icl_select import sharding
+from icl_select import lineage, sharding
 from icl_select.cli import default_is
 from icl_select.data import SEQ_FIELDS
 from icl_select.sim import SPLITS, SimConfig, Simulator
@@ -220,6 +220,17 @@ def sim_from_meta(meta: dict) -> Simulator | CaptionSimulator:
     """The simulator a dataset folder's meta.json describes (its task's kind)."""
     cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in meta["sim_config"].items()}  # JSON lists -> tuples
     return CaptionSimulator(CaptionConfig(**cfg)) if meta["task"] == "caption" else Simulator(SimConfig(**cfg))
+
+
+def lvlm_identity(meta: dict, lvlm: str | None = None) -> str:
+    """The LVLM `open_backend` would answer with (lineage.lvlm_of), known before it loads: a reader checks what it
+    would make against what it made before loading a model."""
+    if meta.get("source") == "sim" and lvlm in (None, "sim"):
+        return lineage.lvlm_of(meta)
+    from icl_select.lvlm import resolve_model
+
+    name = lvlm or meta["lvlm"]
+    return lineage.model_of(name, resolve_model(name)[1])
 
 
 def open_backend(

@@ -25,7 +25,7 @@ class Split:
 def image_index(ds: Dataset, anchors: Tensor) -> Tensor:
     """Each of these anchors' image, numbered 0..m-1 among them: (n,) -> (n,). Splits go by image, so that questions
     on one image never straddle them."""
-    image = torch.tensor([ds.items["train"][q]["image_id"] for q in ds.groups.queries[anchors].tolist()])
+    image = ds.picture_ids["train"][ds.groups.queries[anchors]]
     return image.unique(return_inverse=True)[1]
 
 

@@ -11,6 +11,7 @@ here from the stored fields (the modes and why info_score is what it is: docs/fl
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -22,6 +23,7 @@ import torch
 from torch import Tensor
 
 from icl_select.files import DataError, read_json, read_jsonl, read_tensors
+from icl_select.pictures import same_picture_ids
 from icl_select.sim import SimConfig
 from icl_select.sim_caption import CaptionConfig
 from model import reward_spread
@@ -205,7 +207,7 @@ def read_meta(folder: Path) -> dict:
 
 
 def read_rl_data(path: Path, allow_truncated: bool) -> list[tuple[int, dict]]:
-    hint = "; re-run gen_rl_data.py with the same flags to finish it, or pass --allow-truncated to ignore it"
+    hint = "; re-run gen_rl_data.py with the same flags to finish it"
     return read_jsonl(path, "warn" if allow_truncated else "error", hint)
 
 
@@ -337,17 +339,37 @@ class Dataset:
     def is_sim(self) -> bool:
         return self.meta.get("source") == "sim"
 
+    @functools.cached_property
+    def picture_ids(self) -> dict[str, Tensor]:
+        return picture_ids(self.items)
 
-def load_dataset(folder: str | Path, allow_truncated: bool = False) -> Dataset:
-    """Read and validate a whole dataset folder (raises DataError on the first problem)."""
+
+def picture_ids(items: dict[str, list[dict]]) -> dict[str, Tensor]:
+    """Each item's picture per split, (N,): items that share an image id or their pixels (items.json's "picture",
+    which gen_rl_data.py writes for real data) are one picture, numbered by their smallest image id. Pools, splits and
+    online queries keep a question's own picture out by these."""
+    rows = [it for split in items.values() for it in split]
+    ids = torch.tensor(same_picture_ids([it["image_id"] for it in rows], [it.get("picture") for it in rows]))
+    return dict(zip(items, ids.split([len(split) for split in items.values()])))
+
+
+def load_dataset(folder: str | Path, allow_unfinished: bool = False) -> Dataset:
+    """Read and validate a whole dataset folder (raises DataError on the first problem). A folder whose build has not
+    finished (meta.json's "complete") is refused, unless `allow_unfinished` (gen_rl_data.py --report), where a
+    truncated last line of rl_data.jsonl (a killed write) is left out with a warning."""
     folder = Path(folder)
     if not folder.is_dir():
         raise DataError(f"{folder}: no such dataset folder (build one with: python gen_rl_data.py --out {folder})")
     meta = read_meta(folder)
+    if not meta["complete"] and not allow_unfinished:
+        raise DataError(
+            f"{folder}: its build has not finished (meta.json field 'complete' is false: gen_rl_data.py was stopped); "
+            "re-run the gen_rl_data.py command that builds it to finish it"
+        )
     items = read_items(folder / "items.json")
     emb = read_embeddings(folder / "embeddings.safetensors", {k: len(v) for k, v in items.items()})
     n_train = len(items["train"])
-    records = read_rl_data(folder / "rl_data.jsonl", allow_truncated)
+    records = read_rl_data(folder / "rl_data.jsonl", allow_unfinished)
     groups = parse_groups(
         folder / "rl_data.jsonl", records, n_train, meta["seq_len"], meta["min_shots"], TOP_SCORE[meta["task"]]
     )
@@ -369,6 +391,8 @@ def read_items(path: Path) -> dict[str, list[dict]]:
                     raise DataError(f"{path}: field '{split}[{i}].{key}' is missing")
             _typed(it["image_id"], int, f"{path}: field '{split}[{i}].image_id'")  # pools compare image ids
             _typed(it["question"], str, f"{path}: field '{split}[{i}].question'")
+            if "picture" in it:  # its pixel digest, which pools compare too
+                _typed(it["picture"], str, f"{path}: field '{split}[{i}].picture'")
             answers = it["answers"]
             if not isinstance(answers, list) or not answers or not all(isinstance(a, str) for a in answers):
                 raise DataError(f"{path}: field '{split}[{i}].answers' must be a non-empty list of strings")
@@ -466,7 +490,17 @@ DATA_FILES = ("items.json", "embeddings.safetensors", "rl_data.jsonl", "eval_poo
 
 def data_digest(folder: Path) -> str:
     """Hash of what training reads from a dataset folder: its data files and its settings (meta.json without when it
-    was written and how fast), so regenerating identical data keeps the digest and any edited reward changes it."""
+    was written and how fast), so regenerating identical data keeps the digest and any edited reward changes it. Each
+    folder is read once per process while no file in it changes (size, modification time, inode)."""
+    folder = Path(folder).resolve()
+    stats = tuple(
+        (n, st.st_size, st.st_mtime_ns, st.st_ino) for n in ("meta.json", *DATA_FILES) for st in [(folder / n).stat()]
+    )
+    return _data_digest(folder, stats)
+
+
+@functools.cache
+def _data_digest(folder: Path, stats: tuple) -> str:
     h = hashlib.sha256()
     meta = json.loads((folder / "meta.json").read_text())
     meta = {k: v for k, v in meta.items() if k not in ("created_at", "lvlm_seq_per_s")}

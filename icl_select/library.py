@@ -20,7 +20,6 @@ similarity pools instead.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import io
 import json
@@ -35,11 +34,12 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from icl_select import pools
+from icl_select import lineage, pools
 from icl_select.backends import LVLMRun, open_backend
 from icl_select.data import DATA_FILES, data_digest, read_embeddings, read_eval_pools, read_items, read_meta
-from icl_select.files import DataError, atomic_write_bytes, atomic_write_text, read_json, save_tensors, sha256
-from icl_select.runs import check_width
+from icl_select.files import DataError, atomic_write_bytes, save_tensors
+from icl_select.pictures import picture_digest, picture_digests, pixel_digest, same_picture_ids
+from icl_select.runs import check_selector
 from icl_select.validation import greedy_icds
 from icl_select.vqa import shown_answer
 from icl_select.vqa_data import check_images, load_vqa_split
@@ -93,8 +93,9 @@ class Library:
     where: str = "the library"  # how messages name it
     meta: dict | None = None  # the meta.json of the dataset folder it comes from
     folder: Path | None = None  # that folder (its train split is this library)
-    image_ids: Tensor = field(init=False, repr=False)  # (N,)
+    image_ids: Tensor = field(init=False, repr=False)  # (N,) each item's picture (pictures.same_picture_ids)
     sorted_image_ids: Tensor = field(init=False, repr=False)  # (N,) the same, ascending: a picture's questions count
+    by_pixels: dict[str, int] = field(init=False, repr=False)  # a picture's pixel digest -> its picture id
 
     def __post_init__(self):
         n = len(self.items)
@@ -106,18 +107,22 @@ class Library:
                     f"{self.where}: embeddings {name!r} are {tuple(t.shape)}, expected ({n}, d) like 'fused', one row "
                     "per item"
                 )
-        self.image_ids = torch.tensor([it["image_id"] for it in self.items], dtype=torch.long)
+        # Pictures are who their pixels are: a query on a copy of a library picture, a link to it or its PIL image is
+        # on that picture (items of a dataset folder carry their digest; others are decoded once)
+        digests = [it.get("picture") or (picture_digest(it["image"]) if "image" in it else None) for it in self.items]
+        ids = same_picture_ids([it["image_id"] for it in self.items], digests)
+        self.image_ids = torch.tensor(ids, dtype=torch.long)
         self.sorted_image_ids = self.image_ids.sort().values
+        self.by_pixels = {d: i for d, i in zip(digests, ids) if d is not None}
 
     @property
     def dim(self) -> int:
         return self.emb["fused"].shape[1]
 
-    @functools.cached_property
-    def picture_ids(self) -> dict[str, int]:
-        """Picture file (absolute path) -> its image id, so that a query on one of the library's pictures is
-        recognised."""
-        return {os.path.abspath(it["image"]): it["image_id"] for it in self.items if "image" in it}
+    @property
+    def reads(self) -> dict:
+        """The task and the encoder's identity (lineage.reads), as a selector that picks from it must have them."""
+        return lineage.reads({"task": self.task, "encoder": self.encoder, "encoder_revision": self.encoder_revision})
 
     @classmethod
     def from_dataset(cls, folder: str | Path, encoder: str | None = None, device: str = "auto") -> Library:
@@ -187,32 +192,10 @@ class Library:
         return cls(items, emb, encoder, revision, task, f"{dataset} {split} of {data_root}")
 
 
-def picture_digests(paths: list[str], stats: Path) -> dict[str, str]:
-    """The SHA-256 of each picture file's bytes. `stats` keeps each file's size, modification time and digest, and a
-    file whose size and time are unchanged is taken as unchanged (as git and make do), so that a library's pictures
-    are read whole once, not at every load."""
-    try:
-        old = read_json(stats) if stats.is_file() else {}
-    except DataError:
-        old = {}  # a damaged record only costs reading the pictures again
-    new = {}
-    for path in dict.fromkeys(paths):
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{path}: picture of the library not found") from None
-        seen = old.get(path) if isinstance(old, dict) else None
-        same = isinstance(seen, list) and seen[:2] == [st.st_size, st.st_mtime_ns]
-        new[path] = seen if same else [st.st_size, st.st_mtime_ns, sha256(Path(path))]
-    if new != old:
-        atomic_write_text(stats, json.dumps(new) + "\n")
-    return {path: record[2] for path, record in new.items()}
-
-
 def library_digest(items: list[dict], pictures: dict[str, str], task: str, encoder: str, revision: str) -> str:
     """What a library's embeddings are made from: the task (what a selector reads of an item), the encoder (its Hub
-    commit or its folder's digest) and every item with its picture's bytes (not its path, so a moved library keeps its
-    embeddings)."""
+    commit or its folder's digest) and every item with its picture's pixels (not its path, so a moved library keeps
+    its embeddings)."""
     h = hashlib.sha256(json.dumps([task, encoder, revision]).encode())
     for it in items:
         made_of = [it["question_id"], it["image_id"], it["question"], it["answers"], pictures[it["image"]]]
@@ -232,6 +215,8 @@ def embedded(
     encoder_name = re.sub(r"[^\w.-]+", "-", Path(encoder.rstrip("/")).name)
     stem = f"{name}-{encoder_name}-{hashlib.sha256(encoder.encode()).hexdigest()[:8]}"
     pictures = picture_digests([it["image"] for it in items], cache / f"{name}-pictures.json")
+    for it in items:  # who each item's picture is, so that the library knows it without decoding it again
+        it["picture"] = pictures[it["image"]]
     path = cache / f"{stem}-{library_digest(items, pictures, task, encoder, revision)}.safetensors"
     if path.is_file():
         return read_embeddings(path, dict.fromkeys(("fused", "image", "text"), len(items))), revision
@@ -292,7 +277,6 @@ class Demonstrations:
     data: Path | None = None  # that folder
     source: str = "the selector"  # the run folder or Hub id, for messages
     device: str = "auto"  # where queries are embedded
-    task: str | None = None  # what the selector was trained for ("vqa", "caption"); None: the library's
     query_pictures: tempfile.TemporaryDirectory | None = field(default=None, init=False, repr=False)  # PIL queries
     val: tuple[Tensor, Tensor] | None = field(default=None, init=False, repr=False)  # the run's val embeddings, pools
 
@@ -303,12 +287,8 @@ class Demonstrations:
             raise ValueError(f"pool_size {self.pool_size}: expected >= 1")
         if missing := [v for v in VIEWS[self.sampler] if v not in self.library.emb]:
             raise ValueError(f"{self.library.where}: no {missing[0]!r} embeddings for the {self.sampler} sampler")
-        check_width(self.selector, Path(self.source), self.library.where, self.library.dim)
-        self.task = self.task or self.library.task
-        if self.library.task != self.task:
-            raise ValueError(
-                f"{self.library.where} holds {self.library.task} items; {self.source} picks for {self.task}"
-            )
+        # the selector was trained for the library's task, on embeddings of its encoder (its model.json says)
+        check_selector(self.selector, Path(self.source), self.library.reads, self.library.where, self.library.dim)
         if self.task == "caption" and self.sampler in ("text", "mix"):
             raise ValueError(f"sampler {self.sampler!r} compares questions; a picture to caption has none")
         self.selector.eval()
@@ -365,8 +345,13 @@ class Demonstrations:
                 raise ValueError(f"{encoder} is {here} here, but {run} was trained on embeddings of {trained}; {fix}")
         sampler, pool_size = sampler or meta["sampler"], pool_size or meta["pool_size"]
         return cls(
-            selector, library, sampler, pool_size, meta.get("seed", 0), meta, data, str(run), device, meta["task"]
+            selector, library, sampler, pool_size, meta.get("seed", 0), meta, data, str(run), device
         )
+
+    @property
+    def task(self) -> str:
+        """What the selector picks for ("vqa", "caption"): its library's task, which is its own (`__post_init__`)."""
+        return self.library.task
 
     # -- picking -------------------------------------------------------------------------------------------------------
     def pick(self, image, question: str | None = None, k: int | None = None, exactly: bool = False) -> list[Demo]:
@@ -378,7 +363,6 @@ class Demonstrations:
     def pick_batch(self, queries: Sequence, k: int | None = None, exactly: bool = False) -> list[list[Demo]]:
         """`pick` for many queries, (picture, question) pairs or, for captions, pictures: the encoder loads once per
         call."""
-        from PIL import Image
 
         from icl_select.lvlm import task_embed
 
@@ -387,14 +371,13 @@ class Demonstrations:
                 f"{self.source} is a simulator run: its questions have no pictures to embed; pick for its validation "
                 "questions with pick_val(rows), or for embeddings with pick_embedded"
             )
-        items, keys, same_picture = [], [], []  # same_picture: the image id of a library picture given as the query's
+        items, keys, same_picture = [], [], []  # same_picture: the library's picture the query shows, if any
         for i, query in enumerate(queries):
             image, question = self.query(i, query)
             path, pixels = self.picture(image)
             items.append({"image": path, "question": question})
-            keys.append(stable_seed(str(self.seed).encode(), pixels, question.encode()))
-            given = None if isinstance(image, Image.Image) else os.path.abspath(image)
-            same_picture.append(self.library.picture_ids.get(given, self.no_picture))
+            keys.append(stable_seed(str(self.seed).encode(), bytes.fromhex(pixels), question.encode()))
+            same_picture.append(self.library.by_pixels.get(pixels, self.no_picture))
         if not items:
             return []
         emb = task_embed(items, self.task, self.library.encoder, self.device)
@@ -530,9 +513,10 @@ class Demonstrations:
         image, answers = it.get("image"), it["answers"]
         return Demo(row, it["question_id"], it["image_id"], image, it["question"], answers, prob, self.task)
 
-    def picture(self, image) -> tuple[str, bytes]:
+    def picture(self, image) -> tuple[str, str]:
         """A query's picture (a file or a PIL image) as a file named by its pixels, which the encoder and the LVLM read
-        (never a stale copy of a file that changed since it was read), and the digest of those pixels."""
+        (never a stale copy of a file that changed since it was read), and the digest of those pixels
+        (`pictures.pixel_digest`)."""
         from PIL import Image
 
         if isinstance(image, Image.Image):
@@ -541,10 +525,10 @@ class Demonstrations:
             check_images([str(image)], "given as a query")
             with Image.open(image) as img:
                 rgb = img.convert("RGB")
-        pixels = hashlib.sha256(f"{rgb.width}x{rgb.height}".encode() + rgb.tobytes()).digest()
+        pixels = pixel_digest(rgb)
         if self.query_pictures is None:
             self.query_pictures = tempfile.TemporaryDirectory(prefix="icl-select-queries-")
-        path = Path(self.query_pictures.name) / f"{pixels.hex()[:32]}.png"
+        path = Path(self.query_pictures.name) / f"{pixels[:32]}.png"
         if not path.is_file():
             png = io.BytesIO()
             rgb.save(png, format="PNG", compress_level=1)

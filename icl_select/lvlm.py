@@ -30,7 +30,7 @@ import random
 import sys
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -65,24 +65,37 @@ from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
 
 from icl_select.cider import CiderD, ptb_tokenize
 from icl_select.files import folder_digest
+from icl_select.pictures import (
+    DECODED_IMAGES,
+    DEFAULT_IMAGE_CACHE_MIB,
+    IMAGE_KEY,
+    MIB,
+    ByteLRU,
+    PictureKey,
+    decode_ahead,
+    load_image,
+    picture_id,
+    picture_pixels,
+    rgb,
+)
 from icl_select.vqa import answer_rel, normalize_answer, postprocess, shown_answer, vqa_score
 
 PromptStyle = Literal["single-turn", "turn-per-demo"]
 
 __all__ = [
     "Example",
-    "ByteLRU",
     "LVLMBackend",
     "PromptTemplate",
     "credited_replies",
     "clip_embed",
     "image_only",
-    "load_image",
     "load_lvlm",
     "resolve_device",
     "resolve_model",
     "task_embed",
 ]
+
+DEFAULT_ENCODER_CACHE_MIB = 4096
 
 # One prompt to score: (query item, ICD items in prompt order).
 Example = tuple[dict, list[dict]]
@@ -105,125 +118,6 @@ class PromptTemplate:
     style: PromptStyle = "single-turn"
     """single-turn: one user turn holding every ICD and the query; turn-per-demo: each ICD is a user turn (its image
     and `query` filled with its question) answered by an assistant turn (its answer), then the query's user turn."""
-
-
-IMAGE_KEY = "icl_select_picture"  # each loaded image's picture_key, in its .info: what its cached results are kept by
-
-
-class ByteLRU:
-    """A least-recently-used cache bounded by the bytes it holds (COCO images and their patches vary tenfold in size);
-    the newest entry always stays. Thread-safe: a value is made outside the lock, and the first put wins."""
-
-    def __init__(self, budget: int, sizeof: Callable[[object], int]):
-        self.budget, self.sizeof = budget, sizeof
-        self.entries: OrderedDict[object, tuple[object, int]] = OrderedDict()
-        self.bytes = self.misses = 0
-        self.lock = threading.Lock()
-
-    def get(self, key, make: Callable[[], object]):
-        if (value := self.lookup(key)) is not None:
-            return value
-        return self.put(key, make())
-
-    def __contains__(self, key) -> bool:
-        """Whether a value is held under `key` (its recency unchanged)."""
-        with self.lock:
-            return key in self.entries
-
-    def lookup(self, key):
-        """The value held under `key`, now the most recently used, or None."""
-        with self.lock:
-            if key not in self.entries:
-                return None
-            self.entries.move_to_end(key)
-            return self.entries[key][0]
-
-    def put(self, key, value):
-        """Hold `value` under `key` as the most recently used, unless a value is held there already; returns the
-        value held."""
-        with self.lock:
-            if key in self.entries:
-                self.entries.move_to_end(key)
-                return self.entries[key][0]
-            self.entries[key] = (value, self.sizeof(value))
-            self.bytes += self.entries[key][1]
-            self.misses += 1  # every value held was made once for it
-            while self.bytes > self.budget and len(self.entries) > 1:
-                self.bytes -= self.entries.popitem(last=False)[1][1]
-            return value
-
-    def clear(self) -> None:
-        with self.lock:
-            self.entries.clear()
-            self.bytes = 0
-
-
-MIB = 2**20
-DEFAULT_IMAGE_CACHE_MIB = 4096
-DEFAULT_ENCODER_CACHE_MIB = 4096
-# Decoded RGB images by picture_key, shared by every backend of the process (half of the image cache budget; an
-# LVLMBackend sets it). A 640x480 COCO image is 0.9 MiB decoded.
-DECODED_IMAGES = ByteLRU(DEFAULT_IMAGE_CACHE_MIB * MIB // 2, lambda img: img.width * img.height * 3)
-
-PictureKey = tuple[str, int, int, int]
-
-
-def picture_key(path: str) -> PictureKey:
-    """What the picture caches know a file by: its path, size, modification time (ns) and inode, so that a file
-    rewritten or replaced in place is read again, not served from a cache (as make and git tell changed files)."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: image file not found") from None
-    return path, st.st_size, st.st_mtime_ns, st.st_ino
-
-
-def _decode(key: PictureKey) -> Image.Image:
-    path = key[0]
-    try:
-        with Image.open(path) as img:
-            rgb = img.convert("RGB")
-            rgb.info[IMAGE_KEY] = key
-            return rgb
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: image file not found") from None
-    except (OSError, SyntaxError, ValueError) as e:  # PIL's errors for truncated or corrupt files
-        raise ValueError(f"{path}: not a readable image ({e})") from None
-
-
-def load_image(path: str) -> Image.Image:
-    """The RGB image at `path`, decoded once while it stays in DECODED_IMAGES (and the file is unchanged) and shared:
-    callers must not modify it."""
-    key = picture_key(path)
-    return DECODED_IMAGES.get(key, lambda: _decode(key))
-
-
-def decode_ahead(paths: list[str], pool: ThreadPoolExecutor | None) -> None:
-    """Decode the pictures of `paths` not in DECODED_IMAGES yet, in the pool's threads (PIL releases the GIL)."""
-    if pool is None:
-        return
-    missing = [k for k in dict.fromkeys(map(picture_key, paths)) if k not in DECODED_IMAGES]
-    if len(missing) < 2:
-        return
-    for key, image in zip(missing, pool.map(_decode, missing)):
-        DECODED_IMAGES.put(key, image)
-
-
-@functools.cache
-def _header_pixels(key: PictureKey) -> int:
-    try:
-        with Image.open(key[0]) as img:
-            return img.width * img.height
-    except (OSError, SyntaxError, ValueError):
-        return 0  # decoding it later says what is wrong
-
-
-def picture_pixels(path: str) -> int:
-    """Width x height of the picture at `path`, from its header alone (no decoding): a prompt's length key."""
-    try:
-        return _header_pixels(picture_key(path))
-    except FileNotFoundError:
-        return 0  # as above
 
 
 def _feature_bytes(feature: BatchFeature) -> int:
@@ -1335,15 +1229,3 @@ def task_embed(items: list[dict], task: str, encoder: str, device: str = "auto")
         return clip_embed(items, encoder, device=device)
     emb = clip_embed([{**it, "question": (it.get("answers") or [""])[0]} for it in items], encoder, device=device)
     return emb | {"fused": emb["image"].clone()}  # a tensor of its own in a file
-
-
-def picture_id(image: str | Path | Image.Image) -> str | int:
-    """What tells two pictures of clip_embed apart: a file's path, a PIL image's identity."""
-    return id(image) if isinstance(image, Image.Image) else str(image)
-
-
-def rgb(image: str | Path | Image.Image) -> Image.Image:
-    """A picture given as a file (decoded through load_image's cache) or a PIL image, in RGB."""
-    if isinstance(image, Image.Image):
-        return image if image.mode == "RGB" else image.convert("RGB")
-    return load_image(str(image))

@@ -1,6 +1,6 @@
 """A run's folder: its files, how they are written, and how they are read back.
 
-    runs/<name>/config.json          flags, argv, git SHA, library versions, the data's digest, the --init hash
+    runs/<name>/config.json          flags, argv, git SHA, library versions, what it is made from (lineage.py)
     runs/<name>/metrics.jsonl        one flushed JSON object per epoch (epoch 0 = the starting weights)
     runs/<name>/ckpt/epoch_NNN.safetensors   model, optimizer, RNG and loop state
     runs/<name>/model.safetensors + model.json   the best epoch on held-out anchors (`PointerSelector.save`)
@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from icl_select import sharding
+from icl_select import lineage, sharding
 from icl_select.cli import PATH_ARGS, SIDE_ARGS
 from icl_select.data import data_digest
 from icl_select.files import (
@@ -95,6 +95,8 @@ class RunFolder:
             return
         if not resumed:
             write_config(self.out, args, ds, split, extra)
+        # what the selector's weights read and were trained for, in its model.json and checkpoints
+        self.selector_made_from = selector_made_from(ds)
         self.metrics = MetricsLog(self.out / "metrics.jsonl", loop["epoch"] if resumed else None)
         if loop["epoch"] < args.epochs:
             resumed_at = loop["step"] if resumed else None
@@ -114,6 +116,7 @@ class RunFolder:
         its pruning, and the epoch's line on the terminal."""
         if not self.lead:
             return
+        model.made_from = self.selector_made_from
         if loop["best_epoch"] == record["epoch"]:
             model.save(self.out)
         self.metrics.write(record)  # before the checkpoint: a resume from the epoch before drops this line again
@@ -159,7 +162,7 @@ def git_sha() -> str | None:
 
 def write_config(out: Path, args, ds, split, extra: dict | None = None) -> None:
     """config.json of a new run (a resumed run keeps the one it started with)."""
-    ident = run_identity(args, ds)
+    made_from = run_made_from(args, ds)
     config = {
         "args": flag_values(args),
         "argv": sys.argv,
@@ -169,11 +172,11 @@ def write_config(out: Path, args, ds, split, extra: dict | None = None) -> None:
             "torch": torch.__version__,
             **{pkg: version(pkg) for pkg in ("transformers", "tqdm", "safetensors", "tyro")},
         },
-        "data": {"folder": str(ds.folder), "digest": ident["data"], "simulation": ds.is_sim},
+        "made_from": made_from,
+        "data": {"folder": str(ds.folder), "digest": made_from["data"], "simulation": ds.is_sim},
         # how its data was made (encoder, pools, prompts): what using the selector elsewhere needs (library.py)
         "dataset": {k: ds.meta[k] for k in DATASET_SETTINGS if k in ds.meta},
-        "init_sha256": ident["init"],
-        "lvlm_calls_before": lvlm_before(ds, ident["data"], getattr(args, "init", None)),
+        "lvlm_calls_before": lvlm_before(ds, made_from["data"], getattr(args, "init", None)),
         "queries": {"train": len(split.train), "val": len(split.val)},
         **(extra or {}),
     }
@@ -231,41 +234,23 @@ DATASET_SETTINGS = (
 
 def resume_point(out: Path, args, ds) -> Path | None:
     """Check the output folder before any work; returns the checkpoint to resume from, if any. Only the very same run
-    continues (same flags, data content and --init weights; paths may differ); a run that died before its first
-    checkpoint starts again."""
+    continues (same flags, data content and --init weights: `run_made_from`; paths may differ); a run that died before
+    its first checkpoint starts again."""
     ckpt = resumable_checkpoint(out)
     if ckpt is None:
         if (out / "metrics.jsonl").exists():
             print(f"note: {out} has no checkpoint yet (killed during epoch 1); starting it again", file=sys.stderr)
         return None
     config = read_json(out / "config.json")
-    for name in ("args", "data"):
-        if not isinstance(config, dict) or not isinstance(config.get(name), dict):
-            raise ValueError(
-                f"{out / 'config.json'}: field {name!r} is missing or not an object; is this a run folder?"
-            )
-    now = run_identity(args, ds)
-    then = {
-        "args": {k: v for k, v in config["args"].items() if k not in PATH_ARGS},
-        "data": config["data"].get("digest"),
-        "init": config.get("init_sha256"),
-    }
+    if not isinstance(config, dict) or not isinstance(config.get("args"), dict):
+        raise ValueError(f"{out / 'config.json'}: field 'args' is missing or not an object; is this a run folder?")
+    then, now = config.get("made_from"), run_made_from(args, ds)
     done = checkpoint_meta(ckpt)["epoch"]
-    diff = sorted(k for k in now["args"] if k not in SIDE_ARGS and now["args"][k] != then["args"].get(k))
-    if diff == ["epochs"]:
+    if isinstance(then, dict) and [d[0] for d in lineage.differences(then, now)] == ["--epochs"]:
         continue_with_more_or_fewer_epochs(out, done, args, config)
-        diff = []
-    if diff:
-        details = "; ".join(
-            f"--{k.replace('_', '-')}: run has {then['args'].get(k)!r}, now {now['args'][k]!r}" for k in diff
-        )
-        raise ValueError(
-            f"{out} holds a run started with other flags ({details}); continue it with the same flags, or "
-            f"start a new run in another --out (--init {out} starts from it)"
-        )
-    if now["data"] != then["data"] or now["init"] != then["init"]:
-        what = "dataset" if now["data"] != then["data"] else "--init selector"
-        raise ValueError(f"{out}: the {what} changed since this run was started; start a new run in another --out")
+    else:
+        fix = f"continue it as it was started, or start a new run in another --out (--init {out} starts from it)"
+        lineage.check(out / "config.json", then, now, fix)
     news = "has finished all its epochs; nothing to train" if done >= args.epochs else f"resumes after epoch {done}"
     print(f"note: {out} holds this run (same flags and data): it {news} (another --out starts anew)", file=sys.stderr)
     return ckpt
@@ -281,7 +266,7 @@ def continue_with_more_or_fewer_epochs(out: Path, done: int, args, config: dict)
             f"{out} was started with --epochs {before}, and {why}, so it cannot continue to --epochs "
             f"{args.epochs}; start a new run with --init {out}"
         )
-    config["args"]["epochs"] = args.epochs
+    config["args"]["epochs"] = config["made_from"]["flags"]["epochs"] = args.epochs
     config.setdefault("epochs_changed", []).append({"from": before, "to": args.epochs, "after_epoch": done})
     atomic_write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
     print(f"note: {out}: --epochs {before} -> {args.epochs}, continuing after epoch {done}", file=sys.stderr)
@@ -292,15 +277,22 @@ def flag_values(args) -> dict:
     return json.loads(json.dumps(asdict(args), default=str))
 
 
-def run_identity(args, ds) -> dict:
-    """What a resumed run must share with the run it continues: flags, data content, and the --init weights."""
+def run_made_from(args, ds) -> dict:
+    """What a run is made from (lineage.py): its dataset, its --init weights and every flag that changes what it
+    trains (paths name places, and side flags what is kept or shown: neither is an input)."""
     init = getattr(args, "init", None)
-    init_file = None if init is None else (Path(init) / "model.safetensors" if Path(init).is_dir() else Path(init))
-    return {
-        "args": {k: v for k, v in flag_values(args).items() if k not in PATH_ARGS},
-        "data": data_digest(ds.folder),
+    init_file = None if init is None else weights_file(Path(init))
+    flags = {k: v for k, v in flag_values(args).items() if k not in PATH_ARGS and k not in SIDE_ARGS}
+    return lineage.of_dataset(ds.meta, data_digest(ds.folder)) | {
         "init": sha256(init_file)[:16] if init_file is not None and init_file.is_file() else None,
+        "flags": flags,
     }
+
+
+def selector_made_from(ds) -> dict:
+    """What a selector trained on `ds` records in its model.json: what it reads (the task, the encoder's embeddings)
+    and the data it learnt from."""
+    return lineage.reads(ds.meta) | {"data": data_digest(ds.folder)}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -352,6 +344,7 @@ def save_checkpoint(
     tensors.update({f"extra.{name}": v for name, v in (extra or {}).items()})
     (out / "ckpt").mkdir(exist_ok=True)
     meta = {"epoch": epoch, "optimizer": opt_meta, "loop": loop, "config": asdict(model.cfg)}
+    meta |= {"made_from": model.made_from} if model.made_from is not None else {}
     save_tensors(out / "ckpt" / f"epoch_{epoch:03d}.safetensors", tensors, {"checkpoint": json.dumps(meta)})
 
 
@@ -443,9 +436,17 @@ def load_selector(source: Path) -> PointerSelector:
         return PointerSelector.load(source)
     if not source.is_file():
         raise FileNotFoundError(f"{source}: no such run folder or checkpoint")
-    model = PointerSelector(selector_config(checkpoint_meta(source).get("config"), f"{source} metadata 'checkpoint'"))
+    meta = checkpoint_meta(source)
+    model = PointerSelector(selector_config(meta.get("config"), f"{source} metadata 'checkpoint'"))
     load_model_part(model, read_tensors(source), source)
+    model.made_from = meta.get("made_from")
     return model
+
+
+def weights_file(source: Path) -> Path:
+    """The weights of the selector at `source` (as `load_selector` takes it): a run folder's model.safetensors, or the
+    epoch checkpoint itself."""
+    return Path(source) / "model.safetensors" if Path(source).is_dir() else Path(source)
 
 
 def settings_file(source: Path) -> Path:
@@ -454,12 +455,15 @@ def settings_file(source: Path) -> Path:
     return source / "model.json" if source.is_dir() else source
 
 
-def check_width(model: PointerSelector, source: Path, data: Path, dim: int) -> None:
-    """The selector loaded from `source` reads embeddings as wide as those of the dataset `data` (`dim`)."""
-    if model.cfg.dim != dim:
+def check_selector(model: PointerSelector, source: Path, reads: dict, where, dim: int | None) -> None:
+    """The selector loaded from `source` was trained for the task and on embeddings of the encoder that `where` (a
+    dataset folder or a library) has (`reads`: lineage.reads), as wide (`dim`, unless None: not known yet): one line
+    naming what differs."""
+    fix = "use a selector trained on this task and on embeddings of this encoder"
+    lineage.check(settings_file(source), model.made_from, reads, fix, names=("task", "encoder"))
+    if dim is not None and model.cfg.dim != dim:
         raise DataError(
-            f"{settings_file(source)}: field 'dim' is {model.cfg.dim}, but the embeddings of {data} are {dim}-d; "
-            "use a selector trained on embeddings of this dataset's encoder"
+            f"{settings_file(source)}: field 'dim' is {model.cfg.dim}, but the embeddings of {where} are {dim}-d; {fix}"
         )
 
 
@@ -477,7 +481,10 @@ def kit_json(path: Path, keys: tuple[str, ...], writer: str) -> dict:
 
 
 def read_eval(path: Path) -> dict:
-    return kit_json(path, ("shots", "results", "summary"), "evaluate.py")
+    """An evaluation file as evaluate.py wrote it, with what it was made from (lineage.py)."""
+    doc = kit_json(path, ("shots", "results", "summary"), "evaluate.py")
+    lineage.check(path, doc.get("made_from"), {}, "evaluate again with this version")
+    return doc
 
 
 def read_args(path: Path) -> dict:

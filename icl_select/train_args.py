@@ -41,8 +41,6 @@ class TrainArgs(RewardArgs, LVLMRun, CpuArgs):
     train draws its questions unfiltered, and the filter sets how many steps make an epoch)."""
     require_positive: bool = False
     """Train only on queries with at least one correct sequence."""
-    allow_truncated: bool = False
-    """Ignore a truncated last line of rl_data.jsonl (an interrupted gen_rl_data.py)."""
     val_lvlm: bool = False
     """Real data: pick the best epoch by the LVLM's accuracy on validation anchors (docs/flags.md)."""
     val_max_queries: int = 200

@@ -274,7 +274,7 @@ def test_a_row_of_the_design(row, assets, coco, foreign, tmp_path):
     if row["use"] == "library":  # the run's items as a library of their own: pools built afresh, as for new questions
         views = {"fused": ds.emb["train"]} | {v: ds.emb[f"train_{v}"] for v in ("image", "text")}
         library = Library(ds.items["train"], views, ds.meta["encoder"], ds.meta.get("encoder_revision"), row["task"])
-        demos = Demonstrations(demos.selector, library, demos.sampler, demos.pool_size, demos.seed, task=row["task"])
+        demos = Demonstrations(demos.selector, library, demos.sampler, demos.pool_size, demos.seed)
         query = {"fused": ds.emb["val"][:n_val]} | {v: ds.emb[f"val_{v}"][:n_val] for v in ("image", "text")}
         for k in shots:
             picked = demos.pick_embedded(query, k, exactly=exactly)

@@ -36,6 +36,7 @@ def write_run(folder, scores_by_shot, icds_by_shot=None, metrics=None, epoch_eva
     ns = [n for n in ns if n <= n_q]
     summary = {str(n): {str(s): 100 * sum(scores_by_shot[s][:n]) / n for s in shots} for n in ns}
     doc = {"data": "d", "backend": "sim", "simulation": True, "shots": shots, "results": results, "summary": summary}
+    doc |= {"task": "vqa", "split": "val", "made_from": {"data": "d0", "task": "vqa", "lvlm": "sim:0", "encoder": "sim"}}
     (folder / "eval").mkdir(parents=True)
     (folder / "eval" / "val.json").write_text(json.dumps(doc))
     if metrics:
@@ -115,13 +116,16 @@ def test_significant_cells_are_starred_and_other_questions_refused(tmp_path):
     assert apart(report(Args(runs=[base, other])))["other"].startswith("different questions")
     # the same question ids from dataset folders with other content (other pools): not paired either
     for run, digest in ((base, "aaaa"), (new, "bbbb")):
-        doc = json.loads((run / "eval" / "val.json").read_text())
-        (run / "eval" / "val.json").write_text(json.dumps(doc | {"data_digest": digest}))
-    assert apart(report(Args(runs=[base, new])))["new"] == "different dataset content (digest aaaa vs bbbb)"
+        retag(run, data="aaaa" if run is base else "bbbb")
+    assert apart(report(Args(runs=[base, new])))["new"] == "made from other inputs: the dataset aaaa there, bbbb now"
 
 
 def retag(run, **fields):
+    """Set fields of a run's evaluation; data, task and lvlm set what it is made from (task: the file's too)."""
     doc = json.loads((run / "eval" / "val.json").read_text())
+    made = {k: fields.pop(k) for k in ("data", "task", "lvlm") if k in fields}
+    doc["made_from"] |= made
+    doc |= {"task": made["task"]} if "task" in made else {}
     (run / "eval" / "val.json").write_text(json.dumps(doc | fields))
     return run
 
@@ -132,31 +136,32 @@ def test_runs_it_cannot_pair_are_never_judged_nor_crowned(tmp_path):
     never crowned (a run of another folder was once 'best' and 'beat no baseline and not' baselines it never met)."""
     metrics = [{"phase": "rce", "epoch": 1, "val/acc": 50.0, "best_epoch": 1}]
     n = 40
-    v0 = retag(write_run(tmp_path / "v0-rce", {1: [0.3] * n, 2: [0.3] * n}, metrics=metrics), data_digest="aaaa")
-    zero = retag(write_run(tmp_path / "v0-zero", {1: [0.2] * n, 2: [0.2] * n}), data_digest="aaaa")
+    v0 = retag(write_run(tmp_path / "v0-rce", {1: [0.3] * n, 2: [0.3] * n}, metrics=metrics), data="aaaa")
+    zero = retag(write_run(tmp_path / "v0-zero", {1: [0.2] * n, 2: [0.2] * n}), data="aaaa")
     retag(zero, baseline="zero-shot")
     grpo_metrics = [{"phase": "grpo", "epoch": 1, "val/acc": 50.0, "best_epoch": 1}]
-    h0 = retag(write_run(tmp_path / "h0-on", {1: [1.0] * n, 2: [1.0] * n}, metrics=grpo_metrics), data_digest="bbbb")
-    cap = retag(write_run(tmp_path / "c0-on", {1: [1.0] * n, 2: [1.0] * n}), data_digest="aaaa", task="caption")
+    h0 = retag(write_run(tmp_path / "h0-on", {1: [1.0] * n, 2: [1.0] * n}, metrics=grpo_metrics), data="bbbb")
+    cap = retag(write_run(tmp_path / "c0-on", {1: [1.0] * n, 2: [1.0] * n}), data="aaaa", task="caption")
     lvlm = write_run(tmp_path / "l0-on", {1: [1.0] * n, 2: [1.0] * n}, metrics=grpo_metrics)
-    retag(lvlm, data_digest="aaaa", backend_info={"revision": "sha256:0123456789abcdef"})
+    retag(lvlm, data="aaaa", lvlm="tiny@sha256:0123456789abcdef")
     text = report(Args(runs=[v0, zero, h0, cap, lvlm], bootstrap=200))
     assert set(glance(text)) == {"v0-rce", "v0-zero"}
     judged = text[: text.index("## Trained runs")]  # the verdict and the glance table
     for name in ("h0-on", "c0-on", "l0-on"):  # named once there, with why, and nowhere judged
         assert judged.count(name) == 1
     assert apart(text) == {
-        "h0-on": "different dataset content (digest aaaa vs bbbb)",
-        "c0-on": "different task: None vs 'caption'",
-        "l0-on": "different LVLM weights (revision None vs sha256:0123456789abcdef)",
+        "h0-on": "made from other inputs: the dataset aaaa there, bbbb now",
+        "c0-on": "made from other inputs: the task vqa there, caption now",
+        "l0-on": "made from other inputs: the LVLM sim:0 there, tiny@sha256:0123456789abcdef now",
     }
     assert "**v0-rce** (best)" in text and "(best)" not in text.replace("**v0-rce** (best)", "")
-    assert "## Paired deltas" in text and not any(a in text.split("## Paired deltas")[1] for a in ("h0-on", "c0-on"))
+    judged_below = text.split("## Paired deltas")[1].split("## Made from")[0]  # the last section lists every file
+    assert not any(a in judged_below for a in ("h0-on", "c0-on"))
     # the reference comes from the runs most of them pair with, not from an RCE run of another folder standing alone
     h_zero = retag(
-        write_run(tmp_path / "h0-zero", {1: [0.5] * n, 2: [0.5] * n}), data_digest="bbbb", baseline="zero-shot"
+        write_run(tmp_path / "h0-zero", {1: [0.5] * n, 2: [0.5] * n}), data="bbbb", baseline="zero-shot"
     )
-    h_random = retag(write_run(tmp_path / "h0-random", {1: [0.4] * n, 2: [0.4] * n}), data_digest="bbbb")
+    h_random = retag(write_run(tmp_path / "h0-random", {1: [0.4] * n, 2: [0.4] * n}), data="bbbb")
     retag(h_random, baseline="random")
     text = report(Args(runs=[v0, h0, h_zero, h_random], bootstrap=200))
     assert reference(text) == "h0-random" and set(glance(text)) == {"h0-on", "h0-zero", "h0-random"}
@@ -181,6 +186,7 @@ def test_trained_runs_are_compared_with_each_other_and_the_best_is_no_ceiling(tm
     doc = json.loads((oracle / "eval" / "val.json").read_text())
     (oracle / "eval" / "val.json").write_text(json.dumps(doc | {"baseline": "oracle"}))
     (online / "config.json").write_text(json.dumps({"args": {"online": True}}))
+    (offline / "config.json").write_text(json.dumps({"args": {"online": False}}))
     text = report(Args(runs=[oracle, rce, offline, online], bootstrap=500))
     pairs = {(r[0], r[1]): r[2] for r in cells(text, "| run | minus")}
     assert set(pairs) == {("oracle", "rce"), ("off", "rce"), ("on", "rce"), ("on", "off")}
@@ -188,6 +194,9 @@ def test_trained_runs_are_compared_with_each_other_and_the_best_is_no_ceiling(tm
     rows = {r[0]: r[1] for r in cells(text, "| run | what")}
     assert rows["**on** (best)"] == "GRPO online, 0 epochs" and rows["off"] == "GRPO offline, 0 epochs"
     assert rows["oracle"] == "simulator ceiling"
+    (online / "config.json").unlink()  # without its flags, a run is not said to be offline (or online)
+    rows = {r[0]: r[1] for r in cells(report(Args(runs=[rce, offline, online], bootstrap=50)), "| run | what")}
+    assert rows["**on** (best)"] == "GRPO (flags unknown: no config.json), 0 epochs"
 
 
 @given(st.lists(st.sampled_from([-1.0, -0.3, 0.0, 0.3, 0.6, 1.0]), min_size=1, max_size=60), st.integers(0, 2**31))
@@ -324,9 +333,7 @@ def test_ablate_trainings_average_each_question_and_show_how_far_apart_they_are(
 
     (root / "data").mkdir()
     (root / "data" / "meta.json").write_text(json.dumps({"complete": True}))
-    for b in ablate.CAPTION_BASELINES + ablate.BASELINES:
-        (root / b / "eval").mkdir(parents=True, exist_ok=True)
-        (root / b / "eval" / "val.json").touch()
+    monkeypatch.setattr(ablate, "evaluated", lambda run, data: True)  # every baseline evaluated on this data
     trained = []
     monkeypatch.setattr(ablate, "train", lambda root, w, s, name, run, seed: trained.append((name, run.name, seed)))
     ablate.build(args, "copy", 0, ["rce", "online"])

@@ -113,7 +113,7 @@ def test_truncated_last_line(folder):
     path.write_text(text + text.splitlines()[0][:50])
     n = len(text.splitlines()) + 1
     expect(folder, rf"rl_data\.jsonl line {n}\b")
-    assert len(load_dataset(folder, allow_truncated=True).groups) == n - 1
+    assert len(load_dataset(folder, allow_unfinished=True).groups) == n - 1
 
 
 @pytest.mark.parametrize(

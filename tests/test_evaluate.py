@@ -99,7 +99,7 @@ def test_rivals_reduce_to_rices_and_text_similarity_at_their_limits(baselines, s
     assert [r["icds"] for r in mmr["results"]] == [r["icds"] for r in baselines["image-sim"]["results"]]
     assert [r["icds"] for r in mmices["results"]] == [r["icds"] for r in baselines["text-sim"]["results"]]
     assert mmr["baseline_settings"] == {"lambda": 1.0} and mmices["order"] == "reversed"
-    other = r"^\S+val\.json holds results made with other settings \(baseline_settings: [^\n]*$"
+    other = r"^\S+val\.json was made from other inputs: --baseline-settings \{'lambda': 1\.0\} there, [^\n]*$"
     with pytest.raises(ValueError, match=other):
         run_eval(data=small_data, baseline="mmr", mmr_lambda=0.5, out=tmp_path / "mmr")
 
@@ -176,7 +176,7 @@ def interrupted_eval(monkeypatch, data, out, batch_size, run=False):
 def test_random_seeds_average_and_resume(small_data, tmp_path, monkeypatch):
     run_eval(data=small_data, baseline="random", out=tmp_path / "r", seeds=2)
     doc = json.loads((tmp_path / "r" / "eval" / "val.json").read_text())
-    assert doc["data_digest"] == data.data_digest(small_data)  # what compare.py pairs runs on
+    assert doc["made_from"]["data"] == data.data_digest(small_data)  # what compare.py pairs runs on
     singles = []
     for seed in (0, 1):
         run_eval(data=small_data, baseline="random", out=tmp_path / f"s{seed}", seed=seed)
@@ -280,7 +280,9 @@ def test_progress_left_by_other_weights_is_scored_again(small_data, run, tmp_pat
     r = copy_run(run, tmp_path / "r")
     interrupted_eval(monkeypatch, small_data, r, 20, run=True)
     torch.manual_seed(1)
-    PointerSelector(load_selector(r).cfg).save(r)  # other weights in the run (its training went on, say)
+    other = PointerSelector(load_selector(r).cfg)  # other weights in the run (its training went on, say)
+    other.made_from = load_selector(r).made_from
+    other.save(r)
     run_eval(data=small_data, runs=[r], batch_size=20)
     fresh = copy_run(r, tmp_path / "fresh")
     run_eval(data=small_data, runs=[fresh], batch_size=20)
@@ -289,10 +291,16 @@ def test_progress_left_by_other_weights_is_scored_again(small_data, run, tmp_pat
 
 
 def test_a_selector_of_other_embeddings_is_one_line_naming_its_model_json(small_data, tmp_path):
-    PointerSelector(SelectorConfig(dim=16, hidden=32, num_heads=2)).save(tmp_path / "d16")
+    d16 = PointerSelector(SelectorConfig(dim=16, hidden=32, num_heads=2))
+    d16.made_from = {"task": "vqa", "encoder": "sim"}
+    d16.save(tmp_path / "d16")
     with pytest.raises(ValueError, match=rf"d16/model\.json\b.*'dim'.*\b16\b.*{re.escape(str(small_data))}.*\b512\b"):
         run_eval(data=small_data, runs=[tmp_path / "d16"])
     assert not (tmp_path / "d16" / "eval").exists()
+    d16.made_from = None  # a selector that does not say what it reads: refused before any work
+    d16.save(tmp_path / "d16")
+    with pytest.raises(ValueError, match=r"d16/model\.json does not record what it was made from"):
+        run_eval(data=small_data, runs=[tmp_path / "d16"])
 
 
 def test_every_run_is_checked_before_any_evaluation_is_written(small_data, run, tmp_path):

@@ -164,7 +164,7 @@ def test_training_reads_nothing_of_the_simulator_but_its_scores(small_data, tmp_
     after_rce = guard.scored
     grpo.main(grpo.Args(data=small_data, init=tmp_path / "rce", out=tmp_path / "offline", epochs=1, **FAST))
     after_offline = guard.scored
-    online = dict(online=True, group_size=6, lvlm_budget=1000)
+    online = dict(online=True, group_size=6, lvlm_budget=1060)
     grpo.main(grpo.Args(data=small_data, init=tmp_path / "rce", out=tmp_path / "online", **online, **FAST))
     assert (tmp_path / "online" / "offline" / "model.safetensors").is_file()  # the warm start ran
     assert 0 < after_rce < after_offline < guard.scored, (after_rce, after_offline, guard.scored)
@@ -183,7 +183,7 @@ def caption_data(tmp_path_factory):
 def test_training_on_captions_reads_nothing_of_the_captioning_simulator_but_its_scores(caption_data, tmp_path, guard):
     """The same for a dataset of the captioning world: RCE and a budgeted online GRPO score through the backend only."""
     rce.main(rce.Args(data=caption_data, out=tmp_path / "rce", epochs=1, **SMALL_NET, **FAST))
-    online = dict(online=True, group_size=4, lvlm_budget=600)
+    online = dict(online=True, group_size=4, lvlm_budget=700)
     grpo.main(grpo.Args(data=caption_data, init=tmp_path / "rce", out=tmp_path / "online", **online, **FAST))
     assert guard.scored > 0 and not guard.reads, "\n".join(guard.reads)
     backend = SimBackend(sim_from_meta(read_meta(caption_data)))

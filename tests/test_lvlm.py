@@ -34,16 +34,15 @@ from transformers import Qwen2_5_VLProcessor
 from icl_select import lvlm
 from icl_select.files import folder_digest
 from icl_select.lvlm import (
-    ByteLRU,
     LVLMBackend,
     PromptTemplate,
     clip_embed,
     credited_replies,
     image_only,
-    load_image,
     load_lvlm,
     prefetched,
 )
+from icl_select.pictures import ByteLRU, load_image
 from icl_select.vqa import answer_rel, normalize_answer, postprocess, vqa_score
 from icl_select.vqa_data import load_vqa_split
 

@@ -615,7 +615,9 @@ def test_init_architecture_mismatch_names_tensor(small_data, tmp_path):
     with pytest.raises(ValueError, match=r"\bin_proj\.weight\b.*\(32, 512\).*\(64, 512\)"):
         grpo.main(grpo.Args(data=small_data, init=tmp_path / "small", out=tmp_path / "o", epochs=1, **FAST))
     # rce.py and grpo.py --init: the selector's settings file and field
-    PointerSelector(SelectorConfig(dim=16, hidden=32, num_heads=2)).save(tmp_path / "d16")
+    d16 = PointerSelector(SelectorConfig(dim=16, hidden=32, num_heads=2))
+    d16.made_from = {"task": "vqa", "encoder": "sim"}
+    d16.save(tmp_path / "d16")
     for stage in (rce, grpo):
         with pytest.raises(
             ValueError, match=rf"d16/model\.json\b.*'dim'.*\b16\b.*{re.escape(str(small_data))}.*\b512\b"
