@@ -181,8 +181,10 @@ class Run:
         return f"python evaluate.py {self.path} {' '.join(flags)}"
 
     def used(self, n: int, shot: int) -> float:
-        """Demonstrations per prompt on the first n questions at `shot` (fewer where it stopped early)."""
-        return self.eval.get("demonstrations", {}).get(str(n), {}).get(str(shot), shot)
+        """Demonstrations per prompt on the first n questions at `shot` (fewer where it stopped early), from its
+        results: n need not be a count its summary has."""
+        rows = [r for r in self.eval["results"] if r["shot"] == shot][:n]
+        return float(np.mean([len((r.get("per_seed") or [r])[0]["icds"]) for r in rows]))
 
     def kind(self) -> str:
         if self.eval is not None and self.eval.get("baseline"):
