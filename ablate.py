@@ -34,7 +34,7 @@ import rce
 from icl_select import lineage
 from icl_select.cli import SIDE_ARGS, run_cli
 from icl_select.data import METRIC, data_digest
-from icl_select.files import read_json, sha256
+from icl_select.files import read_json, selector_digest
 from icl_select.runs import flag_values, read_eval, read_metrics
 from icl_select.sim import WORLDS
 from icl_select.stats import bootstrap_ci, gap_share, paired, per_question
@@ -295,7 +295,7 @@ def evaluated(run: Path, data: Path) -> bool:
         return False
     now = {"data": data_digest(data)}
     if (run / "model.safetensors").is_file():
-        now["selector"] = sha256(run / "model.safetensors")
+        now["selector"] = selector_digest(run)
     lineage.check(path, read_eval(path)["made_from"], now, "delete it to make it again", list(now))
     return True
 

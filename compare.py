@@ -41,7 +41,7 @@ from icl_select import lineage
 from icl_select.cider import coco_cider
 from icl_select.cli import SIDE_ARGS, default_is, run_cli
 from icl_select.data import METRIC
-from icl_select.files import atomic_write_text, read_json, sha256
+from icl_select.files import atomic_write_text, read_json, selector_digest, sha256
 from icl_select.runs import read_args, read_eval, read_metrics, unfinished
 from icl_select.stats import (
     Cell,
@@ -120,7 +120,7 @@ class Run:
     epochs: list[dict]  # metrics.jsonl epoch records, epoch 0 = the starting weights
     epoch_evals: dict[int, dict]
     args: dict | None  # config.json "args" (None without config.json)
-    weights: str | None = None  # SHA-256 of the run's model.safetensors now (None without one)
+    weights: str | None = None  # the digest of the run's selector now (runs.selector_digest; None without one)
     task: str | None = None  # vqa or caption (its evaluation's, or its dataset's as config.json records it)
     eval_sha: str | None = None  # SHA-256 of the evaluation file read: what the report was made from
     upto: bool = False  # its "up to k" evaluation (eval/<split>-upto.json): it chose how many, k at most
@@ -170,7 +170,7 @@ class Run:
     def stale(self) -> bool:
         """Whether the run's model.safetensors holds other weights than its evaluation evaluated (training went on
         after it, or the evaluation does not say which weights it evaluated)."""
-        return self.eval is not None and self.weights is not None and self.eval.get("selector_sha256") != self.weights
+        return self.eval is not None and self.weights is not None and self.eval.get("selector_digest") != self.weights
 
     def refresh(self) -> str:
         """The evaluate.py command that evaluates the run's model.safetensors again with its evaluation's settings."""
@@ -223,7 +223,7 @@ def read_run(path: Path, split: str) -> Run | None:
         read_metrics(metrics) if metrics.is_file() else [],
         epoch_evals,
         args,
-        sha256(path / "model.safetensors") if (path / "model.safetensors").is_file() else None,
+        selector_digest(path) if (path / "model.safetensors").is_file() else None,
         task,
         sha256(ev) if doc else None,
     )
@@ -237,7 +237,7 @@ def not_comparable(a: dict, b: dict) -> str | None:
     """Why two evaluations cannot be paired question by question (None when they can): other inputs (lineage.py: the
     task, the LVLM's weights, the dataset's content, whose pools and questions they are), another split or other
     questions."""
-    if diffs := lineage.differences(a["made_from"], b["made_from"], names=("task", "lvlm", "data")):
+    if diffs := lineage.differences(a["made_from"], b["made_from"], names=("data", "task", "lvlm")):
         return f"made from other inputs: {lineage.say(diffs)}"
     if a.get("split") != b.get("split"):
         return f"different split: {a.get('split')!r} vs {b.get('split')!r}"
@@ -630,7 +630,7 @@ def glance_section(c: Comparison) -> str:
 
 def evaluated_weights(doc: dict) -> str:
     """Which weights an evaluation says it evaluated, in words."""
-    if doc.get("selector_sha256") is None:
+    if doc.get("selector_digest") is None:
         return "weights it does not name"
     return f"epoch {doc['selector_epoch']}" if doc.get("selector_epoch") is not None else "other weights"
 

@@ -7,7 +7,7 @@ with. Question counts are nested prefixes of one fixed order (800 contains 400),
 question.
 
 Writes RUN/eval/<split>.json (or <split>-epoch002.json with --epochs):
-    {"data", "backend", "split", "selector", "selector_epoch", "selector_sha256", "order", "shots", "num_samples",
+    {"data", "backend", "split", "selector", "selector_epoch", "selector_digest", "order", "shots", "num_samples",
      "results": [{"question_id", "row", "shot", "icds": [train rows], "prediction", "score"}, ...],  # question order
      "summary": {"800": {"1": 48.55, ...}, ...}}                                                    # percentages
 With --seeds N > 1 (random baseline) a result holds the mean "score" and "per_seed": [{"seed", "icds",
@@ -44,7 +44,7 @@ from icl_select.backends import LVLMRun, check_lvlm_run, lvlm_identity, open_bac
 from icl_select.cider import coco_cider
 from icl_select.cli import CpuArgs, default_is, help_first, run_cli
 from icl_select.data import DEFAULT_DATA, METRIC, TOP_SCORE, Dataset, data_digest, load_dataset
-from icl_select.files import DataError, atomic_write_text, full_disk_names, read_json, sha256
+from icl_select.files import DataError, atomic_write_text, full_disk_names, read_json, selector_digest
 from icl_select.locks import exclusive
 from icl_select.runs import (
     check_selector,
@@ -295,14 +295,15 @@ def run_status(run: Path) -> str:
 @dataclass
 class Job:
     """One evaluation file to write: a run's model or epoch checkpoint (`selector`, loaded as `model`: the weights
-    of `epoch`, whose file has the SHA-256 `sha256`), or a baseline (no selector: those are None)."""
+    of `epoch`, whose weights and settings have the digest `digest`: runs.selector_digest), or a baseline (no
+    selector: those are None)."""
 
     target: Path
     selector: Path | None
     model: PointerSelector | None
     desc: str
     epoch: int | None = None
-    sha256: str | None = None
+    digest: str | None = None
     lvlm_calls: int | None = 0  # LVLM prompts that built it (runs.lvlm_spent): 0 for a training-free baseline
     upto: bool = False  # up to k demonstrations: a selector that can stop, or a ceiling's best of 0..k
 
@@ -324,9 +325,8 @@ def plan(args: Args, ds: Dataset) -> list[Job]:
         # the epoch model.safetensors holds, as the run's last epoch record says (None without one)
         epochs = read_metrics(run / "metrics.jsonl") if (run / "metrics.jsonl").is_file() else []
         selected = epochs[-1].get("best_epoch") if epochs else None
-        weights = run / "model.safetensors"
         target, model, calls = run / "eval" / f"{args.split}.json", load_selector(run), lvlm_total(lvlm_spent(run))
-        jobs.append(Job(target, run, model, str(run), selected, sha256(weights), calls))
+        jobs.append(Job(target, run, model, str(run), selected, selector_digest(run), calls))
         if model.cfg.can_stop:  # its own choice of how many, beside exactly k
             upto = run / "eval" / f"{args.split}-upto.json"
             jobs.append(replace(jobs[-1], target=upto, desc=f"{run} (up to k)", upto=True))
@@ -334,7 +334,7 @@ def plan(args: Args, ds: Dataset) -> list[Job]:
             ckpt = run / "ckpt" / f"epoch_{e:03d}.safetensors"
             target = run / "eval" / f"{args.split}-epoch{e:03d}.json"
             calls = lvlm_total(lvlm_spent(ckpt))
-            jobs.append(Job(target, ckpt, load_selector(ckpt), f"{run} epoch {e}", e, sha256(ckpt), calls))
+            jobs.append(Job(target, ckpt, load_selector(ckpt), f"{run} epoch {e}", e, selector_digest(ckpt), calls))
     return jobs
 
 
@@ -360,13 +360,13 @@ def job_header(args: Args, ds: Dataset, job: Job, digest: str, lvlm: str) -> dic
         "shots": args.shots,
         "seeds": seeds,
     }
-    made_from = lineage.of_dataset(ds.meta, digest) | {"lvlm": lvlm, "selector": job.sha256, "flags": settings}
+    made_from = lineage.of_dataset(ds.meta, digest) | {"lvlm": lvlm, "selector": job.digest, "flags": settings}
     return {
         "made_from": made_from,
         "selector": str(job.selector),
         # which weights: compare.py flags the evaluation as stale once the run's model.safetensors is other weights
         "selector_epoch": job.epoch,
-        "selector_sha256": job.sha256,
+        "selector_digest": job.digest,
         "task": ds.meta["task"],
         **settings,
     }

@@ -63,10 +63,10 @@ from icl_select.data import (
     read_items,
     read_meta,
 )
-from icl_select.files import atomic_write_text, full_disk_names, save_tensors, sha256
+from icl_select.files import atomic_write_text, full_disk_names, save_tensors, selector_digest
 from icl_select.locks import exclusive
 from icl_select.pictures import picture_digest
-from icl_select.runs import check_selector, load_selector, weights_file
+from icl_select.runs import check_selector, load_selector
 from icl_select.sim import WORLDS, Simulator, calibrate, parse_settings, world_config
 from icl_select.sim_caption import (
     CAPTION_WORLDS,
@@ -317,7 +317,7 @@ def settings(args: Args, src: Source) -> dict:
     init = None
     if args.init is not None:
         init = {
-            "sha256": sha256(weights_file(args.init))[:16],  # the weights, not their path
+            "selector": selector_digest(args.init)[:16],  # its weights and settings, not their path
             "beams": args.init_beams,
             "samples": args.init_samples,
             "temperature": args.init_temperature,

@@ -107,6 +107,16 @@ def folder_digest(folder: Path) -> str:
     return _folder_digest(folder, stats)
 
 
+def selector_digest(source: Path) -> str:
+    """Who the selector at `source` is, by content: SHA-256 over its weights and its settings (a run folder's
+    model.safetensors and model.json; an epoch checkpoint holds both). Other settings with the same weights (its
+    picks' order, what it was trained for) are another selector."""
+    source = Path(source)
+    if not source.is_dir():
+        return sha256(source)
+    return hashlib.sha256("".join(sha256(source / n) for n in ("model.safetensors", "model.json")).encode()).hexdigest()
+
+
 def read_json(path: Path) -> object:
     if not path.is_file():
         raise DataError(f"{path}: missing file")

@@ -18,7 +18,7 @@ from pathlib import Path
 from huggingface_hub import ModelHubMixin, snapshot_download
 from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, HFValidationError
 
-from icl_select.files import DataError, atomic_write_bytes, read_json, sha256
+from icl_select.files import DataError, atomic_write_bytes, read_json, selector_digest
 from icl_select.tables import accuracy_table
 
 # What of a run folder travels with its selector to the Hub, beside model.safetensors and model.json; and the
@@ -74,7 +74,7 @@ def load(
     evaluation = folder / "eval" / "val.json"
     if evaluation.is_file():
         doc = read_json(evaluation)
-        if isinstance(doc, dict) and doc.get("selector_sha256") == sha256(folder / "model.safetensors"):
+        if isinstance(doc, dict) and doc.get("selector_digest") == selector_digest(folder):
             model.run_eval = doc
         else:  # training went on after it (or it is no evaluation of these weights): its table is not about them
             print(f"note: {evaluation} evaluated other weights; the model card leaves it out", file=sys.stderr)
@@ -115,7 +115,7 @@ def card_facts(model: ModelHubMixin) -> dict:
         lvlm = f"simulated LVLM, world {world}" if world else f"LVLM {doc['backend']}"
         facts["evaluation"] = (
             f"\n## Accuracy\n\n`evaluate.py` on `{doc['data']}` (val split, {lvlm}), weights "
-            f"sha256 `{doc['selector_sha256'][:16]}`: VQA accuracy (%) of the first n questions (rows) with k "
+            f"digest `{doc['selector_digest'][:16]}`: VQA accuracy (%) of the first n questions (rows) with k "
             f"demonstrations picked (columns).\n\n{accuracy_table(doc)}\n"
         )
     return facts

@@ -63,6 +63,7 @@ class Demo:
     answers: list[str]  # every annotator answer, or every reference caption
     prob: float
     task: str = "vqa"
+    picture: str | None = None  # its picture's pixel digest (pictures.pixel_digest), where the library knows it
 
     @property
     def answer(self) -> str:
@@ -73,7 +74,9 @@ class Demo:
     def item(self) -> dict:
         """The item as the LVLM backend reads it (`LVLMBackend.messages`, `generate`, `score_examples`)."""
         keys = {"question_id": self.question_id, "image_id": self.image_id, "question": self.question}
-        return keys | {"answers": self.answers} | ({"image": self.image} if self.image is not None else {})
+        picture = {"image": self.image} if self.image is not None else {}
+        picture |= {"picture": self.picture} if self.picture is not None else {}
+        return keys | {"answers": self.answers} | picture
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -344,9 +347,7 @@ class Demonstrations:
                 )
                 raise ValueError(f"{encoder} is {here} here, but {run} was trained on embeddings of {trained}; {fix}")
         sampler, pool_size = sampler or meta["sampler"], pool_size or meta["pool_size"]
-        return cls(
-            selector, library, sampler, pool_size, meta.get("seed", 0), meta, data, str(run), device
-        )
+        return cls(selector, library, sampler, pool_size, meta.get("seed", 0), meta, data, str(run), device)
 
     @property
     def task(self) -> str:
@@ -511,7 +512,9 @@ class Demonstrations:
     def demo(self, row: int, prob: float) -> Demo:
         it = self.library.items[row]
         image, answers = it.get("image"), it["answers"]
-        return Demo(row, it["question_id"], it["image_id"], image, it["question"], answers, prob, self.task)
+        return Demo(
+            row, it["question_id"], it["image_id"], image, it["question"], answers, prob, self.task, it.get("picture")
+        )
 
     def picture(self, image) -> tuple[str, str]:
         """A query's picture (a file or a PIL image) as a file named by its pixels, which the encoder and the LVLM read

@@ -37,7 +37,7 @@ from icl_select.files import (
     read_jsonl,
     read_tensors,
     save_tensors,
-    sha256,
+    selector_digest,
 )
 from icl_select.locks import exclusive
 from icl_select.tracking import open_tracker
@@ -281,10 +281,9 @@ def run_made_from(args, ds) -> dict:
     """What a run is made from (lineage.py): its dataset, its --init weights and every flag that changes what it
     trains (paths name places, and side flags what is kept or shown: neither is an input)."""
     init = getattr(args, "init", None)
-    init_file = None if init is None else weights_file(Path(init))
     flags = {k: v for k, v in flag_values(args).items() if k not in PATH_ARGS and k not in SIDE_ARGS}
     return lineage.of_dataset(ds.meta, data_digest(ds.folder)) | {
-        "init": sha256(init_file)[:16] if init_file is not None and init_file.is_file() else None,
+        "init": selector_digest(init)[:16] if init is not None and Path(init).exists() else None,
         "flags": flags,
     }
 
@@ -441,12 +440,6 @@ def load_selector(source: Path) -> PointerSelector:
     load_model_part(model, read_tensors(source), source)
     model.made_from = meta.get("made_from")
     return model
-
-
-def weights_file(source: Path) -> Path:
-    """The weights of the selector at `source` (as `load_selector` takes it): a run folder's model.safetensors, or the
-    epoch checkpoint itself."""
-    return Path(source) / "model.safetensors" if Path(source).is_dir() else Path(source)
 
 
 def settings_file(source: Path) -> Path:

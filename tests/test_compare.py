@@ -36,7 +36,8 @@ def write_run(folder, scores_by_shot, icds_by_shot=None, metrics=None, epoch_eva
     ns = [n for n in ns if n <= n_q]
     summary = {str(n): {str(s): 100 * sum(scores_by_shot[s][:n]) / n for s in shots} for n in ns}
     doc = {"data": "d", "backend": "sim", "simulation": True, "shots": shots, "results": results, "summary": summary}
-    doc |= {"task": "vqa", "split": "val", "made_from": {"data": "d0", "task": "vqa", "lvlm": "sim:0", "encoder": "sim"}}
+    made_from = {"data": "d0", "task": "vqa", "lvlm": "sim:0", "encoder": "sim"}
+    doc |= {"task": "vqa", "split": "val", "made_from": made_from}
     (folder / "eval").mkdir(parents=True)
     (folder / "eval" / "val.json").write_text(json.dumps(doc))
     if metrics:
@@ -115,8 +116,8 @@ def test_significant_cells_are_starred_and_other_questions_refused(tmp_path):
     (other / "eval" / "val.json").write_text(json.dumps(doc))
     assert apart(report(Args(runs=[base, other])))["other"].startswith("different questions")
     # the same question ids from dataset folders with other content (other pools): not paired either
-    for run, digest in ((base, "aaaa"), (new, "bbbb")):
-        retag(run, data="aaaa" if run is base else "bbbb")
+    retag(base, data="aaaa")
+    retag(new, data="bbbb")
     assert apart(report(Args(runs=[base, new])))["new"] == "made from other inputs: the dataset aaaa there, bbbb now"
 
 
@@ -158,9 +159,7 @@ def test_runs_it_cannot_pair_are_never_judged_nor_crowned(tmp_path):
     judged_below = text.split("## Paired deltas")[1].split("## Made from")[0]  # the last section lists every file
     assert not any(a in judged_below for a in ("h0-on", "c0-on"))
     # the reference comes from the runs most of them pair with, not from an RCE run of another folder standing alone
-    h_zero = retag(
-        write_run(tmp_path / "h0-zero", {1: [0.5] * n, 2: [0.5] * n}), data="bbbb", baseline="zero-shot"
-    )
+    h_zero = retag(write_run(tmp_path / "h0-zero", {1: [0.5] * n, 2: [0.5] * n}), data="bbbb", baseline="zero-shot")
     h_random = retag(write_run(tmp_path / "h0-random", {1: [0.4] * n, 2: [0.4] * n}), data="bbbb")
     retag(h_random, baseline="random")
     text = report(Args(runs=[v0, h0, h_zero, h_random], bootstrap=200))
@@ -602,8 +601,8 @@ def test_an_evaluation_of_weights_the_run_no_longer_holds_is_stale_and_says_how_
     grpo.main(grpo.Args(data=small_data, init=tmp_path / "rce", out=run, epochs=1, **fast))
     evaluate.main(evaluate.Args(data=small_data, runs=[run], num_samples=[50], epochs=[1]))
     doc = json.loads((run / "eval" / "val.json").read_text())
-    weights = hashlib.sha256((run / "model.safetensors").read_bytes()).hexdigest()
-    assert doc["selector_epoch"] == 1 and doc["selector_sha256"] == weights
+    files = "".join(hashlib.sha256((run / n).read_bytes()).hexdigest() for n in ("model.safetensors", "model.json"))
+    assert doc["selector_epoch"] == 1 and doc["selector_digest"] == hashlib.sha256(files.encode()).hexdigest()
     assert "STALE" not in report(Args(runs=[run], bootstrap=100))
 
     grpo.main(grpo.Args(data=small_data, init=tmp_path / "rce", out=run, epochs=2, **fast))  # training goes on

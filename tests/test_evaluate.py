@@ -287,7 +287,7 @@ def test_progress_left_by_other_weights_is_scored_again(small_data, run, tmp_pat
     fresh = copy_run(r, tmp_path / "fresh")
     run_eval(data=small_data, runs=[fresh], batch_size=20)
     resumed, anew = (json.loads((f / "eval" / "val.json").read_text()) for f in (r, fresh))
-    assert resumed["results"] == anew["results"] and resumed["selector_sha256"] == anew["selector_sha256"]
+    assert resumed["results"] == anew["results"] and resumed["selector_digest"] == anew["selector_digest"]
 
 
 def test_a_selector_of_other_embeddings_is_one_line_naming_its_model_json(small_data, tmp_path):

@@ -17,7 +17,7 @@ from gen_rl_data import Args, generate, report
 from icl_select import files, pools, sharding, sim
 from icl_select.backends import sim_from_meta
 from icl_select.data import ZERO_SHOT, load_dataset
-from icl_select.files import DataError, sha256
+from icl_select.files import DataError, selector_digest
 from model import PointerSelector
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -144,7 +144,7 @@ def test_init_adds_selector_sequences(small_data, tmp_path):
     for src, seqs, ret in zip(g.sources, g.seqs, retrieval.tolist()):
         assert src[0] == "greedy" and "beam" in src and len(src) == SMALL["group_size"]
         assert len({tuple(s) for s in seqs.tolist()}) == len(seqs) and ret in seqs.tolist()
-    assert json.loads((out / "meta.json").read_text())["init"]["sha256"] == sha256(run / "model.safetensors")[:16]
+    assert json.loads((out / "meta.json").read_text())["init"]["selector"] == selector_digest(run)[:16]
 
 
 def test_a_selector_that_may_stop_fills_the_lengths_the_data_asks_for(tmp_path):

@@ -12,7 +12,7 @@ from huggingface_hub import HfApi, ModelCard
 from test_compare import write_run
 
 from compare import read_run
-from icl_select.files import DataError, sha256
+from icl_select.files import DataError, selector_digest
 from icl_select.runs import load_selector
 from model import PointerSelector, SelectorConfig
 
@@ -40,7 +40,7 @@ def make_run(folder):
     write_run(folder, {1: [1, 0, 0.6, 1], 2: [0, 0.3, 1, 1]}, metrics=epochs[:-1] + [epochs[-1] | {"best_epoch": 3}])
     doc = json.loads((folder / "eval" / "val.json").read_text())
     doc |= {"split": "val", "backend_info": {"sim_config": {"world": "copy"}}}
-    doc["selector_sha256"] = sha256(folder / "model.safetensors")  # the weights it evaluated
+    doc["selector_digest"] = selector_digest(folder)  # the selector it evaluated
     (folder / "eval" / "val.json").write_text(json.dumps(doc))
     return folder
 
@@ -106,7 +106,7 @@ def test_push_uploads_the_runs_files_and_a_card_with_its_accuracy(tmp_path, monk
     # the run: its command (the script's name, not the folder it ran from), commit and data digest
     assert "python rce.py --data data/sim --out 'runs/my rce'" in card.text and "/home/me" not in card.text
     assert "d71f92f416cd" in card.text and "73cc9b8604145e65" in card.text and "world copy" in card.text
-    assert sha256(run / "model.safetensors")[:16] in card.text
+    assert selector_digest(run)[:16] in card.text
     # n=4: 65.00 at 1 shot, 57.50 at 2
     assert "| 4 | 65.00 | 57.50 | 61.25 |" in card.text and "| 2 | 50.00 | 15.00 | 32.50 |" in card.text
 

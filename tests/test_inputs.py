@@ -180,8 +180,9 @@ def test_what_needs_no_model_is_refused_before_one_loads(assets, small_data, tmp
     included) is written: once --baseline oracle on a real LVLM loaded it and ran its self-check first, text baselines
     on captions left lock files, and too many --num-queries loaded the LVLM; ablate.py --seeds with no value printed
     tables of nan."""
-    from icl_select import backends
     from test_real_pipeline import gen_args
+
+    from icl_select import backends
 
     real = tmp_path / "real"
     gen_rl_data.generate(gen_args(assets, real, skip_self_check=True))

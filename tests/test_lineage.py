@@ -1,0 +1,215 @@
+"""Every input of every stage changed after the stage ran, and every reader downstream asked (tests/lineage.py declares
+them): each refuses in one line, leaving every file as it was, or does its work as if its own output had never
+existed. Never a mix of two inputs: an evaluation resumed over a rebuilt dataset, a run continued on other data, a
+cache reused for other weights."""
+
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from lineage import EVAL, INPUTS, RCE, SIM, TREE
+
+import ablate
+import compare
+import evaluate
+import gen_rl_data
+import grpo
+import rce
+from icl_select import runs
+from icl_select.data import data_digest
+from icl_select.files import sha256
+from icl_select.library import Demonstrations
+
+# Every stage runs in the tree's folder on relative paths, as a user runs the kit from a project's folder: a copy of
+# the tree is a project of its own (its runs record `data`, not the first tree's absolute path).
+DATA, RCE_RUN = Path("data"), Path("runs/rce")
+
+
+def gen(out: str, **flags) -> None:
+    gen_rl_data.generate(gen_rl_data.Args(out=Path(out), **{**SIM, **flags}))
+
+
+def train(out: str, **flags) -> None:
+    rce.main(rce.Args(data=DATA, out=Path(out), **{**RCE, **flags}))
+
+
+def post_train(**flags) -> None:
+    args = dict(epochs=1, batch_size=8, val_frac=0.25) | flags
+    grpo.main(grpo.Args(data=DATA, init=RCE_RUN, out=Path("runs/grpo"), **args))
+
+
+def evaluate_run(**flags) -> None:
+    evaluate.main(evaluate.Args(data=DATA, runs=[RCE_RUN], **{**EVAL, **flags}))
+
+
+def random(out: str, **flags) -> None:
+    evaluate.main(evaluate.Args(data=DATA, baseline="random", out=Path(out), **{**EVAL, **flags}))
+
+
+def results(path: Path) -> list[dict]:
+    return json.loads(path.read_text())["results"]
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory) -> Path:
+    """TREE: the small pipeline every change starts from, with a data build, a training and an evaluation killed."""
+    root = tmp_path_factory.mktemp("lineage")
+    with pytest.MonkeyPatch.context() as m:
+        m.chdir(root)
+        build_tree(m)
+    made = {str(p.relative_to(root)) for p in [*root.iterdir(), *(root / "runs").iterdir()] if p.suffix != ".lock"}
+    assert made - {"runs"} == set(TREE)
+    return root
+
+
+def build_tree(m: pytest.MonkeyPatch) -> None:
+    gen("data")
+    real = gen_rl_data.score_queries
+
+    def one_chunk(args, backend, path, todo, *rest):
+        real(args, backend, path, todo[: args.chunk], *rest)
+        raise KeyboardInterrupt
+
+    with m.context() as k, pytest.raises(KeyboardInterrupt):
+        k.setattr(gen_rl_data, "score_queries", one_chunk)
+        gen("data-part", chunk=4)
+    train("runs/rce")
+    gen("data-init", init=RCE_RUN)
+    real_save = runs.save_checkpoint
+
+    def save_then_die(out, epoch, *a, **kw):
+        real_save(out, epoch, *a, **kw)
+        raise KeyboardInterrupt
+
+    with m.context() as k, pytest.raises(KeyboardInterrupt):
+        k.setattr(runs, "save_checkpoint", save_then_die)
+        train("runs/rce-part")
+    post_train()
+    evaluate_run()
+    random("runs/random")
+    real_open = evaluate.open_backend
+
+    def dying(*a, **kw):
+        backend = real_open(*a, **kw)
+        score, calls = backend.score, [0]
+
+        def counted(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] > len(EVAL["shots"]):  # the second chunk dies
+                raise KeyboardInterrupt
+            return score(*args, **kwargs)
+
+        backend.score = counted
+        return backend
+
+    with m.context() as k, pytest.raises(KeyboardInterrupt):
+        k.setattr(evaluate, "open_backend", dying)
+        random("runs/random-part")
+
+
+@dataclass(frozen=True)
+class Reader:
+    """`run(flags)` reads the tree in the current folder (and writes its `own` paths); `made()` is what it made, to
+    hold against a copy where its own paths never existed (`clean()`: another way to make it, where given)."""
+
+    run: Callable[[dict], object]
+    own: tuple[str, ...]
+    made: Callable[[], object]
+    clean: Callable[[], object] | None = None
+
+
+def pick_val() -> list[list[int]]:
+    demos = Demonstrations.from_run(RCE_RUN)
+    return [[d.row for d in p] for p in demos.pick_val(range(8), exactly=True)]
+
+
+def evaluated_picks() -> list[list[int]]:
+    """What evaluate.py picks at the largest shot, on the first 8 questions: what Demonstrations must give."""
+    evaluate_run()
+    k = max(EVAL["shots"])
+    return [r["icds"] for r in results(RCE_RUN / "eval" / "val.json") if r["shot"] == k][:8]
+
+
+def ablate_cache(flags: dict) -> None:
+    if not ablate.evaluated(RCE_RUN, DATA):
+        evaluate_run()
+
+
+def compared(flags: dict) -> str:
+    return compare.report(compare.Args(runs=[RCE_RUN, Path("runs/random")], bootstrap=100))
+
+
+def digest(folder: str) -> Callable[[], str]:
+    return lambda: data_digest(Path(folder))
+
+
+def weights(run: str) -> Callable[[], str]:
+    return lambda: sha256(Path(run) / "model.safetensors")
+
+
+def evaluation(run: str) -> Callable[[], list[dict]]:
+    return lambda: results(Path(run) / "eval" / "val.json")
+
+
+READERS = {
+    "gen_rl_data.py (killed, again)": Reader(
+        lambda f: gen("data-part", chunk=4, **f), ("data-part",), digest("data-part")
+    ),
+    "gen_rl_data.py --init (again)": Reader(
+        lambda f: gen("data-init", init=RCE_RUN, **f), ("data-init",), digest("data-init")
+    ),
+    "rce.py (again)": Reader(lambda f: train("runs/rce", **f), ("runs/rce",), weights("runs/rce")),
+    "rce.py (killed, again)": Reader(
+        lambda f: train("runs/rce-part", **f), ("runs/rce-part",), weights("runs/rce-part")
+    ),
+    "rce.py (a new run)": Reader(lambda f: train("runs/new", **f), ("runs/new",), weights("runs/new")),
+    "grpo.py (again)": Reader(lambda f: post_train(**f), ("runs/grpo",), weights("runs/grpo")),
+    "evaluate.py (a run)": Reader(lambda f: evaluate_run(**f), ("runs/rce/eval",), evaluation("runs/rce")),
+    "evaluate.py (killed, again)": Reader(
+        lambda f: random("runs/random-part", **f), ("runs/random-part",), evaluation("runs/random-part")
+    ),
+    "evaluate.py (a baseline, again)": Reader(
+        lambda f: random("runs/random", **f), ("runs/random",), evaluation("runs/random")
+    ),
+    "Demonstrations": Reader(lambda f: pick_val(), ("runs/rce/eval",), pick_val, evaluated_picks),
+    "ablate.py's cache": Reader(ablate_cache, ("runs/rce/eval",), evaluation("runs/rce")),
+    "compare.py": Reader(compared, (), lambda: None),
+}
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    """Every file of the tree but lock files (a refusal after taking a lock rewrites who holds it)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file() and p.suffix != ".lock"}
+
+
+@pytest.mark.parametrize("case", INPUTS, ids=lambda i: i.name)
+def test_a_changed_input_is_refused_or_its_readers_start_over(case, tree, tmp_path, monkeypatch):
+    changed = tmp_path / "changed"
+    shutil.copytree(tree, changed)
+    monkeypatch.chdir(changed)
+    flags = case.change(changed) or {}
+    for name in case.readers:
+        reader = READERS[name]
+        root, clean = tmp_path / name / "tree", tmp_path / name / "clean"
+        shutil.copytree(changed, root)
+        shutil.copytree(changed, clean)
+        monkeypatch.chdir(root)
+        before = snapshot(root)
+        try:
+            out = reader.run(flags.get(name, {}))
+        except (ValueError, OSError) as e:  # a refusal: one line, before any file changed
+            assert "\n" not in str(e) and snapshot(root) == before, (name, str(e))
+            continue
+        assert not case.refused, f"{name} read {case.name}"
+        if name == "compare.py":  # it reads evaluations alone: it pairs none made from another dataset
+            assert "**Not paired with" in out and "| made from other inputs: the dataset " in out, out
+            continue
+        made = reader.made()
+        monkeypatch.chdir(clean)
+        for path in reader.own:
+            shutil.rmtree(path, ignore_errors=True)
+        want = reader.clean() if reader.clean else (reader.run(flags.get(name, {})), reader.made())[1]
+        assert made == want, f"{name} mixed {case.name} with what it had made before"
