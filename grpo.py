@@ -51,7 +51,7 @@ from icl_select.cli import alias, default_is, help_first, run_cli
 from icl_select.data import Dataset, RewardArgs, RewardMode, compute_reward, load_dataset
 from icl_select.epochs import EpochMeans, log_line, lr_factor, stop_if_diverged
 from icl_select.pools import first_distinct, query_pools, random_sequences
-from icl_select.runs import RunFolder, check_selector, load_selector, new_loop
+from icl_select.runs import RunFolder, check_continues, check_selector, load_selector, new_loop
 from icl_select.stops import fit_first_stop, set_stops
 from icl_select.train_args import TrainArgs, check_train_args
 from icl_select.validation import dataset_backend, greedy_icds, selection_metric, validate, validation_backend
@@ -721,6 +721,7 @@ def main(args: Args) -> None:
     check_selector(load_selector(args.init), args.init, lineage.reads(ds.meta), ds.folder, ds.emb["train"].shape[1])
     if args.lvlm_budget is not None:
         check_budget(args, ds, split_queries(ds, args))
+    check_continues(args.out or default_out(args), args, ds)  # before a model loads
     rank, world = sharding.init()  # every rank trains the same policy on the same batches; RunFolder: rank 0 writes
     train(args, ds, validation_backend(ds, args), rank, world)
     sharding.finish(world)

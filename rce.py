@@ -44,7 +44,7 @@ from icl_select.batches import Batch, Split, image_index, make_batch, pass_batch
 from icl_select.cli import alias, default_is, help_first, run_cli
 from icl_select.data import Quality, load_dataset
 from icl_select.epochs import EpochMeans, log_line, lr_factor, stop_if_diverged
-from icl_select.runs import RunFolder, check_selector, load_selector, new_loop, read_metrics
+from icl_select.runs import RunFolder, check_continues, check_selector, load_selector, new_loop, read_metrics
 from icl_select.stops import set_stops
 from icl_select.train_args import TrainArgs, check_train_args
 from icl_select.validation import (
@@ -233,6 +233,7 @@ def main(args: Args) -> None:
     split = split_queries(ds, args)
     steps = steps_per_epoch(split.train, args.batch_size)
     total = args.epochs * steps
+    check_continues(out, args, ds)  # before a model loads
     backend = validation_backend(ds, args)  # answers the validation anchors' greedy picks, where it can
     metric = selection_metric(backend)
     cap = None if ds.is_sim else args.val_max_queries

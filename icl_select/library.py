@@ -217,7 +217,7 @@ def embedded(
     cache.mkdir(parents=True, exist_ok=True)
     encoder_name = re.sub(r"[^\w.-]+", "-", Path(encoder.rstrip("/")).name)
     stem = f"{name}-{encoder_name}-{hashlib.sha256(encoder.encode()).hexdigest()[:8]}"
-    pictures = picture_digests([it["image"] for it in items], cache / f"{name}-pictures.json")
+    pictures = picture_digests([it["image"] for it in items], cache / f"{name}-pixels.json")
     for it in items:  # who each item's picture is, so that the library knows it without decoding it again
         it["picture"] = pictures[it["image"]]
     path = cache / f"{stem}-{library_digest(items, pictures, task, encoder, revision)}.safetensors"

@@ -256,6 +256,21 @@ def resume_point(out: Path, args, ds) -> Path | None:
     return ckpt
 
 
+def check_continues(out: Path, args, ds) -> None:
+    """Before any model loads: refuse to continue a run in `out` made from other inputs or flags than `args` and `ds`
+    (`resume_point` checks again as the run starts, and decides about --epochs, which a budget plans later)."""
+    if not (out / "config.json").is_file() or last_checkpoint(out) is None:
+        return
+    config = read_json(out / "config.json")
+    then = config.get("made_from") if isinstance(config, dict) else None
+    if not isinstance(then, dict):
+        return  # resume_point says what is wrong with it
+    now = run_made_from(args, ds)
+    then, now = ({**m, "flags": {k: v for k, v in m["flags"].items() if k != "epochs"}} for m in (then, now))
+    fix = f"continue it as it was started, or start a new run in another --out (--init {out} starts from it)"
+    lineage.check(out / "config.json", then, now, fix)
+
+
 def continue_with_more_or_fewer_epochs(out: Path, done: int, args, config: dict) -> None:
     """A resumed run with another --epochs, recorded in config.json; refused where a schedule is spread over all steps
     (RCE's tau, a decaying learning rate), which would have taken other values at every step already trained."""

@@ -160,3 +160,44 @@ INPUTS = [
     ),
     Input("compare.py", "an evaluation's dataset", evaluate_again, ("compare.py",)),
 ]
+
+# The same on the real backend (slow): tiny random-weight Qwen2.5-VL and CLIP in the tree's models/ folder, the
+# OK-VQA-format fixture's files; test_lineage.build_real_tree makes it.
+REAL = dict(num_queries=8, pool_size=6, group_size=3, seq_len=2, lvlm_batch_size=4, skip_self_check=True)
+REAL_TREE = {
+    "models/qwen": "build_tiny_qwen",
+    "models/clip": "build_tiny_clip",
+    "data": "gen_rl_data.py --lvlm models/qwen --encoder models/clip with REAL",
+    "data-part": "the same killed after its first chunk of 4 anchors",
+    "runs/rce": "rce.py",
+    "runs/random": "evaluate.py --baseline random",
+    "runs/random-part": "evaluate.py --baseline random killed after its first chunk",
+}
+
+
+def new_weights(name: str) -> Callable[[Path], None]:
+    """The model folder models/<name> built again from another seed: the same files, other weights."""
+
+    def change(root: Path) -> None:
+        import real_fixtures
+
+        shutil.rmtree(root / "models" / name)
+        getattr(real_fixtures, f"build_tiny_{name}")(root / "models" / name, seed=1)
+
+    return change
+
+
+REAL_INPUTS = [
+    Input(
+        "gen_rl_data.py, evaluate.py",
+        "the LVLM's weights",
+        new_weights("qwen"),
+        ("gen_rl_data.py (killed, again)", "evaluate.py (killed, again)", "evaluate.py (a baseline, again)"),
+    ),
+    Input(
+        "gen_rl_data.py, Demonstrations",
+        "the encoder's weights",
+        new_weights("clip"),
+        ("gen_rl_data.py (killed, again)", "Demonstrations of new pictures"),
+    ),
+]

@@ -178,8 +178,8 @@ def test_a_captioning_selector_is_refused_on_questions(small_data, tmp_path):
 def test_what_needs_no_model_is_refused_before_one_loads(assets, small_data, tmp_path, monkeypatch):
     """A refusal that needs only flags, files and meta.json comes before any model loads and any file (a lock
     included) is written: once --baseline oracle on a real LVLM loaded it and ran its self-check first, text baselines
-    on captions left lock files, and too many --num-queries loaded the LVLM; ablate.py --seeds with no value printed
-    tables of nan."""
+    on captions left lock files, too many --num-queries loaded the LVLM, and so did a run continued with other flags;
+    ablate.py --seeds with no value printed tables of nan."""
     from test_real_pipeline import gen_args
 
     from icl_select import backends
@@ -187,6 +187,8 @@ def test_what_needs_no_model_is_refused_before_one_loads(assets, small_data, tmp
     real = tmp_path / "real"
     gen_rl_data.generate(gen_args(assets, real, skip_self_check=True))
     captions = gen(tmp_path / "captions", task="caption")
+    lvlm = dict(val_lvlm=True, val_max_queries=2, skip_self_check=True, quality="all")
+    rce.main(rce.Args(data=real, out=tmp_path / "rce", **lvlm, **{**TRAIN, "batch_size": 4}))
 
     def no_model(*a, **kw):
         raise AssertionError("an LVLM was loaded")
@@ -206,6 +208,10 @@ def test_what_needs_no_model_is_refused_before_one_loads(assets, small_data, tmp
     with pytest.raises(ValueError, match=r"^--num-queries 1000 exceeds the \d+ train items$"):
         gen_rl_data.generate(gen_args(assets, tmp_path / "more", num_queries=1000))
     assert not (tmp_path / "more").exists() and not (tmp_path / ".more.lock").exists()
+    with pytest.raises(
+        ValueError, match=r"^\S+/rce/config\.json was made from other inputs: --lr 0\.0001 there, 0\.01 now"
+    ):
+        rce.main(rce.Args(data=real, out=tmp_path / "rce", lr=1e-2, **lvlm, **{**TRAIN, "batch_size": 4}))
     for flag in ("seeds", "worlds"):
         with pytest.raises(ValueError, match=rf"^--{flag} needs at least one value$"):
             ablate.main(ablate.Args(out=tmp_path / "ablate", **{flag: []}))

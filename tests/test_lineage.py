@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from lineage import EVAL, INPUTS, RCE, SIM, TREE
+from lineage import EVAL, INPUTS, RCE, REAL, REAL_INPUTS, SIM, TREE
 
 import ablate
 import compare
@@ -187,15 +187,21 @@ def snapshot(root: Path) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("case", INPUTS, ids=lambda i: i.name)
 def test_a_changed_input_is_refused_or_its_readers_start_over(case, tree, tmp_path, monkeypatch):
+    ask_every_reader(case, tree, READERS, tmp_path, monkeypatch)
+
+
+def ask_every_reader(case, tree: Path, readers: dict, tmp_path: Path, monkeypatch) -> None:
+    """Change `case`'s input in a copy of `tree` and run each of its readers on a copy of that: a refusal in one line
+    that changed no file, or what the reader makes on a copy where its own output never existed."""
     changed = tmp_path / "changed"
-    shutil.copytree(tree, changed)
+    shutil.copytree(tree, changed, symlinks=True)
     monkeypatch.chdir(changed)
     flags = case.change(changed) or {}
     for name in case.readers:
-        reader = READERS[name]
+        reader = readers[name]
         root, clean = tmp_path / name / "tree", tmp_path / name / "clean"
-        shutil.copytree(changed, root)
-        shutil.copytree(changed, clean)
+        shutil.copytree(changed, root, symlinks=True)
+        shutil.copytree(changed, clean, symlinks=True)
         monkeypatch.chdir(root)
         before = snapshot(root)
         try:
@@ -213,3 +219,85 @@ def test_a_changed_input_is_refused_or_its_readers_start_over(case, tree, tmp_pa
             shutil.rmtree(path, ignore_errors=True)
         want = reader.clean() if reader.clean else (reader.run(flags.get(name, {})), reader.made())[1]
         assert made == want, f"{name} mixed {case.name} with what it had made before"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The real backend
+
+
+def real_gen(out: str, data_root: Path, **flags) -> None:
+    args = dict(lvlm="models/qwen", encoder="models/clip", dataset="okvqa", data_root=data_root) | REAL
+    gen_rl_data.generate(gen_rl_data.Args(out=Path(out), **{**args, **flags}))
+
+
+def real_random(out: str, **flags) -> None:
+    args = dict(num_samples=[8], shots=[1, 2], batch_size=4, skip_self_check=True) | flags
+    evaluate.main(evaluate.Args(data=DATA, baseline="random", out=Path(out), **args))
+
+
+@pytest.fixture(scope="module")
+def real_tree(assets, tmp_path_factory) -> Path:
+    """REAL_TREE: the small pipeline on tiny real models that every real change starts from."""
+    import real_fixtures
+
+    root = tmp_path_factory.mktemp("lineage-real")
+    real_fixtures.build_tiny_qwen(root / "models" / "qwen")
+    real_fixtures.build_tiny_clip(root / "models" / "clip")
+    with pytest.MonkeyPatch.context() as m:
+        m.chdir(root)
+        real_gen("data", assets["okvqa"])
+        real = gen_rl_data.score_queries
+
+        def one_chunk(args, backend, path, todo, *rest):
+            real(args, backend, path, todo[: args.chunk], *rest)
+            raise KeyboardInterrupt
+
+        with m.context() as k, pytest.raises(KeyboardInterrupt):
+            k.setattr(gen_rl_data, "score_queries", one_chunk)
+            real_gen("data-part", assets["okvqa"], chunk=4)
+        rce.main(rce.Args(data=DATA, out=RCE_RUN, **{**RCE, "batch_size": 4}))
+        real_random("runs/random")
+        real_open = evaluate.open_backend
+
+        def dying(*a, **kw):
+            backend = real_open(*a, **kw)
+            score, calls = backend.score, [0]
+
+            def counted(*args, **kwargs):
+                calls[0] += 1
+                if calls[0] > 2:  # two shots a chunk: the second chunk dies
+                    raise KeyboardInterrupt
+                return score(*args, **kwargs)
+
+            backend.score = counted
+            return backend
+
+        with m.context() as k, pytest.raises(KeyboardInterrupt):
+            k.setattr(evaluate, "open_backend", dying)
+            real_random("runs/random-part")
+    return root
+
+
+def new_pictures() -> list[list[int]]:
+    """The run's picks for the first validation pictures and questions, given as new pictures (embedded now)."""
+    items = json.loads((DATA / "items.json").read_text())["val"][:4]
+    demos = Demonstrations.from_run(RCE_RUN)
+    return [[d.row for d in p] for p in demos.pick_batch([(it["image"], it["question"]) for it in items])]
+
+
+@pytest.mark.slow  # tiny real models load at every reader
+@pytest.mark.parametrize("case", REAL_INPUTS, ids=lambda i: i.name)
+def test_a_changed_model_is_refused_or_its_readers_start_over(case, real_tree, assets, tmp_path, monkeypatch):
+    readers = {
+        "gen_rl_data.py (killed, again)": Reader(
+            lambda f: real_gen("data-part", assets["okvqa"], chunk=4, **f), ("data-part",), digest("data-part")
+        ),
+        "evaluate.py (killed, again)": Reader(
+            lambda f: real_random("runs/random-part", **f), ("runs/random-part",), evaluation("runs/random-part")
+        ),
+        "evaluate.py (a baseline, again)": Reader(
+            lambda f: real_random("runs/random", **f), ("runs/random",), evaluation("runs/random")
+        ),
+        "Demonstrations of new pictures": Reader(lambda f: new_pictures(), (), new_pictures),
+    }
+    ask_every_reader(case, real_tree, readers, tmp_path, monkeypatch)
