@@ -249,8 +249,7 @@ def resume_point(out: Path, args, ds) -> Path | None:
     if isinstance(then, dict) and [d[0] for d in lineage.differences(then, now)] == ["--epochs"]:
         continue_with_more_or_fewer_epochs(out, done, args, config)
     else:
-        fix = f"continue it as it was started, or start a new run in another --out (--init {out} starts from it)"
-        lineage.check(out / "config.json", then, now, fix)
+        same_run(out, then, now)
     news = "has finished all its epochs; nothing to train" if done >= args.epochs else f"resumes after epoch {done}"
     print(f"note: {out} holds this run (same flags and data): it {news} (another --out starts anew)", file=sys.stderr)
     return ckpt
@@ -265,8 +264,14 @@ def check_continues(out: Path, args, ds) -> None:
     then = config.get("made_from") if isinstance(config, dict) else None
     if not isinstance(then, dict):
         return  # resume_point says what is wrong with it
-    now = run_made_from(args, ds)
-    then, now = ({**m, "flags": {k: v for k, v in m["flags"].items() if k != "epochs"}} for m in (then, now))
+    same_run(out, then, run_made_from(args, ds), but=("epochs",))
+
+
+def same_run(out: Path, then: dict | None, now: dict, but: tuple[str, ...] = ()) -> None:
+    """Refuse in one line to continue the run in `out`, made from `then` (its config.json's record), with the inputs
+    and flags `now` where they differ, the flags `but` aside."""
+    if isinstance(then, dict):
+        then, now = ({**m, "flags": {k: v for k, v in m["flags"].items() if k not in but}} for m in (then, now))
     fix = f"continue it as it was started, or start a new run in another --out (--init {out} starts from it)"
     lineage.check(out / "config.json", then, now, fix)
 

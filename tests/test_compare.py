@@ -513,6 +513,23 @@ def test_plots_are_the_three_figures_and_leave_out_constant_series(tmp_path):
     assert (tmp_path / "plots" / "kl_and_selection_per_epoch.png").is_file()
 
 
+def test_a_caption_run_s_validation_is_cider_wherever_it_is_named(tmp_path, monkeypatch):
+    """A captioning run validates by CIDEr-D: its curve and its figure's axis say so (they once said accuracy)."""
+    import matplotlib.axes
+
+    from compare import main
+
+    metrics = [{"phase": "rce", "epoch": e, "val/acc": 80.0 + 10 * e, "best_epoch": 2} for e in range(3)]
+    run = retag(write_run(tmp_path / "cap", {1: [1.5, 0.2], 2: [3.0, 0.4]}, metrics=metrics), task="caption")
+    labels = []
+    real = matplotlib.axes.Axes.set
+    monkeypatch.setattr(matplotlib.axes.Axes, "set", lambda ax, **kw: (labels.append(kw.get("ylabel")), real(ax, **kw)))
+    main(Args(runs=[run], plot=tmp_path / "plots", out=tmp_path / "report.md", bootstrap=100))
+    curve = {r[0] for r in cells((tmp_path / "report.md").read_text(), "| metric | run")}
+    assert curve == {"validation CIDEr-D x100"} and "validation CIDEr-D x100" in labels
+    assert not any("accuracy" in (label or "") for label in labels)
+
+
 def test_out_prints_the_glance_table_and_the_path_and_a_folder_is_refused_before_work(tmp_path, capsys):
     from compare import main
 
