@@ -81,3 +81,38 @@ def mixed_items(mixed_okvqa) -> dict[str, list[dict]]:
     from icl_select.vqa_data import load_vqa_split
 
     return {split: load_vqa_split("okvqa", mixed_okvqa, split) for split in ("train", "val")}
+
+
+def die_after_first_chunk(monkeypatch, stage: str, calls: int = 0) -> None:
+    """Inside the monkeypatch's context, kill the next `stage` run as a machine would once it has written its first
+    chunk: gen_rl_data.py after its first --chunk of anchors; evaluate.py after its first batch of questions, which
+    asks the backend `calls` times (once per shot count)."""
+    if stage == "gen_rl_data.py":
+        import gen_rl_data
+
+        real = gen_rl_data.score_queries
+
+        def one_chunk(args, backend, path, todo, *rest):
+            real(args, backend, path, todo[: args.chunk], *rest)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(gen_rl_data, "score_queries", one_chunk)
+        return
+    import evaluate
+
+    real_open = evaluate.open_backend
+
+    def dying(*a, **kw):
+        backend = real_open(*a, **kw)
+        score, asked = backend.score, [0]
+
+        def counted(*args, **kwargs):
+            asked[0] += 1
+            if asked[0] > calls:
+                raise KeyboardInterrupt
+            return score(*args, **kwargs)
+
+        backend.score = counted
+        return backend
+
+    monkeypatch.setattr(evaluate, "open_backend", dying)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import die_after_first_chunk
 
 import evaluate
 import rce
@@ -151,23 +152,8 @@ def test_selector_run_orders_epochs_and_train_split(small_data, tmp_path):
 def interrupted_eval(monkeypatch, data, out, batch_size, run=False):
     """A random-baseline evaluation into `out` (with `run`: an evaluation of the run folder `out`) killed while
     scoring its second chunk; returns its progress file."""
-    real_open = evaluate.open_backend
-
-    def dying_backend(*a, **kw):
-        backend, calls = real_open(*a, **kw), {"n": 0}
-        real_score = backend.score
-
-        def score(*args, **kw):
-            calls["n"] += 1
-            if calls["n"] > 4:  # 4 shots per chunk: the second chunk dies
-                raise KeyboardInterrupt
-            return real_score(*args, **kw)
-
-        backend.score = score
-        return backend
-
     with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
-        m.setattr(evaluate, "open_backend", dying_backend)
+        die_after_first_chunk(m, "evaluate.py", calls=4)  # 4 shots a chunk: the second chunk dies
         run_eval(data=data, batch_size=batch_size, **(dict(runs=[out]) if run else dict(baseline="random", out=out)))
     [partial] = (out / "eval").glob("*.partial.jsonl")
     return partial

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMALL_NET
+from conftest import SMALL_NET, die_after_first_chunk
 from PIL import Image
 
 import ablate
@@ -46,24 +46,9 @@ def test_a_resumed_evaluation_never_mixes_two_datasets(tmp_path, monkeypatch):
     every result is of the new dataset, as a clean evaluation gives them (its progress recorded the folder's path, and
     16 of 80 results once came from the old dataset)."""
     data, out = gen(tmp_path / "data"), tmp_path / "random"
-    real_open = evaluate.open_backend
-
-    def dying(*a, **kw):
-        backend, calls = real_open(*a, **kw), [0]
-        score = backend.score
-
-        def counted(*args, **kwargs):
-            calls[0] += 1
-            if calls[0] > 3:  # 3 shots a chunk: the second chunk dies
-                raise KeyboardInterrupt
-            return score(*args, **kwargs)
-
-        backend.score = counted
-        return backend
-
     args = dict(baseline="random", shots=[1, 2, 3], num_samples=[40], batch_size=8)
     with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
-        m.setattr(evaluate, "open_backend", dying)
+        die_after_first_chunk(m, "evaluate.py", calls=3)  # 3 shots a chunk
         evaluate.main(evaluate.Args(data=data, out=out, **args))
     assert list((out / "eval").glob("*.partial.jsonl"))
     shutil.rmtree(data)
@@ -128,14 +113,8 @@ def test_a_shot_count_given_twice_is_refused(small_data, tmp_path):
 def test_a_killed_data_build_is_trained_on_by_no_stage(tmp_path, monkeypatch, small_data):
     """gen_rl_data.py killed half way (meta.json's "complete": false): rce.py, grpo.py and evaluate.py refuse it
     before any work, naming how to finish it; --report reads it and says it is unfinished."""
-    real = gen_rl_data.score_queries
-
-    def dies_after_one_chunk(args, backend, path, todo, *rest):
-        real(args, backend, path, todo[: args.chunk], *rest)
-        raise KeyboardInterrupt
-
     with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
-        m.setattr(gen_rl_data, "score_queries", dies_after_one_chunk)
+        die_after_first_chunk(m, "gen_rl_data.py")
         gen(tmp_path / "data", chunk=4)
     data = tmp_path / "data"
     assert not json.loads((data / "meta.json").read_text())["complete"]

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import die_after_first_chunk
 from lineage import EVAL, INPUTS, RCE, REAL, REAL_INPUTS, SIM, TREE
 
 import ablate
@@ -67,14 +68,8 @@ def tree(tmp_path_factory) -> Path:
 
 def build_tree(m: pytest.MonkeyPatch) -> None:
     gen("data")
-    real = gen_rl_data.score_queries
-
-    def one_chunk(args, backend, path, todo, *rest):
-        real(args, backend, path, todo[: args.chunk], *rest)
-        raise KeyboardInterrupt
-
     with m.context() as k, pytest.raises(KeyboardInterrupt):
-        k.setattr(gen_rl_data, "score_queries", one_chunk)
+        die_after_first_chunk(k, "gen_rl_data.py")
         gen("data-part", chunk=4)
     train("runs/rce")
     gen("data-init", init=RCE_RUN)
@@ -90,23 +85,8 @@ def build_tree(m: pytest.MonkeyPatch) -> None:
     post_train()
     evaluate_run()
     random("runs/random")
-    real_open = evaluate.open_backend
-
-    def dying(*a, **kw):
-        backend = real_open(*a, **kw)
-        score, calls = backend.score, [0]
-
-        def counted(*args, **kwargs):
-            calls[0] += 1
-            if calls[0] > len(EVAL["shots"]):  # the second chunk dies
-                raise KeyboardInterrupt
-            return score(*args, **kwargs)
-
-        backend.score = counted
-        return backend
-
     with m.context() as k, pytest.raises(KeyboardInterrupt):
-        k.setattr(evaluate, "open_backend", dying)
+        die_after_first_chunk(k, "evaluate.py", calls=len(EVAL["shots"]))
         random("runs/random-part")
 
 
@@ -246,34 +226,13 @@ def real_tree(assets, tmp_path_factory) -> Path:
     with pytest.MonkeyPatch.context() as m:
         m.chdir(root)
         real_gen("data", assets["okvqa"])
-        real = gen_rl_data.score_queries
-
-        def one_chunk(args, backend, path, todo, *rest):
-            real(args, backend, path, todo[: args.chunk], *rest)
-            raise KeyboardInterrupt
-
         with m.context() as k, pytest.raises(KeyboardInterrupt):
-            k.setattr(gen_rl_data, "score_queries", one_chunk)
+            die_after_first_chunk(k, "gen_rl_data.py")
             real_gen("data-part", assets["okvqa"], chunk=4)
         rce.main(rce.Args(data=DATA, out=RCE_RUN, **{**RCE, "batch_size": 4}))
         real_random("runs/random")
-        real_open = evaluate.open_backend
-
-        def dying(*a, **kw):
-            backend = real_open(*a, **kw)
-            score, calls = backend.score, [0]
-
-            def counted(*args, **kwargs):
-                calls[0] += 1
-                if calls[0] > 2:  # two shots a chunk: the second chunk dies
-                    raise KeyboardInterrupt
-                return score(*args, **kwargs)
-
-            backend.score = counted
-            return backend
-
         with m.context() as k, pytest.raises(KeyboardInterrupt):
-            k.setattr(evaluate, "open_backend", dying)
+            die_after_first_chunk(k, "evaluate.py", calls=2)  # two shots
             real_random("runs/random-part")
     return root
 
