@@ -951,7 +951,7 @@ class ReportShapes:
 # The issue's bench command, its recurring-pictures line and the stages on a GPU; the same steps in miniature on the
 # CPU (--smoke), to check the script end to end where no GPU is at hand.
 GPU_SHAPES = ReportShapes(1000, 64, (640, 480), 4, 16, 4, 64, 16, 6, 2, 12, 48, 8, 384)
-SMOKE_SHAPES = ReportShapes(24, 12, None, 2, 4, 2, 8, 4, 2, 1, 8, 6, 2, 24)
+SMOKE_SHAPES = ReportShapes(24, 12, None, 2, 4, 2, 8, 4, 2, 1, 8, 6, 2, 60)
 
 # A one-GPU OK-VQA pipeline at the stages' defaults (9,009 train and 5,046 val questions): README's commands plus the
 # random and zero-shot baselines, in LVLM prompts per stage and the processes that load the model.
