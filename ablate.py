@@ -32,7 +32,7 @@ import gen_rl_data
 import grpo
 import rce
 from icl_select import lineage
-from icl_select.cli import SIDE_ARGS, run_cli
+from icl_select.cli import run_cli, side_flags
 from icl_select.data import METRIC, data_digest
 from icl_select.files import read_json, selector_digest
 from icl_select.runs import flag_values, read_eval, read_metrics
@@ -274,7 +274,8 @@ def train(root: Path, world: str, seed: int, name: str, run: Path, training_seed
         config = read_json(run / "config.json")
         now = flag_values(run_args)
         planned = ("epochs",) if now.get("lvlm_budget") and now["epochs"] is None else ()  # grpo plans them
-        if diff := sorted(k for k in now if k not in ("out", *SIDE_ARGS, *planned) and now[k] != config["args"].get(k)):
+        side = side_flags(type(run_args))
+        if diff := sorted(k for k in now if k not in ("out", *side, *planned) and now[k] != config["args"].get(k)):
             raise ValueError(f"{run} was made with other flags ({', '.join(diff)}): delete it to rebuild it")
         made = {"data": data_digest(common["data"])}
         lineage.check(run / "config.json", config.get("made_from"), made, "delete it to rebuild it", list(made))

@@ -39,7 +39,7 @@ import tyro
 
 from icl_select import lineage
 from icl_select.cider import coco_cider
-from icl_select.cli import SIDE_ARGS, default_is, run_cli
+from icl_select.cli import default_is, run_cli, side_flags
 from icl_select.data import METRIC
 from icl_select.files import atomic_write_text, read_json, selector_digest, sha256
 from icl_select.runs import read_args, read_eval, read_metrics, unfinished
@@ -51,6 +51,7 @@ from icl_select.stats import (
     per_question,
 )
 from icl_select.tables import md_table
+from icl_select.train_args import TrainArgs
 
 
 @dataclass
@@ -641,7 +642,8 @@ def trained_section(runs: list[Run]) -> list[str]:
     trained = [r for r in runs if r.epochs]
     if not trained:
         return []
-    flags = {r.name: {k: v for k, v in (r.args or {}).items() if k not in ("out", "epochs", *SIDE_ARGS)} for r in runs}
+    side = ("out", "epochs", *side_flags(TrainArgs))  # what is kept or shown, not trained
+    flags = {r.name: {k: v for k, v in (r.args or {}).items() if k not in side} for r in runs}
     keys = sorted({k for r in trained for k in flags[r.name]})
     # A flag only one stage has (RCE's tau, GRPO's epsilon) is not a difference; one that two runs set apart is.
     differ = [k for k in keys if len({repr(flags[r.name][k]) for r in trained if k in flags[r.name]}) > 1]

@@ -1,25 +1,26 @@
 """Stage 3: GRPO post-training of the selector, offline on the scored groups or online with the LVLM in the loop.
 
-Per step, for a batch of queries and their groups of G sequences: advantages from the group's rewards
-(`model.group_advantages`), the PPO clipped surrogate on sequence log-probs against the old policy, plus beta * exact
-KL(pi || pi_ref) over the pool at every visited step, averaged over valid sequences. The reference is the starting
-selector (--init, or the warm start below), frozen; the old policy is the current one, refreshed every --num-iterations
-updates, so the ratio starts at exactly 1; every log-prob is taken with dropout off.
+Each step takes a batch of queries, each with a group of G sequences and their rewards, and minimises the PPO clipped
+surrogate of the group-relative advantages plus beta times the KL to a reference. How it departs from plain GRPO:
 
-Offline (default), the groups are the scored sequences of rl_data.jsonl, drawn by gen_rl_data.py and not by the policy,
-with no importance weight: a reward-weighted policy gradient on fixed groups, cheap (no LVLM calls) but blind to
-sequences nobody scored; with --num-iterations 1 the clip never binds. Online (--online), each step samples G distinct
-sequences per query from the current policy at --temperature and scores them with the dataset's backend: on-policy GRPO,
-the mode that learns most wherever LVLM calls during training are affordable. Defaults differ by mode (MODE_DEFAULTS;
-docs/ablations.md measures them); online, each step also learns from the groups of the last few steps (--replay-steps),
-and the selector learns a score per train item (--item-bias). A --lvlm-budget that cuts the default online run short
-first trains offline GRPO from --init, then the online run from it (--warm-start): no flag to add for a small budget. A
-selector that may stop (rce.py --can-stop) learns its stop online only (a warm start trains, and is judged on, its picks
-alone): its groups are those a selector that cannot stop would draw (every slot filled), PPO and the KL take its picks
-given that it goes on, and beside the group of one query in --ladder-every a ladder is scored: its greedy sequence at
-each length 0..S. After each epoch its stop at every step is set from the ladders so far, backward from the last step
-(`icl_select.stops.set_stops`), and before the first pick fitted per question (`fit_first_stop`): a stop rce.py set for
-its own picks would go stale as the picks improve. The ladders teach the stop alone, and the samples the picks alone.
+1. The reference is the starting selector (--init), frozen, and the KL to it is exact: a sum over the pool at every
+   step taken (`model.exact_kl`), not a sampled estimate. Its weight --kl-beta stays fixed unless --kl-target asks
+   for an adaptive one (Lever-Plus's adaptive rule ran unasked and overrode the beta given).
+2. The old policy is the current one, refreshed every --num-iterations updates, and every log-prob is taken with
+   dropout off, so a fresh group's ratio starts at exactly 1 (Lever-Plus compared against a stale, pre-RCE policy in
+   another dropout mode).
+3. Offline (the default), the groups are rl_data.jsonl's scored sequences, drawn by gen_rl_data.py and not by the
+   policy, with no importance weight: a reward-weighted policy gradient on fixed groups, no LVLM call. Online
+   (--online), each step samples G distinct sequences per query from the policy and scores them with the dataset's
+   backend, for any train question (--queries).
+4. Online, each step also learns from the groups of the last --replay-steps steps, each clipped against the policy
+   that sampled it, and the selector learns a score per train item (--item-bias).
+5. --lvlm-budget N spends at least 95% of N LVLM calls, never more (icl_select/budget.py): the epochs are planned and
+   each spends its share of the calls left. A budget too short for the default run first trains offline GRPO from
+   --init (the warm start, a run of its own in <out>/offline) and goes on online from it.
+6. A selector that may stop (rce.py --can-stop) trains online only. Its picks learn as those of one that fills every
+   slot; its stop learns from stop ladders, its greedy sequence scored at every length 0..S beside one query in
+   --ladder-every, from which its stop at each step is set after every epoch (`icl_select.stops`).
 
 Usage:
     python grpo.py --kl-beta 0.1 --no-rank-advantage         # offline, init runs/rce -> runs/grpo-kl0.1
@@ -32,10 +33,9 @@ from __future__ import annotations
 
 import copy
 import functools
-import itertools
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Annotated, Literal
@@ -46,12 +46,13 @@ from tyro.conf import DisallowNone
 
 from icl_select import lineage, sharding
 from icl_select.backends import ScoreCache
-from icl_select.batches import Batch, Split, make_batch, pass_batches, split_queries, steps_per_epoch
-from icl_select.cli import alias, default_is, help_first, run_cli
+from icl_select.batches import Batch, Split, make_batch, split_queries, steps_per_epoch
+from icl_select.budget import Passes, Plan, Spending, budget_plan, least_budget, step_calls
+from icl_select.cli import Named, PerMode, alias, default_is, help_first, marked, modes, run_cli
 from icl_select.data import Dataset, RewardArgs, RewardMode, compute_reward, load_dataset
 from icl_select.epochs import EpochMeans, log_line, lr_factor, stop_if_diverged
 from icl_select.pools import first_distinct, query_pools, random_sequences
-from icl_select.runs import RunFolder, check_continues, check_selector, load_selector, new_loop
+from icl_select.runs import Loop, RunFolder, check_continues, check_selector, load_selector
 from icl_select.stops import fit_first_stop, set_stops
 from icl_select.train_args import TrainArgs, check_train_args
 from icl_select.validation import dataset_backend, greedy_icds, selection_metric, validate, validation_backend
@@ -71,86 +72,83 @@ from model import (
 # What moves in GRPO, on the progress bar and the epoch line (the loss is ~beta * KL: the PPO term is ~0 at ratio 1).
 SHOWN = ("grpo/reward_mean", "grpo/kl_ref", "grpo/entropy")
 
-
-# Per-mode defaults of the flags left at None (docs/ablations.md measures them on the simulator).
-MODE_DEFAULTS = {
-    "offline": {
-        "epochs": 10,
-        "lr": 1e-4,
-        "reward_mode": "hard_plus_soft",
-        "kl_beta": 0.1,
-        "replay_steps": 0,
-        "item_bias": False,
-    },
-    "online": {
-        "epochs": 30,
-        "lr": 1e-3,
-        "reward_mode": "hard_plus_gtprob",
-        "kl_beta": 0.3,
-        "replay_steps": 4,
-        "item_bias": True,
-    },
-}
+# ----------------------------------------------------------------------------------------------------------------------
+# Flags. A flag's declaration says all there is to it: its default in each mode (`modes`, docs/ablations.md measures
+# them), how it names the default output folder (`Named`), and whether it acts online only (`ONLINE`).
 
 
-def per_mode(name: str):
-    """--help's default of a flag left at None: its value in each mode."""
-    return default_is(" offline, ".join(str(MODE_DEFAULTS[mode][name]) for mode in ("offline", "online")) + " online")
+@dataclass(frozen=True)
+class OnlineOnly:
+    """A flag that acts on online groups alone: set to other than its default offline, it is refused."""
+
+
+ONLINE = OnlineOnly()
+
+
+def from_init(init: Path) -> str:
+    """How a starting selector names a run: from its run folder, plus the epoch for a checkpoint file."""
+    init = Path(init)
+    return "from-" + (f"{init.parent.parent.name}-{init.stem}" if init.suffix == ".safetensors" else init.name)
 
 
 @help_first("init", "data", "out", "online", "kl_beta")
 @dataclass
 class Args(TrainArgs):
-    init: Path = Path("runs/rce")
-    """Starting selector (run folder or epoch checkpoint); also the frozen KL reference, unless a warm start runs first
-    (a short budget: then the warm start's selected epoch is both)."""
-    out: Annotated[Path | None, alias("--output-dir"), default_is("runs/grpo-<key flags>, e.g. runs/grpo-kl0.1")] = None
-    """Run folder."""
-    epochs: Annotated[int | None, alias("--num-train-epochs"), per_mode("epochs")] = None
+    epochs: Annotated[int | None, alias("--num-train-epochs"), *modes(10, 30)] = None
     """Passes over the training queries; with --lvlm-budget, the epochs its calls spread over (planned if not given)."""
-    lr: Annotated[float | None, alias("--learning-rate"), per_mode("lr")] = None
+    lr: Annotated[float | None, alias("--learning-rate"), *modes(1e-4, 1e-3), Named("lr{:g}")] = None
     """AdamW learning rate."""
-    reward_mode: Annotated[RewardMode | None, per_mode("reward_mode")] = None
+    reward_mode: Annotated[
+        RewardMode | None, *modes("hard_plus_soft", "hard_plus_gtprob"), Named(lambda v: v.replace("_", "-"))
+    ] = None
     """How a scored sequence becomes a reward (formulas: docs/flags.md)."""
-    kl_beta: Annotated[float | None, alias("--beta"), per_mode("kl_beta")] = None
-    """Weight of the exact KL to the reference policy, fixed for the run (see --kl-target)."""
-    kl_target: float | None = None
+    kl_beta: Annotated[float | None, alias("--beta"), *modes(0.1, 0.3)] = None
+    """Weight of the exact KL to the reference policy, fixed for the run (see --kl-target); names the run folder."""
+    online: bool = False
+    """Sample fresh groups from the current policy each step and score them with the backend; names the run folder."""
+    rank_advantage: Annotated[bool, Named("rank")] = False
+    """Replace rewards by their within-group rank mapped onto [-1, 1] (Lever-Plus's default)."""
+    freeze_backbone: Annotated[bool, Named("frozen")] = False
+    """Train only the query/candidate projections and the gate."""
+    scale_rewards: Annotated[Literal["group", "batch", "none"], Named("scale-{}")] = "group"
+    """Divide centred rewards by the group std, the batch std, or nothing."""
+    kl_target: Annotated[float | None, Named("target{}")] = None
     """Adaptive beta: after a step, x1.5 if its KL > 1.5 x target, /1.5 if below target / 1.5."""
-    num_iterations: int = 1
+    num_iterations: Annotated[int, Named("it{}")] = 1
     """Updates per batch before the old policy is refreshed (1: a fresh group's ratio is exactly 1; a replayed one's
     is to the policy that sampled it)."""
     epsilon: float = 0.2
     """PPO clip range below 1 (and above, unless --epsilon-high is given)."""
     epsilon_high: float | None = None
     """PPO clip range above 1 (DAPO-style asymmetric clipping)."""
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    """Divide centred rewards by the group std, the batch std, or nothing."""
-    rank_advantage: bool = False
-    """Replace rewards by their within-group rank mapped onto [-1, 1] (Lever-Plus's default)."""
-    freeze_backbone: bool = False
-    """Train only the query/candidate projections and the gate."""
-    online: bool = False
-    """Sample fresh groups from the current policy each step and score them with the backend."""
-    group_size: Annotated[int, alias("--num-generations")] = 16
-    """Online: distinct sequences sampled per query (TRL's num_generations defaults to 8)."""
-    temperature: float = 1.0
-    """Online: sampling temperature."""
-    queries: Literal["train", "anchors"] = "train"
+    queries: Annotated[Literal["train", "anchors"], Named("queries-{}"), ONLINE] = "train"
     """Online: where each step's queries come from: any train question, or the anchors (docs/flags.md)."""
-    lvlm_budget: int | None = None
+    temperature: Annotated[float, Named("t{:g}"), ONLINE] = 1.0
+    """Online: sampling temperature."""
+    group_size: Annotated[int, alias("--num-generations"), Named("g{}"), ONLINE] = 16
+    """Online: distinct sequences sampled per query (TRL's num_generations defaults to 8)."""
+    lvlm_budget: Annotated[int | None, Named("budget{}"), ONLINE] = None
     """Online: LVLM scores allowed in the whole run, validation included (docs/flags.md)."""
-    ladder_every: int = 4
-    """Online, a selector that may stop: one query in N of each batch has its stop ladder scored (docs/flags.md)."""
-    replay_steps: Annotated[int | None, per_mode("replay_steps")] = None
-    """Online: also learn, each step, from the groups of the last N steps (0 = off; docs/flags.md)."""
-    warm_start: bool = True
-    """Online, where --lvlm-budget cuts the default run short or the selector may stop: offline GRPO from --init first
-    (docs/flags.md)."""
-    select_epoch: Annotated[Literal["best", "last"] | None, default_is("last with --lvlm-budget, else best")] = None
+    warm_start: Annotated[bool, Named(lambda v: "warm" if v else "no-warm"), ONLINE] = True
+    """Online, where --lvlm-budget cuts the default run short: offline GRPO from --init first (docs/flags.md)."""
+    select_epoch: Annotated[
+        Literal["best", "last"] | None, default_is("last with --lvlm-budget, else best"), Named("{}-epoch")
+    ] = None
     """Which epoch the run returns: the best on the validation anchors, or the last (docs/flags.md)."""
-    item_bias: Annotated[bool | None, DisallowNone, per_mode("item_bias")] = None
+    item_bias: Annotated[
+        bool | None, DisallowNone, *modes(False, True), Named(lambda v: "items" if v else "no-items")
+    ] = None
     """Also learn a score for each train item, added wherever it is a candidate: remembers which demonstrations
     helped beyond their embeddings (an --init that has them trains them either way; docs/flags.md)."""
+    replay_steps: Annotated[int | None, *modes(0, 4), Named("replay{}"), ONLINE] = None
+    """Online: also learn, each step, from the groups of the last N steps (0 = off; docs/flags.md)."""
+    ladder_every: Annotated[int, ONLINE] = 4
+    """Online, a selector that may stop: one query in N of each batch has its stop ladder scored (docs/flags.md)."""
+    out: Annotated[Path | None, alias("--output-dir"), default_is("runs/grpo-<key flags>, e.g. runs/grpo-kl0.1")] = None
+    """Run folder."""
+    init: Annotated[Path, Named(from_init)] = Path("runs/rce")
+    """Starting selector (run folder or epoch checkpoint); also the frozen KL reference, unless a warm start runs first
+    (a short budget: then the warm start's selected epoch is both)."""
 
     def fixed_length_reason(self) -> str | None:
         if self.lvlm_budget is not None:
@@ -158,64 +156,51 @@ class Args(TrainArgs):
         return super().fixed_length_reason()
 
 
-def default_select_epoch(args: Args) -> str:
-    """A budget's few epochs are still climbing, and their validation scores differ by less than the anchors' noise."""
-    return "last" if args.lvlm_budget is not None else "best"
+def mode(args: Args) -> str:
+    return "online" if args.online else "offline"
 
 
 def resolve(args: Args) -> Args:
-    """Fill the per-mode defaults in (config.json records the resolved values)."""
-    defaults = MODE_DEFAULTS["online" if args.online else "offline"]
-    if args.lvlm_budget is not None:  # train plans the epochs from the budget
-        defaults = {k: v for k, v in defaults.items() if k != "epochs"}
-    defaults |= {"select_epoch": default_select_epoch(args)}
-    return replace(args, **{k: v for k, v in defaults.items() if getattr(args, k) is None})
+    """The flags left at None filled in, by mode (config.json records the resolved values); a budget plans the
+    epochs, and returns its last epoch (its few epochs are still climbing, and their validation scores differ by less
+    than the anchors' noise)."""
+    filled = {name: getattr(m, mode(args)) for name, m in marked(Args, PerMode).items() if getattr(args, name) is None}
+    if args.lvlm_budget is not None:
+        filled.pop("epochs", None)
+    if args.select_epoch is None:
+        filled["select_epoch"] = "last" if args.lvlm_budget is not None else "best"
+    return replace(args, **filled)
+
+
+def default_of(args: Args, name: str):
+    """The value the flag `name` takes when it is not given, beside the other flags of `args` (its mode's)."""
+    return getattr(resolve(replace(args, **{name: Args.__dataclass_fields__[name].default})), name)
 
 
 def default_out(args: Args) -> Path:
-    """runs/grpo-kl<beta> plus every key flag that differs from its (per-mode) default."""
-    args, defaults = resolve(args), MODE_DEFAULTS["online" if args.online else "offline"]
-    parts = [f"grpo-kl{args.kl_beta:g}"]
-    flags = {
-        "online": args.online,
-        "rank": args.rank_advantage,
-        "frozen": args.freeze_backbone,
-        f"scale-{args.scale_rewards}": args.scale_rewards != "group",
-        args.reward_mode.replace("_", "-"): args.reward_mode != defaults["reward_mode"],
-        f"q-{args.quality}": args.quality != "all",
-        "pos": args.require_positive,
-        f"target{args.kl_target}": args.kl_target is not None,
-        f"it{args.num_iterations}": args.num_iterations != 1,
-        f"lr{args.lr:g}": args.lr != defaults["lr"],
-        f"lr-{args.lr_schedule}": args.lr_schedule != "constant",
-        f"queries-{args.queries}": args.online and args.queries != "train",
-        f"t{args.temperature:g}": args.online and args.temperature != 1.0,
-        f"g{args.group_size}": args.online and args.group_size != 16,
-        f"budget{args.lvlm_budget}": args.lvlm_budget is not None,
-        "no-warm": args.online and not args.warm_start,
-        f"{args.select_epoch}-epoch": args.select_epoch != default_select_epoch(args),
-        f"{'' if args.item_bias else 'no-'}items": args.item_bias != defaults["item_bias"],
-        f"replay{args.replay_steps}": args.replay_steps != defaults["replay_steps"],
-        f"seed{args.seed}": args.seed != 0,
-        f"from-{init_tag(args.init)}": Path(args.init) != Args.init,  # never the --init folder itself
-    }
-    return Path("runs") / "-".join(parts + [name for name, on in flags.items() if on])
-
-
-def init_tag(init: Path) -> str:
-    """A short name for a starting selector: its run folder, plus the epoch for a checkpoint file."""
-    init = Path(init)
-    return f"{init.parent.parent.name}-{init.stem}" if init.suffix == ".safetensors" else init.name
+    """runs/grpo-kl<beta>[-online] plus the name of every flag that differs from its default (in its mode), in
+    declaration order."""
+    args = resolve(args)
+    parts = [f"grpo-kl{args.kl_beta:g}"] + ["online"] * args.online
+    for name, named in marked(Args, Named).items():
+        if getattr(args, name) != default_of(args, name):
+            parts.append(named.of(getattr(args, name)))
+    return Path("runs") / "-".join(parts)
 
 
 def check_args(args: Args) -> None:
-    if args.lvlm_budget is not None and (not args.online or args.lvlm_budget < 1):
-        raise ValueError(f"--lvlm-budget needs --online and must be >= 1, got {args.lvlm_budget}")
-    if args.replay_steps < 0 or (args.replay_steps and not args.online):
-        raise ValueError(f"--replay-steps needs --online and must be >= 0, got {args.replay_steps}")
-    if args.ladder_every < 1:
-        raise ValueError(f"--ladder-every must be at least 1, got {args.ladder_every}")
     check_train_args(args)
+    if not args.online:
+        for name in marked(Args, OnlineOnly):
+            if getattr(args, name) != default_of(args, name):
+                flag = f"--{name.replace('_', '-')}"
+                raise ValueError(f"{flag} {getattr(args, name)} acts on online groups: add --online, or leave it out")
+    if args.lvlm_budget is not None and args.lvlm_budget < 1:
+        raise ValueError(f"--lvlm-budget must be >= 1, got {args.lvlm_budget}")
+    if args.replay_steps < 0 or args.ladder_every < 1:
+        raise ValueError(
+            f"--replay-steps must be >= 0 and --ladder-every >= 1, got {args.replay_steps}, {args.ladder_every}"
+        )
     numbers = {"--kl-beta": args.kl_beta, "--kl-target": args.kl_target, "--epsilon": args.epsilon}
     numbers |= {"--epsilon-high": args.epsilon_high, "--temperature": args.temperature}
     for flag, value in numbers.items():
@@ -241,64 +226,65 @@ def check_args(args: Args) -> None:
         raise ValueError("--num-iterations must be >= 1, --group-size >= 2 and --temperature > 0")
 
 
+def may_stop(init: Path) -> bool:
+    """Whether the selector at `init` may stop. GRPO trains such a selector's stop online only, from its stop ladders,
+    which offline groups lack: so it is refused offline (a short budget's warm start trains its picks alone)."""
+    return load_selector(init).cfg.can_stop
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The update: PPO clipped surrogate of the group advantages plus beta * exact KL to the reference
+
+
 @dataclass
-class Plan:
-    """How a run spends --lvlm-budget, fixed at the start."""
+class Learner:
+    """What GRPO updates and carries from step to step: the policy and its optimizer, the frozen reference, the
+    reference's distributions over the offline groups (computed once), and the replay buffer of online groups."""
 
-    epochs: int
-    steps: int  # optimisation steps in the whole run
-    steps_per_epoch: int  # the last epoch may be shorter
-    val_calls: int  # the most calls one validation makes (the start's and every epoch's)
-
-
-def budget_plan(budget: int, epochs: int | None, step_calls: int, val_calls: int, group: int, natural: int) -> Plan:
-    """The most steps `budget` affords once every validation is reserved, each step counted at its most calls
-    (`step_calls`) and the last cut to the whole groups (`group` calls each) left. Without `epochs`, as many epochs of
-    at most `natural` steps as the steps need: the fewest that fit, since every epoch reserves a validation; where one
-    more epoch's validation would cost more than the steps it frees, the epochs so far, each of `natural` steps."""
-
-    def affords(e: int) -> int:  # steps of training left once e epochs and the start (+ 1) are validated
-        train = max(budget - (e + 1) * val_calls, 0)
-        return train // step_calls + (train % step_calls >= group)
-
-    e = epochs or 1
-    while True:
-        steps = affords(e)
-        if epochs is not None or -(-steps // natural) <= e:
-            break
-        if affords(e + 1) < e + 1:  # one more epoch would not pay for its own validation
-            steps = e * natural
-            break
-        e += 1
-    if steps < e:
-        raise ValueError(
-            f"--lvlm-budget {budget} is too small: {e} epoch(s) need at least {e} step(s) of {group} to {step_calls} "
-            f"calls and {e + 1} validations of up to {val_calls} calls, {e * group + (e + 1) * val_calls} in all"
-        )
-    per_epoch = -(-steps // e)
-    while epochs is not None and (used := -(-steps // per_epoch)) < e:  # the last epochs came out empty: their
-        e, steps = used, affords(used)  # validations are not needed, so they fund more steps
-        per_epoch = -(-steps // e)
-    return Plan(-(-steps // per_epoch), steps, per_epoch, val_calls)
+    policy: PointerSelector
+    ref: PointerSelector
+    opt: torch.optim.Optimizer
+    params: list[torch.nn.Parameter]
+    ref_cache: Tensor | None  # (Q, G, S, K) offline
+    buffer: list[dict[str, Tensor]]  # --replay-steps: the last steps' groups, oldest first
+    ladders: list[StopLadders] = field(default_factory=list)  # a selector that may stop: the run's, for its stop
 
 
-def warnings_for(record: dict, steps: int) -> list[str]:
-    """Plain-words alarms for dead or runaway training signals (`steps` = picks per sequence)."""
-    out = []
-    if record.get("grpo/zero_std_frac", 0) >= 1:
-        out.append("every group has equal rewards: there is no learning signal at all")
-    if record.get("grpo/adv_std", 1) < 1e-3:
-        out.append(f"advantage std is {record['grpo/adv_std']:.2g} (< 1e-3): rewards give the policy no gradient")
-    if record.get("grpo/clip_frac_low", 0) + record.get("grpo/clip_frac_high", 0) > 0.5:
-        out.append("more than half of the sequences hit the PPO clip: lower --lr or --num-iterations")
-    # Against a near-uniform reference over K candidates the KL per pick is at most about log K (a deterministic
-    # policy); 3 nats per pick is a policy that has left the reference almost entirely.
-    if record.get("grpo/kl_ref", 0) > 3 * steps:
-        out.append(
-            f"KL to the reference is {record['grpo/kl_ref']:.3g} nats per sequence (> 3 per pick): the policy is "
-            f"running away from it; raise --kl-beta or lower --lr"
-        )
-    return out
+def make_learner(args: Args, ds: Dataset, split: Split, init: Path) -> Learner:
+    """The `init` selector as the policy (its picks kept, grown to the data's sequence length where fewer) and as the
+    frozen reference, its AdamW optimizer, and for offline GRPO the reference's distributions over the
+    scored groups."""
+    policy = load_selector(init)
+    policy.set_picks(max(policy.cfg.picks, ds.seq_len))  # Lever-LM's 2-shot data: still asked for its 4
+    if args.item_bias and policy.items is None:  # every score 0: the reference is the init's policy all the same
+        policy.remember_items(ds.emb["train"])
+    ref = copy.deepcopy(policy).eval().requires_grad_(False)
+    if args.freeze_backbone:
+        for p in policy.backbone_parameters():
+            p.requires_grad_(False)
+    for p in policy.stop_parameters():  # set at the end of an online epoch (`end_epoch_stop`), not by its steps
+        p.requires_grad_(False)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    ref_cache = None if args.online else reference_dists(ref, ds, split, args.batch_size)  # (Q, G, S, K)
+    return Learner(policy, ref, opt, params, ref_cache, [])
+
+
+@dataclass
+class Groups:
+    """What one update trains on: the step's batch and, after it, any replayed groups."""
+
+    batch: Batch  # (B', G, S) sequences
+    adv: Tensor  # (B', G) advantages, a replayed group's as computed when it was scored
+    ref_dist: Tensor  # (B', G, S, K) the reference's per-step log-distributions
+    sampled: Tensor | None = None  # (B' - B, G) the replayed groups' sampling log-probs (None: none replayed)
+
+
+def seq_logp(policy: PointerSelector, steps: Steps, seqs: Tensor) -> Tensor:
+    """What PPO's ratio is taken on, (B, G): each sequence's log-prob; for a selector that may stop, of its picks
+    given that it went on (`going_on_logp`), its stop set from its ladders alone (`end_epoch_stop`): in PPO's ratio,
+    where stopping wins most groups, the stop goes to certainty (docs/ablations.md)."""
+    return going_on_logp(steps, seqs) if policy.cfg.can_stop else steps.logp.sum(-1)
 
 
 def kl_grad_share(params: list[torch.nn.Parameter], ppo: Tensor, kl_term: Tensor) -> float:
@@ -315,6 +301,74 @@ def kl_grad_share(params: list[torch.nn.Parameter], ppo: Tensor, kl_term: Tensor
     return norms[1] / (norms[0] + norms[1] + 1e-12)
 
 
+def update(learner: Learner, b: Batch, adv: Tensor, t: Groups, args: Args, loop: Loop, last: bool):
+    """--num-iterations PPO-clipped updates with beta * exact KL to the reference, on the groups `t` (the batch `b`
+    with advantages `adv`, then any replayed groups) against the policy as it was before them; then the adaptive beta,
+    if asked for. Returns the step's metrics and the log-probs the batch was sampled with, (B, G)."""
+    m, tm = b.seq_mask, t.batch.seq_mask  # (B, G), (B', G)
+    temp = args.temperature if args.online else 1.0
+    beta, policy = loop.beta, learner.policy
+    old, extra = None, {}
+    for _ in range(args.num_iterations):
+        cur = policy(t.batch.query, t.batch.pool, t.batch.pool_mask, t.batch.seqs, tm, True, temp)
+        logp = seq_logp(policy, cur, t.batch.seqs)  # (B', G)
+        if old is None:  # a replayed group's ratio is to the policy that sampled it
+            old = logp.detach() if t.sampled is None else replay_old(logp, t.sampled)
+        ppo, st = ppo_clip_loss(logp, old, t.adv, tm, args.epsilon, args.epsilon_high)
+        if policy.cfg.can_stop:  # over the picks given going on: the stop is set from its ladders alone
+            taken = cur.taken & (t.batch.seqs >= 0)
+            kl = exact_kl(picks_given_going_on(cur.log_dist), picks_given_going_on(t.ref_dist), taken)[tm].mean()
+        else:
+            kl = exact_kl(cur.log_dist, t.ref_dist, cur.taken)[tm].mean()  # over each step taken
+        loss = ppo + beta * kl
+        learner.opt.zero_grad(set_to_none=True)
+        if last:  # once per epoch, where the policy has left the reference
+            extra["grpo/kl_grad_share"] = kl_grad_share(learner.params, ppo, beta * kl)
+        loss.backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(learner.params, args.grad_clip or math.inf))
+        if math.isfinite(norm):  # a NaN/inf gradient skips the step; the run stops just below
+            learner.opt.step()
+    if last:  # how far one batch's updates moved the policy, KL(old || new)
+        with torch.no_grad():
+            new = seq_logp(policy, policy(b.query, b.pool, b.pool_mask, b.seqs, m, True, temp), b.seqs)
+        extra["grpo/approx_kl_old"] = k3_kl(old[: len(m)], new, m).item()
+    if args.kl_target is not None:  # adaptive beta, only on request
+        if kl.item() > 1.5 * args.kl_target:
+            loop.beta = beta * 1.5
+        elif kl.item() < args.kl_target / 1.5:
+            loop.beta = beta / 1.5
+    r = b.reward[m]
+    metrics = {
+        "train/loss": loss.item(),
+        "grpo/ppo_loss": ppo.item(),
+        "grpo/kl_ref": kl.item(),
+        "grpo/clip_frac_low": float(st["clip_frac_low"]),
+        "grpo/clip_frac_high": float(st["clip_frac_high"]),
+        "grpo/ratio_mean": float(st["ratio_mean"]),
+        "grpo/entropy": cur.entropy[cur.taken].mean().item(),
+        "train/grad_norm": norm,
+        "grpo/beta": beta,
+        "grpo/reward_mean": r.mean().item(),
+        "grpo/reward_std": r.std(correction=0).item(),
+        "grpo/zero_std_frac": (reward_spread(b.reward, m) == 0)[m.any(-1)].double().mean().item(),
+        "grpo/adv_std": adv[m].std(correction=0).item(),
+        "grpo/adv_abs_max": adv[m].abs().max().item(),
+        "grpo/group_size": m.sum(-1).double().mean().item(),
+        "grpo/demos": (b.seqs >= 0).sum(-1)[m].double().mean().item(),
+        **extra,
+    }
+    return metrics, old[: len(m)]
+
+
+def advantages(b: Batch, args: Args) -> Tensor:
+    """Each sequence's advantage within its group, (B, G)."""
+    return group_advantages(b.reward, b.seq_mask, args.scale_rewards, args.rank_advantage).float()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Offline: the scored groups of rl_data.jsonl
+
+
 @torch.no_grad()
 def reference_dists(ref: PointerSelector, ds: Dataset, split: Split, batch_size: int) -> Tensor:
     """The frozen reference's per-step distributions over every training query's scored group, (Q, G, S, K) (zeros
@@ -328,6 +382,18 @@ def reference_dists(ref: PointerSelector, ds: Dataset, split: Split, batch_size:
         b = make_batch(ds, idx, split.reward, ref.cfg)
         out[idx] = ref(b.query, b.pool, b.pool_mask, b.seqs, b.seq_mask, True).log_dist
     return out
+
+
+def offline_step(learner: Learner, idx: Tensor, loop: Loop, last: bool, ds: Dataset, split: Split, args: Args) -> dict:
+    """One update on the scored groups of the anchors `idx` (B,), against the reference's cached distributions."""
+    learner.policy.eval()  # every log-prob (new, old, reference) without dropout
+    b = make_batch(ds, idx, split.reward, learner.policy.cfg)
+    adv = advantages(b, args)  # (B, G)
+    return update(learner, b, adv, Groups(b, adv, learner.ref_cache[idx]), args, loop, last)[0]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Online: groups sampled from the policy and scored by the LVLM, replayed groups, stop ladders
 
 
 @dataclass
@@ -381,45 +447,12 @@ def sample_and_score(
     prompt = policy.cfg.to_prompt(scored).flatten(1)  # (B, G'*S) -1 after a stop and in padded sequences
     icds = pool.gather(1, prompt.clamp_min(0)).where(prompt >= 0, -1).view(-1, S)  # (B*G', S) train rows, prompt order
     flat = known.flatten()  # (B*G',) a padded sequence is never scored: its reward is 0 anyway
-    fields = scorer.score("train", rows.repeat_interleave(scored.shape[1])[flat], icds[flat])
-    fields = {k: v.new_zeros(len(flat)).masked_scatter(flat, v).view(known.shape) for k, v in fields.items()}
-    reward = compute_reward(fields, args).where(known, 0.0)  # (B, G')
+    scores = scorer.score("train", rows.repeat_interleave(scored.shape[1])[flat], icds[flat])
+    scores = {k: v.new_zeros(len(flat)).masked_scatter(flat, v).view(known.shape) for k, v in scores.items()}
+    reward = compute_reward(scores, args).where(known, 0.0)  # (B, G')
     ladders = StopLadders(rows[laddered], pool[laddered], reward[laddered, G:]) if policy.cfg.can_stop else None
     explored = (order >= sampled)[ok].double().mean().item()
     return Batch(query, pool_emb, pool_mask, seqs, ok, reward[:, :G]), explored, ladders
-
-
-# An online budget's epoch takes at most this many times its planned steps: where a policy's groups stop costing calls
-# (every prompt in them scored before), more steps no longer spend the budget.
-MAX_STEPS = 10
-
-
-def most_calls(n: int, args: Args, S: int, can_stop: bool) -> int:
-    """The most LVLM calls a step of n queries asks (`sample_and_score`): their groups, and a may-stop selector's
-    ladders, S + 1 calls beside each of the batch's queries 0, N, 2N, ... (N = --ladder-every)."""
-    return n * args.group_size + can_stop * -(-n // args.ladder_every) * (S + 1)
-
-
-def budget_batches(
-    train: Tensor,
-    batch: int,
-    shuffle: torch.Generator,
-    cache: ScoreCache,
-    until: int,
-    calls: Callable[[int], int],
-    planned: int,
-) -> Iterator[tuple[Tensor, bool]]:
-    """An epoch of a budgeted run: batches of anchors from one shuffled pass after another, each as large as the calls
-    left before `until` (the cache's count, read before each step) allow, `calls(n)` the most n queries ask, so that
-    cached prompts buy more steps rather than leave the budget unspent; it ends where no query fits, or after MAX_STEPS
-    x `planned` steps. Each batch comes with whether no full step would fit after it (the epoch's last, where it spends
-    all)."""
-    anchors = (row for _ in itertools.count() for row in train[torch.randperm(len(train), generator=shuffle)].tolist())
-    for _ in range(MAX_STEPS * planned):
-        left = until - cache.calls
-        if (n := next((m for m in range(batch, 0, -1) if calls(m) <= left), 0)) == 0:
-            return
-        yield torch.tensor(list(itertools.islice(anchors, n))), left - calls(n) < calls(1)
 
 
 def with_replay(ds: Dataset, b: Batch, adv: Tensor, buffer: list[dict[str, Tensor]]) -> tuple[Batch, Tensor, Tensor]:
@@ -445,19 +478,117 @@ def replay_old(logp: Tensor, sampled: Tensor) -> Tensor:
     return torch.cat([now[: len(now) - len(sampled)], sampled])
 
 
-def replay_tensors(buffer: list[dict[str, Tensor]]) -> dict[str, Tensor]:
-    """The replay buffer as named tensors, for the epoch checkpoint."""
-    return {f"replay.{i}.{k}": v.contiguous() for i, e in enumerate(buffer) for k, v in e.items()}
+def online_step(learner: Learner, idx: Tensor, loop: Loop, last: bool, ds, scorer, queries, args, rngs) -> dict:
+    """One update on fresh groups: a query for each anchor of `idx` (B,) (see online_queries), G distinct sequences
+    each sampled from the policy and scored by the backend, plus the replay buffer's groups with --replay-steps."""
+    learner.policy.eval()  # sampling and every log-prob (new, old, reference) without dropout
+    rows, pool = queries(idx)  # (B,), (B, K)
+    fill = args.lvlm_budget is not None
+    gens = rngs["sampler"], rngs["explore"]
+    b, explored, ladders = sample_and_score(learner.policy, scorer, ds, rows, pool, args, *gens, fill)
+    if ladders is not None:
+        learner.ladders.append(ladders)
+    adv = advantages(b, args)  # (B, G)
+    t, t_adv, sampled = with_replay(ds, b, adv, learner.buffer) if args.replay_steps else (b, adv, None)
+    with torch.no_grad():
+        ref_dist = learner.ref(t.query, t.pool, t.pool_mask, t.seqs, t.seq_mask, True, args.temperature).log_dist
+    metrics, logp = update(learner, b, adv, Groups(t, t_adv, ref_dist, sampled), args, loop, last)
+    if args.replay_steps:  # the fresh groups with the log-probs they were sampled with
+        fresh = {"rows": rows, "pool": pool, "seqs": b.seqs, "mask": b.seq_mask, "adv": adv, "logp": logp}
+        learner.buffer = [*learner.buffer, fresh][-args.replay_steps :]
+    return metrics | {"grpo/explored": explored}
 
 
-def replay_buffer(tensors: dict[str, Tensor]) -> list[dict[str, Tensor]]:
-    """replay_tensors' inverse, from a checkpoint's extra tensors (none: an empty buffer)."""
+def online_queries(ds: Dataset, split: Split, args: Args, draws: torch.Generator) -> Callable:
+    """The online step's queries for a batch of anchors idx (B,), as (rows (B,), pools (B, K)). anchors = those
+    anchors and their pools; train = as many train questions, drawn with replacement among those whose picture is no
+    validation anchor's (validation stays held out), each with a fresh pool from the dataset's sampler."""
+    pictures = {"train": ds.picture_ids["train"]}
+    eligible = (~torch.isin(pictures["train"], pictures["train"][ds.groups.queries[split.val]])).nonzero()[:, 0]
+    K = ds.groups.pools.shape[1]
+
+    def draw(idx: Tensor) -> tuple[Tensor, Tensor]:
+        if args.queries == "anchors":
+            return ds.groups.queries[idx], ds.groups.pools[idx]
+        rows = eligible[torch.randint(len(eligible), (len(idx),), generator=draws)]  # (B,)
+        return rows, query_pools(ds.meta["sampler"], K, ds.emb, pictures, "train", rows, rows, draws)
+
+    return draw
+
+
+def end_epoch_stop(learner: Learner, ds: Dataset, batch_size: int) -> dict[str, float | list[float]]:
+    """A may-stop selector, online: its stop at each step set from the run's ladders so far (`set_stops`), then before
+    the first pick fitted per question on zero-shot against what a first pick leads to, each question's state that of
+    the policy as the epoch leaves it (`fit_first_stop`; an epoch's ladders alone, a few hundred, left its ridge to
+    chance). The ladders are kept as one (`stop_ladder_tensors` carries them in the checkpoint).
+    -> the record of the stop (empty where there is none)."""
+    if not learner.ladders:
+        return {}
+    one = StopLadders(*(torch.cat([getattr(p, f.name) for p in learner.ladders]) for f in fields(StopLadders)))
+    learner.ladders = [one]
+    rows, pool, reward = one.rows, one.pool, one.reward  # (P,), (P, K), (P, S + 1)
+    emb = ds.emb["train"]
+    with torch.no_grad():  # (P, H) in slices, each pool's embeddings gathered only there
+        states = torch.cat(
+            [
+                learner.policy.encode(emb[rows[i]], emb[pool[i].clamp_min(0)], pool[i] >= 0)[0]
+                for i in slices(len(rows), batch_size)
+            ]
+        )
+    go, going = set_stops(learner.policy, reward)  # going (P,): what a first pick leads to, the later steps as set
+    record = {"stop/go_later": go[1:], "stop/ladders": len(rows)}
+    return record | fit_first_stop(learner.policy, states, reward[:, 0] - going)
+
+
+# What a checkpoint carries besides the model, optimizer and RNGs: the replay buffer and the stop ladders.
+
+
+def carried(learner: Learner) -> dict[str, Tensor]:
+    """The replay buffer and the stop ladders kept at an epoch's end (one, or none), as named tensors."""
+    out = {f"replay.{i}.{k}": v.contiguous() for i, e in enumerate(learner.buffer) for k, v in e.items()}
+    if learner.ladders:
+        out |= {f"stop_ladders.{f.name}": getattr(learner.ladders[0], f.name).contiguous() for f in fields(StopLadders)}
+    return out
+
+
+def carry_back(learner: Learner, tensors: dict[str, Tensor]) -> None:
+    """`carried`'s inverse, from a checkpoint's extra tensors."""
     buffer: dict[int, dict[str, Tensor]] = {}
     for name, v in tensors.items():
         if name.startswith("replay."):
             i, k = name.removeprefix("replay.").split(".")
             buffer.setdefault(int(i), {})[k] = v
-    return [buffer[i] for i in sorted(buffer)]
+    learner.buffer = [buffer[i] for i in sorted(buffer)]
+    names = [f"stop_ladders.{f.name}" for f in fields(StopLadders)]
+    learner.ladders = [StopLadders(*(tensors[n] for n in names))] if names[0] in tensors else []
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Validation: each epoch's record
+
+
+@dataclass
+class Validation:
+    """What an epoch's record is measured on: the validation anchors, answered by `backend` where something can (the
+    first `cap` of them), a may-stop selector's picks at least `min_picks`, and the reference's greedy picks (V, S)
+    that the selection change is measured against."""
+
+    ds: Dataset
+    split: Split
+    backend: ScoreCache | None
+    cap: int | None
+    min_picks: int
+    ref_greedy: Tensor
+
+    def record(self, epoch: int, loop: Loop, means: dict, policy: PointerSelector, lvlm: ScoreCache | None) -> dict:
+        """An epoch's line of metrics.jsonl: its step means, validation (eval mode), the selection change against the
+        reference and the LVLM calls of the run so far (kept in the loop state for a resume)."""
+        record = {"phase": "grpo", "epoch": epoch, "step": loop.step, **means}
+        record.update(validate(policy, self.ds, self.split, self.backend, self.cap, self.min_picks))
+        record["grpo/selection_change"] = selection_change(policy, self.ds, self.split, self.ref_greedy)
+        if lvlm is not None:  # cumulative, training and validation
+            record["lvlm/calls"] = loop.lvlm_calls = lvlm.calls
+        return record
 
 
 def val_greedy(model: PointerSelector, ds: Dataset, split: Split) -> Tensor:
@@ -471,234 +602,73 @@ def selection_change(policy: PointerSelector, ds: Dataset, split: Split, ref_gre
     return (val_greedy(policy, ds, split) != ref_greedy).any(-1).double().mean().item()
 
 
+def warnings_for(record: dict, steps: int) -> list[str]:
+    """Plain-words alarms for dead or runaway training signals (`steps` = picks per sequence)."""
+    out = []
+    if record.get("grpo/zero_std_frac", 0) >= 1:
+        out.append("every group has equal rewards: there is no learning signal at all")
+    if record.get("grpo/adv_std", 1) < 1e-3:
+        out.append(f"advantage std is {record['grpo/adv_std']:.2g} (< 1e-3): rewards give the policy no gradient")
+    if record.get("grpo/clip_frac_low", 0) + record.get("grpo/clip_frac_high", 0) > 0.5:
+        out.append("more than half of the sequences hit the PPO clip: lower --lr or --num-iterations")
+    # Against a near-uniform reference over K candidates the KL per pick is at most about log K (a deterministic
+    # policy); 3 nats per pick is a policy that has left the reference almost entirely.
+    if record.get("grpo/kl_ref", 0) > 3 * steps:
+        out.append(
+            f"KL to the reference is {record['grpo/kl_ref']:.3g} nats per sequence (> 3 per pick): the policy is "
+            f"running away from it; raise --kl-beta or lower --lr"
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# A budget's terms, from flags and files alone (the arithmetic: icl_select/budget.py)
+
+
 @dataclass
-class Learner:
-    """What GRPO updates and carries from step to step: the policy and its optimizer, the frozen reference, the
-    reference's distributions over the offline groups (computed once), and the replay buffer of online groups."""
+class Budget:
+    """What --lvlm-budget's plan rests on: the most calls a step of n queries asks, the most one validation asks
+    (validate() asks 1..S shots of each validation anchor, where something answers them), the steps of a pass."""
 
-    policy: PointerSelector
-    ref: PointerSelector
-    opt: torch.optim.Optimizer
-    params: list[torch.nn.Parameter]
-    ref_cache: Tensor | None  # (Q, G, S, K) offline
-    buffer: list[dict[str, Tensor]]  # --replay-steps: the last steps' groups, oldest first
-    ladders: list[StopLadders] = field(default_factory=list)  # a selector that may stop: the run's, for its stop
+    total: int
+    calls: Callable[[int], int]
+    val_calls: int
+    batch_size: int
+    epochs: int | None
+    natural: int
 
-
-def seq_logp(policy: PointerSelector, steps: Steps, seqs: Tensor) -> Tensor:
-    """What PPO's ratio is taken on, (B, G): each sequence's log-prob; for a selector that may stop, of its picks
-    given that it went on (`going_on_logp`), its stop set from its ladders alone (`end_epoch_stop`): in PPO's ratio,
-    where stopping wins most groups, the stop goes to certainty (docs/ablations.md)."""
-    return going_on_logp(steps, seqs) if policy.cfg.can_stop else steps.logp.sum(-1)
+    def plan(self, spent: int = 0) -> Plan:
+        """The plan for what is left once `spent` calls are (a warm start's)."""
+        most, group = self.calls(self.batch_size), self.calls(1)
+        return budget_plan(self.total - spent, self.epochs, most, self.val_calls, group, self.natural)
 
 
-def update(lr: Learner, b: Batch, adv: Tensor, t: Batch, t_adv: Tensor, sampled, ref_dist: Tensor, args, loop, last):
-    """--num-iterations PPO-clipped updates with beta * exact KL to the reference, on the groups `t` (the batch `b`,
-    then any replayed groups, `sampled` their sampling log-probs) against the policy as it was before them; then the
-    adaptive beta, if asked for. Returns the step's metrics and the log-probs the batch was sampled with, (B, G)."""
-    m, tm = b.seq_mask, t.seq_mask  # (B, G), (B', G)
-    temp = args.temperature if args.online else 1.0
-    beta = loop["state"]["beta"]
-    old, extra = None, {}
-    for _ in range(args.num_iterations):
-        cur = lr.policy(t.query, t.pool, t.pool_mask, t.seqs, tm, True, temp)
-        logp = seq_logp(lr.policy, cur, t.seqs)  # (B', G)
-        if old is None:  # a replayed group's ratio is to the policy that sampled it
-            old = logp.detach() if sampled is None else replay_old(logp, sampled)
-        ppo, st = ppo_clip_loss(logp, old, t_adv, tm, args.epsilon, args.epsilon_high)
-        if lr.policy.cfg.can_stop:  # over the picks given going on: the stop is set from its ladders alone
-            kl = exact_kl(picks_given_going_on(cur.log_dist), picks_given_going_on(ref_dist), cur.taken & (t.seqs >= 0))
-            kl = kl[tm].mean()
-        else:
-            kl = exact_kl(cur.log_dist, ref_dist, cur.taken)[tm].mean()  # over each step taken
-        loss = ppo + beta * kl
-        lr.opt.zero_grad(set_to_none=True)
-        if last:  # once per epoch, where the policy has left the reference
-            extra["grpo/kl_grad_share"] = kl_grad_share(lr.params, ppo, beta * kl)
-        loss.backward()
-        norm = float(torch.nn.utils.clip_grad_norm_(lr.params, args.grad_clip or math.inf))
-        if math.isfinite(norm):  # a NaN/inf gradient skips the step; the run stops just below
-            lr.opt.step()
-    if last:  # how far one batch's updates moved the policy, KL(old || new)
-        with torch.no_grad():
-            new = seq_logp(lr.policy, lr.policy(b.query, b.pool, b.pool_mask, b.seqs, m, True, temp), b.seqs)
-        extra["grpo/approx_kl_old"] = k3_kl(old[: len(m)], new, m).item()
-    if args.kl_target is not None:  # adaptive beta, only on request
-        if kl.item() > 1.5 * args.kl_target:
-            loop["state"]["beta"] = beta * 1.5
-        elif kl.item() < args.kl_target / 1.5:
-            loop["state"]["beta"] = beta / 1.5
-    r = b.reward[m]
-    metrics = {
-        "train/loss": loss.item(),
-        "grpo/ppo_loss": ppo.item(),
-        "grpo/kl_ref": kl.item(),
-        "grpo/clip_frac_low": float(st["clip_frac_low"]),
-        "grpo/clip_frac_high": float(st["clip_frac_high"]),
-        "grpo/ratio_mean": float(st["ratio_mean"]),
-        "grpo/entropy": cur.entropy[cur.taken].mean().item(),
-        "train/grad_norm": norm,
-        "grpo/beta": beta,
-        "grpo/reward_mean": r.mean().item(),
-        "grpo/reward_std": r.std(correction=0).item(),
-        "grpo/zero_std_frac": (reward_spread(b.reward, m) == 0)[m.any(-1)].double().mean().item(),
-        "grpo/adv_std": adv[m].std(correction=0).item(),
-        "grpo/adv_abs_max": adv[m].abs().max().item(),
-        "grpo/group_size": m.sum(-1).double().mean().item(),
-        "grpo/demos": (b.seqs >= 0).sum(-1)[m].double().mean().item(),
-        **extra,
-    }
-    return metrics, old[: len(m)]
-
-
-def offline_step(lr: Learner, ds: Dataset, split: Split, idx: Tensor, args: Args, loop: dict, last: bool) -> dict:
-    """One update on the scored groups of the anchors `idx` (B,), against the reference's cached distributions."""
-    lr.policy.eval()  # every log-prob (new, old, reference) without dropout
-    b = make_batch(ds, idx, split.reward, lr.policy.cfg)
-    adv = group_advantages(b.reward, b.seq_mask, args.scale_rewards, args.rank_advantage).float()  # (B, G)
-    return update(lr, b, adv, b, adv, None, lr.ref_cache[idx], args, loop, last)[0]
-
-
-def online_step(lr: Learner, ds: Dataset, scorer: ScoreCache, queries, idx: Tensor, args: Args, loop, rngs, last):
-    """One update on fresh groups: a query for each anchor of `idx` (B,) (see online_queries), G distinct sequences
-    each sampled from the policy and scored by the backend, plus the replay buffer's groups with --replay-steps."""
-    lr.policy.eval()  # sampling and every log-prob (new, old, reference) without dropout
-    rows, pool = queries(idx)  # (B,), (B, K)
-    fill = args.lvlm_budget is not None
-    gens = rngs["sampler"], rngs["explore"]
-    b, explored, ladders = sample_and_score(lr.policy, scorer, ds, rows, pool, args, *gens, fill)
-    if ladders is not None:
-        lr.ladders.append(ladders)
-    adv = group_advantages(b.reward, b.seq_mask, args.scale_rewards, args.rank_advantage).float()  # (B, G)
-    t, t_adv, sampled = with_replay(ds, b, adv, lr.buffer) if args.replay_steps else (b, adv, None)
-    with torch.no_grad():
-        ref_dist = lr.ref(t.query, t.pool, t.pool_mask, t.seqs, t.seq_mask, True, args.temperature).log_dist
-    metrics, logp = update(lr, b, adv, t, t_adv, sampled, ref_dist, args, loop, last)
-    if args.replay_steps:  # the fresh groups with the log-probs they were sampled with
-        fresh = {"rows": rows, "pool": pool, "seqs": b.seqs, "mask": b.seq_mask, "adv": adv, "logp": logp}
-        lr.buffer = [*lr.buffer, fresh][-args.replay_steps :]
-    return metrics | {"grpo/explored": explored}
-
-
-def online_queries(ds: Dataset, split: Split, args: Args, draws: torch.Generator):
-    """The online step's queries for a batch of anchors idx (B,), as (rows (B,), pools (B, K)). anchors = those
-    anchors and their pools; train = as many train questions, drawn with replacement among those whose image is no
-    validation anchor's (validation stays held out), each with a fresh pool from the dataset's sampler."""
-    image_ids = {"train": ds.picture_ids["train"]}
-    eligible = (~torch.isin(image_ids["train"], image_ids["train"][ds.groups.queries[split.val]])).nonzero()[:, 0]
-    K = ds.groups.pools.shape[1]
-
-    def draw(idx: Tensor) -> tuple[Tensor, Tensor]:
-        if args.queries == "anchors":
-            return ds.groups.queries[idx], ds.groups.pools[idx]
-        rows = eligible[torch.randint(len(eligible), (len(idx),), generator=draws)]  # (B,)
-        return rows, query_pools(ds.meta["sampler"], K, ds.emb, image_ids, "train", rows, rows, draws)
-
-    return draw
-
-
-def learner(args: Args, ds: Dataset, split: Split, init: Path) -> Learner:
-    """The `init` selector as the policy (its picks kept, grown to the data's sequence length where fewer) and as the
-    frozen reference, its AdamW optimizer, and for offline GRPO the reference's distributions over the
-    scored groups."""
-    policy = load_selector(init)
-    policy.set_picks(max(policy.cfg.picks, ds.seq_len))  # Lever-LM's 2-shot data: still asked for its 4
-    if args.item_bias and policy.items is None:  # every score 0: the reference is the init's policy all the same
-        policy.remember_items(ds.emb["train"])
-    ref = copy.deepcopy(policy).eval().requires_grad_(False)
-    if args.freeze_backbone:
-        for p in policy.backbone_parameters():
-            p.requires_grad_(False)
-    for p in policy.stop_parameters():  # set at the end of an online epoch (`end_epoch_stop`), not by its steps
-        p.requires_grad_(False)
-    params = [p for p in policy.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    ref_cache = None if args.online else reference_dists(ref, ds, split, args.batch_size)  # (Q, G, S, K)
-    return Learner(policy, ref, opt, params, ref_cache, [])
-
-
-def end_epoch_stop(lr: Learner, ds: Dataset, batch_size: int) -> dict[str, float | list[float]]:
-    """A may-stop selector, online: its stop at each step set from the run's ladders so far (`set_stops`), then before
-    the first pick fitted per question on zero-shot against what a first pick leads to, each question's state that of
-    the policy as the epoch leaves it (`fit_first_stop`; an epoch's ladders alone, a few hundred, left its ridge to
-    chance). The ladders are kept as one (`stop_ladder_tensors` carries them in the checkpoint).
-    -> the record of the stop (empty where there is none)."""
-    if not lr.ladders:
-        return {}
-    lr.ladders = [StopLadders(*(torch.cat([getattr(p, f.name) for p in lr.ladders]) for f in fields(StopLadders)))]
-    rows, pool, reward = lr.ladders[0].rows, lr.ladders[0].pool, lr.ladders[0].reward  # (P,), (P, K), (P, S + 1)
-    emb = ds.emb["train"]
-    with torch.no_grad():  # (P, H) in slices, each pool's embeddings gathered only there
-        states = torch.cat(
-            [
-                lr.policy.encode(emb[rows[i]], emb[pool[i].clamp_min(0)], pool[i] >= 0)[0]
-                for i in slices(len(rows), batch_size)
-            ]
-        )
-    go, going = set_stops(lr.policy, reward)  # going (P,): what a first pick leads to, the later steps as set
-    record = {"stop/go_later": go[1:], "stop/ladders": len(rows)}
-    return record | fit_first_stop(lr.policy, states, reward[:, 0] - going)
-
-
-def stop_ladder_tensors(ladders: list[StopLadders]) -> dict[str, Tensor]:
-    """The stop ladders kept at an epoch's end (one, or none), as named tensors for the epoch checkpoint."""
-    if not ladders:
-        return {}
-    return {f"stop_ladders.{f.name}": getattr(ladders[0], f.name).contiguous() for f in fields(StopLadders)}
-
-
-def stop_ladders(tensors: dict[str, Tensor]) -> list[StopLadders]:
-    """stop_ladder_tensors' inverse, from a checkpoint's extra tensors (none: no ladders)."""
-    names = [f"stop_ladders.{f.name}" for f in fields(StopLadders)]
-    return [StopLadders(*(tensors[n] for n in names))] if names[0] in tensors else []
-
-
-def epoch_record(epoch: int, loop: dict, means: dict, policy, ds, split, backend, cap, min_picks, lvlm, ref_greedy):
-    """An epoch's line of metrics.jsonl: its step means, validation (eval mode; a selector that may stop makes at least
-    `min_picks` picks), the selection change against the reference's greedy picks and the LVLM calls of the run so far
-    (kept in the loop state for a resume)."""
-    record = {"phase": "grpo", "epoch": epoch, "step": loop["step"], **means}
-    record.update(validate(policy, ds, split, backend, cap, min_picks))
-    record["grpo/selection_change"] = selection_change(policy, ds, split, ref_greedy)
-    if lvlm is not None:  # cumulative, training and validation
-        record["lvlm/calls"] = loop["state"]["lvlm_calls"] = lvlm.calls
-    return record
-
-
-def budget_terms(args: Args, ds: Dataset, split: Split) -> tuple[Callable[[int], Plan], Callable[[int], int], int]:
-    """What --lvlm-budget's plan rests on, from flags and files alone: the plan a budget affords, the most calls a
-    step of n queries asks (`most_calls`) and the most one validation asks (validate() asks 1..S shots of each
-    validation anchor, where something answers them)."""
-    S, steps = ds.seq_len, steps_per_epoch(split.train, args.batch_size)
+def budget_of(args: Args, ds: Dataset, split: Split) -> Budget:
+    S = ds.seq_len
     answered = split.val if ds.is_sim else split.val[: args.val_max_queries] if args.val_lvlm else split.val[:0]
-    val_calls = len(answered) * S
-    step_calls = functools.partial(most_calls, args=args, S=S, can_stop=stops(Path(args.init)))
-
-    def plan_for(budget: int) -> Plan:
-        return budget_plan(budget, args.epochs, step_calls(args.batch_size), val_calls, step_calls(1), steps)
-
-    return plan_for, step_calls, val_calls
+    calls = functools.partial(
+        step_calls, group=args.group_size, ladder_every=args.ladder_every, seq_len=S, can_stop=may_stop(args.init)
+    )
+    natural = steps_per_epoch(split.train, args.batch_size)
+    return Budget(args.lvlm_budget, calls, len(answered) * S, args.batch_size, args.epochs, natural)
 
 
-def check_budget(args: Args, ds: Dataset, split: Split) -> None:
-    """Refuse, before any LVLM loads, a budget this run cannot spend at least 95% of: its last step may leave less than
-    one query's calls unspent, and its last validation ask none of the calls kept for it. (Above that least budget,
-    a warm start's validations always leave room for the online run.)"""
-    plan_for, step_calls, val_calls = budget_terms(args, ds, split)
-    least = 20 * (step_calls(1) - 1 + val_calls)
-    if args.lvlm_budget < least:
+def check_budget(budget: Budget) -> None:
+    """Refuse, before any LVLM loads, a budget this run cannot spend at least 95% of (`budget.least_budget`), or one
+    with no room for a step. (Above that least budget, a warm start's validations always leave room for the online
+    run.)"""
+    least = least_budget(budget.calls(1), budget.val_calls)
+    if budget.total < least:
         raise ValueError(
-            f"--lvlm-budget {args.lvlm_budget} is below {least}, the smallest this run spends at least 95% of: its "
-            f"last step may leave up to {step_calls(1) - 1} calls unspent (a query asks up to {step_calls(1)}) and "
-            f"its last validation up to {val_calls}"
+            f"--lvlm-budget {budget.total} is below {least}, the smallest this run spends at least 95% of: its last "
+            f"step may leave up to {budget.calls(1) - 1} calls unspent (a query asks up to {budget.calls(1)}) and its "
+            f"last validation up to {budget.val_calls}"
         )
-    plan_for(args.lvlm_budget)  # one epoch's steps and validations fit
+    budget.plan()
 
 
-def stops(init: Path) -> bool:
-    """Whether the selector at `init` may stop. GRPO trains such a selector's stop online only, from its stop ladders,
-    which offline groups lack: so it is refused offline (a short budget's warm start trains its picks alone)."""
-    return load_selector(init).cfg.can_stop
+# ----------------------------------------------------------------------------------------------------------------------
+# The run
 
 
 def warm_start_args(args: Args, out: Path) -> Args:
@@ -712,122 +682,130 @@ def warm_start_args(args: Args, out: Path) -> Args:
 def main(args: Args) -> None:
     args = resolve(args)
     check_args(args)
-    if not args.online and stops(args.init):
+    if not args.online and may_stop(args.init):
         raise ValueError(
             f"--init {args.init} may stop, and GRPO learns when to stop online only: add --online (a budgeted online "
             "run's warm start trains its picks offline first)"
         )
     ds = load_dataset(args.data)
     check_selector(load_selector(args.init), args.init, lineage.reads(ds.meta), ds.folder, ds.emb["train"].shape[1])
-    if args.lvlm_budget is not None:
-        check_budget(args, ds, split_queries(ds, args))
-    check_continues(args.out or default_out(args), args, ds)  # before a model loads
+    split = split_queries(ds, args)
+    budget = budget_of(args, ds, split) if args.lvlm_budget is not None else None
+    if budget is not None:
+        check_budget(budget)
+    out = args.out or default_out(args)
+    check_continues(out, args, ds)  # before a model loads
     rank, world = sharding.init()  # every rank trains the same policy on the same batches; RunFolder: rank 0 writes
-    train(args, ds, validation_backend(ds, args), rank, world)
+    backend = validation_backend(ds, args)  # answers the validation anchors, where something can
+
+    # The warm start, where a budget affords fewer steps than the default run: offline GRPO from --init, on the same
+    # score cache, so its validations are counted, and paid for, once
+    plan, warm = budget.plan() if budget else None, None
+    default_epochs = marked(Args, PerMode)["epochs"].online
+    if plan is not None and args.warm_start and plan.steps < (args.epochs or default_epochs) * budget.natural:
+        offline = out / "offline"
+        if rank == 0:
+            print(f"warm start: offline GRPO from {args.init} -> {offline} (--no-warm-start skips it)", flush=True)
+        train(warm_start_args(args, offline), ds, backend, Path(args.init), None, None, rank, world)
+        warm = {"run": str(offline), "lvlm_calls": 0 if backend is None else backend.calls}
+        plan = budget.plan(warm["lvlm_calls"])
+
+    train(args, ds, backend, Path(warm["run"]) if warm else Path(args.init), plan, warm, rank, world)
     sharding.finish(world)
 
 
-def train(args: Args, ds: Dataset, backend: ScoreCache | None, rank: int, world: int) -> None:
-    """One GRPO run; `backend` answers the validation anchors' greedy picks, where something can (validation_backend).
-    A short budget's warm start runs first on the same cache, so its scores are counted, and paid for, once."""
+def train(args, ds, backend, init: Path, plan: Plan | None, warm: dict | None, rank: int, world: int) -> None:
+    """One GRPO run from the selector `init`; `backend` answers the validation anchors' greedy picks, where something
+    can (validation_backend), and online scores on the same cache; a budget's `plan`, and the `warm` start it
+    follows."""
     out = args.out or default_out(args)
     split = split_queries(ds, args)
-    S, steps = ds.seq_len, steps_per_epoch(split.train, args.batch_size)
+    S = ds.seq_len
     metric, cap = selection_metric(backend), None if ds.is_sim else args.val_max_queries
     # Offline, a may-stop selector is a warm start, training its picks alone: they are judged, and its best epoch
     # chosen, filling every slot (by the stop it does not train, that epoch was chance's).
     min_picks = 0 if args.online else S
-    plan, init, warm, short = None, Path(args.init), None, False
-    if args.lvlm_budget is not None:
-        plan_for, step_calls, _ = budget_terms(args, ds, split)
-        plan = plan_for(args.lvlm_budget)
-        short = plan.steps < (args.epochs or MODE_DEFAULTS["online"]["epochs"]) * steps  # fewer than the default run
-    if args.online and args.warm_start and short:
-        init = out / "offline"
-        if rank == 0:
-            print(f"warm start: offline GRPO from {args.init} -> {init} (--no-warm-start skips it)", flush=True)
-        train(warm_start_args(args, init), ds, backend, rank, world)
-        warm = {"run": str(init), "lvlm_calls": 0 if backend is None else backend.calls}
-        if plan is not None:
-            plan = plan_for(args.lvlm_budget - warm["lvlm_calls"])
     if plan is not None:
-        args, steps = replace(args, epochs=plan.epochs), plan.steps_per_epoch
-    total = args.epochs * steps
-    first = warm["lvlm_calls"] if warm else 0  # a budget's calls before this run's own (its learning rate's clock)
+        args = replace(args, epochs=plan.epochs)
 
     with RunFolder(out, rank, world) as run:
         resume_from = run.resume(args, ds)  # the last checkpoint of this run, if a re-run continues it
         scorer = (backend or dataset_backend(ds, args)) if args.online else None  # the same cache scores online
         lvlm = scorer or backend  # the one cache in front of the LVLM: its misses are the calls counted
+        calls = (lambda: lvlm.calls) if lvlm is not None else (lambda: 0)
         torch.manual_seed(args.seed)
-        lr = learner(args, ds, split, init)
+        learner = make_learner(args, ds, split, init)
         rngs = {
             "shuffle": torch.Generator().manual_seed(args.seed + 1),
             "sampler": torch.Generator().manual_seed(args.seed + 2),
             "queries": torch.Generator().manual_seed(args.seed + 3),
             "explore": torch.Generator().manual_seed(args.seed + 4),
         }
-        queries = online_queries(ds, split, args, rngs["queries"])
-        ref_greedy = val_greedy(lr.ref, ds, split)  # (V, S): selection change is measured against these
-        loop = new_loop({"beta": args.kl_beta})  # beta moves only with --kl-target
+        if args.online:
+            queries = online_queries(ds, split, args, rngs["queries"])
+            step = functools.partial(online_step, ds=ds, scorer=scorer, queries=queries, args=args, rngs=rngs)
+        else:
+            step = functools.partial(offline_step, ds=ds, split=split, args=args)
+        if plan is None:  # an epoch is a pass over the training anchors
+            natural = steps_per_epoch(split.train, args.batch_size)
+            epochs = Passes(split.train, args.batch_size, rngs["shuffle"], args.epochs, natural)
+        else:  # an epoch is its share of the calls left once every validation is kept, however many steps it takes
+            can_stop = learner.policy.cfg.can_stop
+            most = functools.partial(
+                step_calls, group=args.group_size, ladder_every=args.ladder_every, seq_len=S, can_stop=can_stop
+            )
+            first = warm["lvlm_calls"] if warm else 0  # calls spent before this run: its learning rate's clock starts
+            epochs = Spending(split.train, args.batch_size, rngs["shuffle"], calls, most, args.lvlm_budget, first, plan)
+        validation = Validation(ds, split, backend, cap, min_picks, val_greedy(learner.ref, ds, split))
+        loop = Loop(beta=args.kl_beta)  # beta moves only with --kl-target
         if resume_from is not None:
-            loop, extra = run.restore(resume_from, lr.policy, lr.opt, rngs, lvlm)
-            lr.buffer, lr.ladders = replay_buffer(extra), stop_ladders(extra)
+            loop, extra = run.restore(resume_from, learner.policy, learner.opt, rngs, lvlm)
+            carry_back(learner, extra)
         planned = ({"budget_plan": asdict(plan)} if plan else {}) | ({"warm_start": warm} if warm else {})
         run.start(args, ds, split, loop, resume_from is not None, {"out": str(out), **planned})
         if resume_from is None:  # epoch 0 = the initial policy, the start of every curve
-            run.log(epoch_record(0, loop, {}, lr.policy, ds, split, backend, cap, min_picks, lvlm, ref_greedy))
+            run.log(validation.record(0, loop, {}, learner.policy, lvlm))
 
-        for epoch in range(loop["epoch"] + 1, args.epochs + 1):
-            start, calls = time.perf_counter(), lvlm.calls if lvlm else 0  # the bar's LVLM sequences a second
-            if plan is None:  # a pass over the training anchors
-                batches = pass_batches(split.train, args.batch_size, rngs["shuffle"])
-                bar = run.progress(epoch, args.epochs, steps)
-            else:  # an epoch is its share of the calls left once every validation is kept, however many steps it takes
-                later = args.epochs - epoch + 1  # this epoch and those after it
-                until = calls + (args.lvlm_budget - calls - later * plan.val_calls) // later
-                batches = budget_batches(split.train, args.batch_size, rngs["shuffle"], lvlm, until, step_calls, steps)
-                bar = run.progress(epoch, args.epochs, until - calls, unit="call")
+        for epoch in range(loop.epoch + 1, args.epochs + 1):
+            # ---- the epoch's steps
+            start, at_start = time.perf_counter(), calls()  # the bar's LVLM sequences a second
+            batches = epochs.batches(epoch)
+            bar = run.progress(epoch, args.epochs, epochs.size(), epochs.unit)
             means = EpochMeans()
             for idx, last in batches:
-                done = lvlm.calls if lvlm else 0
-                progress = (loop["step"], total) if plan is None else (done - first, args.lvlm_budget - first)
-                for group in lr.opt.param_groups:  # a function of the step (a budget's: of its calls) alone
-                    group["lr"] = args.lr * lr_factor(args.lr_schedule, *progress)
-                if args.online:
-                    metrics = online_step(lr, ds, scorer, queries, idx, args, loop, rngs, last)
-                else:
-                    metrics = offline_step(lr, ds, split, idx, args, loop, last)
-                loop["step"] += 1
+                before = calls()
+                for group in learner.opt.param_groups:  # a function of the step (a budget's: of its calls) alone
+                    group["lr"] = args.lr * lr_factor(args.lr_schedule, *epochs.clock(loop.step, before))
+                metrics = step(learner, idx, loop, last)
+                loop.step += 1
                 if args.kl_target is not None:  # beta moves every step: log every step
-                    run.log({"phase": "grpo", "kind": "step", "epoch": epoch, "step": loop["step"], **metrics})
-                stop_if_diverged(metrics, "grpo", epoch, loop["step"], out, "try a lower --lr or a larger --kl-beta")
+                    run.log({"phase": "grpo", "kind": "step", "epoch": epoch, "step": loop.step, **metrics})
+                stop_if_diverged(metrics, "grpo", epoch, loop.step, out, "try a lower --lr or a larger --kl-beta")
                 means.add(metrics)
-                rate = f" seq_per_s={(lvlm.calls - calls) / (time.perf_counter() - start):.1f}" if args.online else ""
+                rate = f" seq_per_s={(calls() - at_start) / (time.perf_counter() - start):.1f}" if args.online else ""
                 bar.set_postfix_str(log_line(metrics, SHOWN) + rate, refresh=False)  # drawn at the bar's next redraw
-                bar.update(1 if plan is None else lvlm.calls - done)
+                bar.update(epochs.moved(before, calls()))
             bar.close()
-            per_s = (lvlm.calls - calls) / (time.perf_counter() - start) if args.online else None  # before validation
-            means = means.result() | end_epoch_stop(lr, ds, args.batch_size)
+            per_s = (calls() - at_start) / (time.perf_counter() - start) if args.online else None  # before validation
+            means = means.result() | end_epoch_stop(learner, ds, args.batch_size)
 
-            record = epoch_record(epoch, loop, means, lr.policy, ds, split, backend, cap, min_picks, lvlm, ref_greedy)
+            # ---- validation, the best epoch and the checkpoint
+            record = validation.record(epoch, loop, means, learner.policy, lvlm)
             if per_s is not None and not ds.is_sim:  # the epoch's LVLM sequences a second, readable after the run
                 record["lvlm/seq_per_s"] = round(per_s, 3)
             if warnings := warnings_for(record, S):
                 record["warnings"] = warnings
             # epoch 0 is no candidate: see validation.selection_metric
-            if args.select_epoch == "last" or record[metric] > loop["best"]:
-                loop["best"], loop["best_epoch"] = record[metric], epoch
-            record["best_epoch"] = loop["best_epoch"]
-            loop["epoch"] = epoch
-            kept = replay_tensors(lr.buffer) | stop_ladder_tensors(lr.ladders)
-            run.end_epoch(record, lr.policy, lr.opt, rngs, loop, args.keep_every, lvlm, kept)
+            if args.select_epoch == "last" or record[metric] > loop.best:
+                loop.best, loop.best_epoch = record[metric], epoch
+            record["best_epoch"] = loop.best_epoch
+            loop.epoch = epoch
+            run.end_epoch(record, learner.policy, learner.opt, rngs, loop, args.keep_every, lvlm, carried(learner))
             warned = "".join(f"\n  warning: {w}" for w in warnings)
             run.say(f"{out.name} epoch {epoch}: {log_line(record, (*SHOWN, 'val/reward', 'val/acc'))}{warned}")
-        chosen = f"{args.select_epoch} epoch {loop['best_epoch']} ({metric} {loop['best']:.4f})"
-        run.say(f"{chosen} -> {out}/model.safetensors")
+        run.say(f"{args.select_epoch} epoch {loop.best_epoch} ({metric} {loop.best:.4f}) -> {out}/model.safetensors")
         if plan is not None:  # a bound, not a target: prompts scored before (a stop's zero-shot prompt) cost no call
-            run.say(f"LVLM calls: {lvlm.calls:,} of the --lvlm-budget {args.lvlm_budget:,} (repeated prompts are free)")
+            run.say(f"LVLM calls: {calls():,} of the --lvlm-budget {args.lvlm_budget:,} (repeated prompts are free)")
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ from icl_select.batches import Batch, Split, image_index, make_batch, pass_batch
 from icl_select.cli import alias, default_is, help_first, run_cli
 from icl_select.data import Quality, load_dataset
 from icl_select.epochs import EpochMeans, log_line, lr_factor, stop_if_diverged
-from icl_select.runs import RunFolder, check_continues, check_selector, load_selector, new_loop, read_metrics
+from icl_select.runs import Loop, RunFolder, check_continues, check_selector, load_selector, read_metrics
 from icl_select.stops import set_stops
 from icl_select.train_args import TrainArgs, check_train_args
 from icl_select.validation import (
@@ -250,7 +250,7 @@ def main(args: Args) -> None:
 
         # resume
         rngs = {"shuffle": torch.Generator().manual_seed(args.seed + 1)}
-        loop = new_loop()
+        loop = Loop()
         if resume_from is not None:
             loop, _ = run.restore(resume_from, model, opt, rngs, backend)
         run.start(args, ds, split, loop, resume_from is not None)
@@ -258,45 +258,45 @@ def main(args: Args) -> None:
             record = {"phase": "rce", "epoch": 0, "step": 0, **validate(model, ds, split, backend, cap, min_picks)}
             run.log(record | ({"lvlm/calls": backend.calls} if backend else {}))
 
-        for epoch in range(loop["epoch"] + 1, args.epochs + 1):
+        for epoch in range(loop.epoch + 1, args.epochs + 1):
             means = EpochMeans()
             bar = run.progress(epoch, args.epochs, steps)
             for idx, _ in pass_batches(split.train, args.batch_size, rngs["shuffle"]):
-                loss, norm, tau = train_step(model, opt, ds, idx, split.reward, args, loop["step"], total)
-                loop["step"] += 1
+                loss, norm, tau = train_step(model, opt, ds, idx, split.reward, args, loop.step, total)
+                loop.step += 1
                 m = {"train/loss": loss.item(), "train/tau": tau, "train/grad_norm": norm}
-                stop_if_diverged(m, "rce", epoch, loop["step"], out, "try a lower --lr")
+                stop_if_diverged(m, "rce", epoch, loop.step, out, "try a lower --lr")
                 means.add(m)
                 bar.set_postfix_str(log_line(m, SHOWN), refresh=False)  # drawn at the bar's next timed redraw
                 bar.update()
             bar.close()
 
             # validation, best and checkpoint
-            record = {"phase": "rce", "epoch": epoch, "step": loop["step"], **means.result()}
+            record = {"phase": "rce", "epoch": epoch, "step": loop.step, **means.result()}
             record.update(validate(model, ds, split, backend, cap, min_picks))
             if backend is not None:  # cumulative over the run, as grpo logs it
-                record["lvlm/calls"] = loop["state"]["lvlm_calls"] = backend.calls
-            if record[metric] > loop["best"]:  # epoch 0 is no candidate: see validation.selection_metric
-                loop["best"], loop["best_epoch"] = record[metric], epoch
-            record["best_epoch"] = loop["best_epoch"]
-            loop["epoch"] = epoch
+                record["lvlm/calls"] = loop.lvlm_calls = backend.calls
+            if record[metric] > loop.best:  # epoch 0 is no candidate: see validation.selection_metric
+                loop.best, loop.best_epoch = record[metric], epoch
+            record["best_epoch"] = loop.best_epoch
+            loop.epoch = epoch
             run.end_epoch(record, model, opt, rngs, loop, args.keep_every, backend)
             run.say(f"{out.name} epoch {epoch}: {log_line(record, (*SHOWN, 'val/reward', 'val/acc'))}")
-        run.say(f"best epoch {loop['best_epoch']} ({metric} {loop['best']:.4f}) -> {out}/model.safetensors")
+        run.say(f"best epoch {loop.best_epoch} ({metric} {loop.best:.4f}) -> {out}/model.safetensors")
 
         # the stop at each step, from what picks like its own win on anchors they never trained on (once: its record,
         # with the calls it took, ends metrics.jsonl)
         if (
             model.cfg.can_stop
             and backend is not None
-            and loop["best_epoch"] is not None
+            and loop.best_epoch is not None
             and "stop/go_on" not in read_metrics(out / "metrics.jsonl")[-1]
         ):
             acc = held_out_accuracy(args, ds, split, backend, init, picks, cap)  # (n, S + 1)
             best = load_selector(out)
             go, _ = set_stops(best, acc)
             best.save(out)
-            keep = {k: loop[k] for k in ("epoch", "step", "best_epoch")}
+            keep = {"epoch": loop.epoch, "step": loop.step, "best_epoch": loop.best_epoch}
             gain = float((acc[:, 1:].mean(-1) - acc[:, 0]).mean())  # over zero-shot, 1..S shots
             run.log({"phase": "rce", **keep, "lvlm/calls": backend.calls, "stop/gain": gain, "stop/go_on": go})
             run.say(

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from icl_select import lineage, sharding
-from icl_select.cli import default_is
+from icl_select.cli import SIDE, default_is
 from icl_select.data import SEQ_FIELDS
 from icl_select.sim import SPLITS, SimConfig, Simulator
 from icl_select.sim_caption import CaptionConfig, CaptionSimulator
@@ -66,17 +66,17 @@ class LVLMRun:
     """Real LVLM: prompts per forward pass at most."""
     lvlm_batch_tokens: int = 0
     """Real LVLM: padded prompt tokens per forward pass at most, a memory bound (0 = none)."""
-    lvlm_workers: int = 0
+    lvlm_workers: Annotated[int, SIDE] = 0
     """Real LVLM: threads that prepare pictures ahead of the model (0 = one per core, shared by a machine's ranks)."""
     device: str = "auto"
     """Real LVLM: auto = this rank's CUDA device in bf16 if present, else CPU float32."""
-    image_cache_mib: int = 4096
+    image_cache_mib: Annotated[int, SIDE] = 4096
     """Real LVLM: memory per process for decoded and preprocessed pictures (half each)."""
-    encoder_cache_mib: int = 4096
+    encoder_cache_mib: Annotated[int, SIDE] = 4096
     """Real LVLM: GPU memory per process for vision-encoder outputs (Qwen family; 0 = off)."""
     lvlm_compile: bool = True
     """Real LVLM on CUDA in half precision: torch.compile its norms, MLPs and vision blocks (fused kernels)."""
-    skip_self_check: bool = False
+    skip_self_check: Annotated[bool, SIDE] = False
     """Real LVLM: skip the self-check against plain transformers (docs/real-models.md)."""
 
 

@@ -4,10 +4,12 @@ of the stage's docstring, sets --threads, and ends bad input, Ctrl-C or a full d
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import shlex
 import sys
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,9 +28,60 @@ class CpuArgs:
 # Flags that name places, not settings: a resumed run compares what they hold (the data's digest, the --init
 # weights' hash), so a moved run, dataset or init folder still resumes.
 PATH_ARGS = ("out", "data", "init")
-# Flags that change what is kept, shown or how a run is started, never what is trained: a resumed run may change
-# them freely, and compare.py does not list them among the flags that differ.
-SIDE_ARGS = ("keep_every", "report_to", "skip_self_check", "lvlm_workers", "image_cache_mib", "encoder_cache_mib")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# What a flag's declaration says besides its type, default and help: markers in its Annotated[...], read by `marked`.
+
+
+@dataclass(frozen=True)
+class Side:
+    """A flag that changes what is kept, shown or how a run is started, never what is trained: a resumed run may change
+    it freely, it is no input of what the run makes (lineage.py), and compare.py does not list it."""
+
+
+SIDE = Side()
+
+
+@dataclass(frozen=True)
+class PerMode:
+    """The default of a flag left at None, by mode (grpo.py: offline or online)."""
+
+    offline: object
+    online: object
+
+
+def modes(offline, online) -> tuple:
+    """A flag whose default depends on the mode: its --help hint and its values, declared together
+    (`Annotated[float | None, *modes(1e-4, 1e-3)] = None`)."""
+    return default_is(f"{offline} offline, {online} online"), PerMode(offline, online)
+
+
+@dataclass(frozen=True)
+class Named:
+    """How a flag names a run's default output folder where its value is not its default: a format of the value
+    ("lr{:g}"), or a function of it."""
+
+    name: str | Callable[[object], str]
+
+    def of(self, value) -> str:
+        return self.name.format(value) if isinstance(self.name, str) else self.name(value)
+
+
+def marked(cls: type, kind: type) -> dict[str, object]:
+    """Each field of the dataclass `cls` declared with a marker of `kind`, in declaration order: name -> the marker."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    found = {}
+    for f in dataclasses.fields(cls):
+        for m in getattr(hints[f.name], "__metadata__", ()):
+            if isinstance(m, kind):
+                found[f.name] = m
+    return found
+
+
+def side_flags(cls: type) -> tuple[str, ...]:
+    """The flags of `cls` marked SIDE."""
+    return tuple(marked(cls, Side))
 
 
 def alias(*names: str):

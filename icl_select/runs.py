@@ -18,7 +18,7 @@ import math
 import shutil
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from pathlib import Path
 
@@ -27,7 +27,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from icl_select import lineage, sharding
-from icl_select.cli import PATH_ARGS, SIDE_ARGS
+from icl_select.cli import PATH_ARGS, side_flags
 from icl_select.data import data_digest
 from icl_select.files import (
     DataError,
@@ -44,9 +44,18 @@ from icl_select.tracking import open_tracker
 from model import PointerSelector, load_state_strict, selector_config
 
 
-def new_loop(state: dict | None = None) -> dict:
-    """The loop state every checkpoint saves (`state`: a stage's own, such as GRPO's adaptive beta)."""
-    return {"epoch": 0, "step": 0, "best": -math.inf, "best_epoch": None, "state": state or {}}
+@dataclass
+class Loop:
+    """Where a training run stands, as every checkpoint saves it: the epochs and steps done, the best epoch so far by
+    its validation metric, the LVLM calls the run has paid for (a resume restores the score cache to them), and
+    GRPO's beta (it moves only with --kl-target)."""
+
+    epoch: int = 0
+    step: int = 0
+    best: float = -math.inf
+    best_epoch: int | None = None
+    lvlm_calls: int | None = None
+    beta: float | None = None
 
 
 class RunFolder:
@@ -80,15 +89,15 @@ class RunFolder:
         """The checkpoint this very run continues from (rank 0 decides, see `resume_point`), or None."""
         return sharding.from_rank0(resume_point(self.out, args, ds) if self.lead else None, self.world)
 
-    def restore(self, resume_from: Path, model, opt, rngs: dict, cache=None) -> tuple[dict, dict]:
+    def restore(self, resume_from: Path, model, opt, rngs: dict, cache=None) -> tuple[Loop, dict]:
         """Model, optimizer, RNGs and loop state from `resume_from`, and the LVLM scores the run had paid for by then
         (so a resumed run neither pays nor counts a score twice); returns the loop state and the extra tensors."""
         loop, extra = load_checkpoint(resume_from, model, opt, rngs)
-        if cache is not None and "lvlm_calls" in loop["state"]:
-            cache.restore(read_tensors(self.out / "scores.safetensors"), loop["state"]["lvlm_calls"])
+        if cache is not None and loop.lvlm_calls is not None:
+            cache.restore(read_tensors(self.out / "scores.safetensors"), loop.lvlm_calls)
         return loop, extra
 
-    def start(self, args, ds, split, loop: dict, resumed: bool, extra: dict | None = None) -> None:
+    def start(self, args, ds, split, loop: Loop, resumed: bool, extra: dict | None = None) -> None:
         """config.json for a new run; metrics.jsonl (cut back to the resumed epoch) and the --report-to tracker, which
         a finished run that is re-run does not open."""
         if not self.lead:
@@ -97,9 +106,9 @@ class RunFolder:
             write_config(self.out, args, ds, split, extra)
         # what the selector's weights read and were trained for, in its model.json and checkpoints
         self.selector_made_from = selector_made_from(ds)
-        self.metrics = MetricsLog(self.out / "metrics.jsonl", loop["epoch"] if resumed else None)
-        if loop["epoch"] < args.epochs:
-            resumed_at = loop["step"] if resumed else None
+        self.metrics = MetricsLog(self.out / "metrics.jsonl", loop.epoch if resumed else None)
+        if loop.epoch < args.epochs:
+            resumed_at = loop.step if resumed else None
             self.metrics.tracker = open_tracker(args.report_to, self.out, flag_values(args), resumed_at)
 
     def log(self, record: dict) -> None:
@@ -111,19 +120,19 @@ class RunFolder:
         desc = f"{self.out.name} epoch {epoch}/{epochs}"
         return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, leave=False, disable=not self.lead)
 
-    def end_epoch(self, record: dict, model, opt, rngs: dict, loop: dict, keep_every: int, cache=None, extra=None):
+    def end_epoch(self, record: dict, model, opt, rngs: dict, loop: Loop, keep_every: int, cache=None, extra=None):
         """The epoch's record, the selected weights when it is the best so far, the LVLM scores, the checkpoint and
         its pruning, and the epoch's line on the terminal."""
         if not self.lead:
             return
         model.made_from = self.selector_made_from
-        if loop["best_epoch"] == record["epoch"]:
+        if loop.best_epoch == record["epoch"]:
             model.save(self.out)
         self.metrics.write(record)  # before the checkpoint: a resume from the epoch before drops this line again
         if cache is not None:  # before the checkpoint, which names how many of them are its own
             save_tensors(self.out / "scores.safetensors", cache.state())
         save_checkpoint(self.out, record["epoch"], model, opt, rngs, loop, extra)
-        prune_checkpoints(self.out, keep_every, loop["best_epoch"])
+        prune_checkpoints(self.out, keep_every, loop.best_epoch)
 
     def say(self, text: str) -> None:
         if self.lead:
@@ -301,7 +310,7 @@ def run_made_from(args, ds) -> dict:
     """What a run is made from (lineage.py): its dataset, its --init weights and every flag that changes what it
     trains (paths name places, and side flags what is kept or shown: neither is an input)."""
     init = getattr(args, "init", None)
-    flags = {k: v for k, v in flag_values(args).items() if k not in PATH_ARGS and k not in SIDE_ARGS}
+    flags = {k: v for k, v in flag_values(args).items() if k not in PATH_ARGS and k not in side_flags(type(args))}
     return lineage.of_dataset(ds.meta, data_digest(ds.folder)) | {
         "init": selector_digest(init)[:16] if init is not None and Path(init).exists() else None,
         "flags": flags,
@@ -349,7 +358,7 @@ def save_checkpoint(
     model: PointerSelector,
     opt: torch.optim.Optimizer,
     rngs: dict[str, torch.Generator],
-    loop: dict,
+    loop: Loop,
     extra: dict[str, Tensor] | None = None,
 ) -> None:
     """ckpt/epoch_NNN.safetensors: model, optimizer and RNG states, the loop state and the trainer's `extra` tensors
@@ -362,7 +371,7 @@ def save_checkpoint(
     tensors.update({f"rng.{name}": g.get_state() for name, g in rngs.items()})
     tensors.update({f"extra.{name}": v for name, v in (extra or {}).items()})
     (out / "ckpt").mkdir(exist_ok=True)
-    meta = {"epoch": epoch, "optimizer": opt_meta, "loop": loop, "config": asdict(model.cfg)}
+    meta = {"epoch": epoch, "optimizer": opt_meta, "loop": asdict(loop), "config": asdict(model.cfg)}
     meta |= {"made_from": model.made_from} if model.made_from is not None else {}
     save_tensors(out / "ckpt" / f"epoch_{epoch:03d}.safetensors", tensors, {"checkpoint": json.dumps(meta)})
 
@@ -436,7 +445,7 @@ def load_model_part(model: PointerSelector, tensors: dict[str, Tensor], path: Pa
 
 def load_checkpoint(
     path: Path, model: PointerSelector, opt: torch.optim.Optimizer | None, rngs: dict[str, torch.Generator]
-) -> tuple[dict, dict[str, Tensor]]:
+) -> tuple[Loop, dict[str, Tensor]]:
     """Restore everything save_checkpoint wrote; returns the loop state and the trainer's `extra` tensors."""
     tensors, meta = read_tensors(path), checkpoint_meta(path)
     load_model_part(model, tensors, path)
@@ -445,7 +454,7 @@ def load_checkpoint(
     torch.set_rng_state(tensors["rng.torch"])
     for name, g in rngs.items():
         g.set_state(tensors[f"rng.{name}"])
-    return meta["loop"], {k.removeprefix("extra."): v for k, v in tensors.items() if k.startswith("extra.")}
+    return Loop(**meta["loop"]), {k.removeprefix("extra."): v for k, v in tensors.items() if k.startswith("extra.")}
 
 
 def load_selector(source: Path) -> PointerSelector:

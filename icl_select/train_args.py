@@ -1,4 +1,4 @@
-"""The flags rce.py and grpo.py share, and their checks."""
+"""The flags rce.py and grpo.py share, and their checks (`Named`: how grpo.py names a run folder after one)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from icl_select.backends import LVLMRun, check_lvlm_run
-from icl_select.cli import CpuArgs, alias
+from icl_select.cli import SIDE, CpuArgs, Named, alias
 from icl_select.data import DEFAULT_DATA, Quality, RewardArgs
 from icl_select.tracking import ReportTo, check_installed
 
@@ -27,25 +27,25 @@ class TrainArgs(RewardArgs, LVLMRun, CpuArgs):
     """AdamW weight decay."""
     grad_clip: Annotated[float, alias("--max-grad-norm")] = 1.0
     """Clip the global gradient norm to this (0 = off)."""
-    keep_every: int = 5
+    keep_every: Annotated[int, SIDE] = 5
     """Keep every N-th epoch's checkpoint besides the best and the last two (0 = only those)."""
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    lr_schedule: Annotated[Literal["constant", "linear", "cosine"], Named("lr-{}")] = "constant"
     """Learning rate over the run: constant, or decayed to 0 at the last step (linear, cosine; with --lvlm-budget, at
     the budget's last call)."""
-    seed: int = 0
+    seed: Annotated[int, Named("seed{}")] = 0
     """Seed of the init, the train/val split, the shuffling and dropout."""
     val_frac: float = 0.1
     """Share of anchor queries held out (fixed by seed) to select the best epoch."""
-    quality: Quality = "all"
+    quality: Annotated[Quality, Named("q-{}")] = "all"
     """Curriculum filter on training anchors (tiers: docs/flags.md and the data report; online GRPO with --queries
     train draws its questions unfiltered, and the filter sets how many steps make an epoch)."""
-    require_positive: bool = False
+    require_positive: Annotated[bool, Named("pos")] = False
     """Train only on queries with at least one correct sequence."""
     val_lvlm: bool = False
     """Real data: pick the best epoch by the LVLM's accuracy on validation anchors (docs/flags.md)."""
     val_max_queries: int = 200
     """--val-lvlm: validation anchors answered per epoch (the first N held out)."""
-    report_to: ReportTo = "none"
+    report_to: Annotated[ReportTo, SIDE] = "none"
     """Also log to TensorBoard (<out>/tensorboard) or Weights & Biases (project icl-select)."""
 
     def fixed_length_reason(self) -> str | None:

@@ -18,6 +18,8 @@ from test_sharding import COUNTING, ROOT, torchrun
 import grpo
 from icl_select import runs
 from icl_select.backends import SimBackend
+from icl_select.budget import budget_plan
+from icl_select.cli import PerMode, marked
 from icl_select.runs import load_selector, save_checkpoint
 
 FAST = dict(batch_size=8, val_frac=0.25, group_size=6, online=True)
@@ -93,7 +95,7 @@ def test_budget_run_stops_within_budget_logs_calls_and_resumes_identically(
     recs = records(full)
     config = json.loads((full / "config.json").read_text())
     plan = config["budget_plan"]
-    assert config["args"]["replay_steps"] == grpo.MODE_DEFAULTS["online"]["replay_steps"] > 0
+    assert config["args"]["replay_steps"] == marked(grpo.Args, PerMode)["replay_steps"].online > 0
     assert recs[-1]["lvlm/calls"] == spent  # grpo's count is what the backend was asked
     # spent, never overspent: what cache hits and repeated samples save buys more steps than the plan counted
     assert 0.95 * budget <= spent <= budget
@@ -204,7 +206,7 @@ def test_a_budget_below_what_can_be_spent_whole_is_refused(small_data, init, tmp
         assert counted[0] == 0 and not out.exists()
     grpo.main(grpo.Args(data=small_data, init=init, out=tmp_path / "w", lvlm_budget=1060, warm_start=False, **FAST))
     assert 0.95 * 1060 <= counted[0] <= 1060
-    with pytest.raises(ValueError, match=r"--lvlm-budget.*--online.*\b5000$"):
+    with pytest.raises(ValueError, match=r"^--lvlm-budget 5000 acts on online groups: add --online"):
         grpo.main(grpo.Args(data=small_data, init=init, out=tmp_path / "c", lvlm_budget=5000))
 
 
@@ -221,7 +223,7 @@ def test_a_budget_below_what_can_be_spent_whole_is_refused(small_data, init, tmp
 @example(budget=197, epochs=2, batch=8, group=6, val=48, natural=5)  # one call short of them
 def test_budget_plan_fits_its_worst_case_in_the_budget(budget, epochs, batch, group, val, natural):
     try:
-        plan = grpo.budget_plan(budget, epochs, batch * group, val, group, natural)
+        plan = budget_plan(budget, epochs, batch * group, val, group, natural)
     except ValueError as e:
         assert "too small" in str(e)
         # Refused only where even the least run does not fit: `epochs` (or one) epochs of one step each, every step
@@ -247,7 +249,7 @@ def test_budget_plan_fits_its_worst_case_in_the_budget(budget, epochs, batch, gr
 def test_budget_plan_takes_one_epoch_where_a_second_cannot_pay_for_its_validation():
     """Every training anchor in one batch (natural 1): 2 steps do not fit one epoch, and 2 epochs cannot pay for their
     3 validations; one epoch of one step and its 2 validations take 2 + 2 * 5 = 12 of the 14 calls."""
-    plan = grpo.budget_plan(14, None, 2, 5, 2, 1)
+    plan = budget_plan(14, None, 2, 5, 2, 1)
     assert (plan.epochs, plan.steps) == (1, 1)
 
 
@@ -337,7 +339,9 @@ def test_replay_buffer_holds_the_last_steps_with_their_sampling_log_probs_and_re
     from icl_select.runs import load_selector
 
     def stored_buffer(ckpt):  # the checkpoint's extra tensors, as load_checkpoint hands them over
-        return grpo.replay_buffer({k.removeprefix("extra."): v for k, v in read_tensors(ckpt).items()})
+        learner = SimpleNamespace()
+        grpo.carry_back(learner, {k.removeprefix("extra."): v for k, v in read_tensors(ckpt).items()})
+        return learner.buffer
 
     common = dict(data=small_data, init=init, epochs=3, replay_steps=3, temperature=0.7, **FAST)
     full, part = tmp_path / "full", tmp_path / "part"
@@ -367,7 +371,7 @@ def test_replay_buffer_holds_the_last_steps_with_their_sampling_log_probs_and_re
 
 
 def test_replay_needs_online(small_data, init, tmp_path):
-    with pytest.raises(ValueError, match=r"--replay-steps.*--online.*\b2$"):
+    with pytest.raises(ValueError, match=r"^--replay-steps 2 acts on online groups: add --online"):
         grpo.main(grpo.Args(data=small_data, init=init, out=tmp_path / "r", replay_steps=2))
     assert not (tmp_path / "r").exists()
 

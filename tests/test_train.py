@@ -26,7 +26,7 @@ import evaluate
 import gen_rl_data
 import grpo
 import rce
-from icl_select import batches, epochs, runs, stops, validation
+from icl_select import batches, budget, epochs, runs, stops, validation
 from icl_select.backends import ScoreCache
 from icl_select.cli import run_cli
 from icl_select.data import load_dataset
@@ -322,7 +322,8 @@ def test_a_stopping_selectors_groups_are_one_that_cannot_stops_with_its_stop_lad
     scorer = Scorer()
     b, explored, ladder = grpo.sample_and_score(policy, scorer, ds, rows, pool, args, *gens, fill)
     S = ds.seq_len
-    assert scorer.asked == b.seq_mask.sum() + len(rows[::3]) * (S + 1) <= grpo.most_calls(len(rows), args, S, True)
+    most = budget.step_calls(len(rows), args.group_size, args.ladder_every, S, True)
+    assert scorer.asked == b.seq_mask.sum() + len(rows[::3]) * (S + 1) <= most
     assert torch.equal(ladder.rows, rows[::3]) and torch.equal(ladder.pool, pool[::3])
     going = torch.full((len(rows), S), -1)  # by hand: greedy decoding's choices from its state, never stopping
     stopping = torch.zeros(len(rows), S, dtype=torch.bool)  # and where it would have stopped
@@ -387,9 +388,9 @@ def test_a_stopping_selectors_picks_learn_as_one_that_cannot_stops_do_and_its_st
             ref_dist = ref(query, b.pool, b.pool_mask, seqs, ok, True, temperature).log_dist
         params = list(policy.parameters())
         opt = torch.optim.SGD(params, lr=1.0)  # Adam's first step: noise's sign
-        lr = grpo.Learner(policy, ref, opt, params, None, [])
+        learner = grpo.Learner(policy, ref, opt, params, None, [])
         before = copy.deepcopy(policy.state_dict())
-        grpo.update(lr, b, adv, b, adv, None, ref_dist, args, runs.new_loop({"beta": 0.1}), False)
+        grpo.update(learner, b, adv, grpo.Groups(b, adv, ref_dist), args, runs.Loop(beta=0.1), False)
         after[policy.cfg.can_stop] = {k: (before[k], v) for k, v in policy.state_dict().items()}
     for k, (_, end) in after[False].items():
         assert torch.allclose(after[True][k][1], end, atol=1e-6), k
@@ -576,7 +577,7 @@ def test_default_out_names(small_data):
         "grpo-kl0.3-online-lr0.0001-lr-cosine-queries-anchors"
     )
     assert grpo.default_out(grpo.Args(kl_beta=0.05, online=True, rank_advantage=True)).name == "grpo-kl0.05-online-rank"
-    assert grpo.default_out(grpo.Args(kl_target=0.05, lr=3e-5)).name == "grpo-kl0.1-target0.05-lr3e-05"
+    assert grpo.default_out(grpo.Args(kl_target=0.05, lr=3e-5)).name == "grpo-kl0.1-lr3e-05-target0.05"
     # GRPO from a GRPO run: never the --init folder itself
     assert grpo.default_out(grpo.Args(init=Path("runs/grpo-kl0.1"), kl_beta=0.1)).name == "grpo-kl0.1-from-grpo-kl0.1"
     ckpt = Path("runs/rce/ckpt/epoch_003.safetensors")
