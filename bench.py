@@ -14,8 +14,6 @@ Usage:
     python bench.py --only lvlm --lvlm Qwen/Qwen2.5-VL-3B-Instruct --vqa-root /data/okvqa --device cuda
     python bench.py --only lvlm --lvlm random-3b --group-size 16 --lvlm-batch-size 16 --pool-size 64   # GPU, no weights
     python bench.py --only lvlm --lvlm tiny-3b-pixels --lvlm-steps 4      # the CPU side at a real checkpoint's cost
-    python bench.py --only gpu-report --report-dir DIR                    # every GPU figure of docs/real-models.md
-    python bench.py --only gpu-report --smoke                             # the same steps, tiny models, on the CPU
 """
 
 from __future__ import annotations
@@ -31,17 +29,16 @@ from typing import Annotated, Literal
 import torch
 from torch import Tensor
 
+from icl_select import tiny
 from icl_select.cli import default_is, run_cli
 from model import DECODE_CHUNK, PointerSelector, SelectorConfig, slices
 
 
 @dataclass
 class Args:
-    only: Literal["all", "log-probs", "epochs", "grpo", "decode", "pools", "lvlm", "sim", "library", "gpu-report"] = (
-        "all"
-    )
-    """Which benchmark (all = the CPU ones but pools and library; lvlm needs --lvlm and --vqa-root; gpu-report: every
-    GPU figure of docs/real-models.md in one run)."""
+    only: Literal["all", "log-probs", "epochs", "grpo", "decode", "pools", "lvlm", "sim", "library"] = "all"
+    """Which benchmark (all = the CPU ones but pools and library; lvlm needs --lvlm and --vqa-root; every GPU figure
+    of docs/real-models.md in one run: gpu_report.py)."""
     shapes: list[str] = field(default_factory=lambda: ["64,16,4"])
     """GRPO benchmark: K,G,S (pool size, group size, shots) of each simulated dataset."""
     reference_queries: int = 64
@@ -101,12 +98,6 @@ class Args:
     """LVLM benchmark: the default path's decoding over a static cache, compiled on CUDA (lvlm.StaticDecode)."""
     encoder_cache_mib: int = 4096
     """LVLM benchmark: GPU memory for the vision encoder's outputs (Qwen family; 0 = off)."""
-    report_dir: Path = Path("runs/gpu-report")
-    """gpu-report: where report.md, report.json and report.log go."""
-    smoke: bool = False
-    """gpu-report: the same steps with the tiny models on the CPU (a check of the script, not GPU figures)."""
-    report_seconds: float = 480
-    """gpu-report: no step starts after this many seconds (a device command stops at 600)."""
     lvlm_reference: bool = True
     """LVLM benchmark: also time the unshared reference, whose answers check the default path's (slow)."""
 
@@ -440,10 +431,10 @@ def bench_library(repeats: int, rows: int, pictures: int) -> None:
     extra = proc_status_bytes("VmHWM") - before
     print(f"  peak memory above the library: +{extra / gib:.2f} GiB (RSS before {before / gib:.2f} GiB)")
 
-    fixtures, times = real_fixtures(), []
+    times = []
     with tempfile.TemporaryDirectory(prefix="icl-select-bench-") as tmp:
-        vqa = fixtures.build_okvqa_fixture(Path(tmp, "okvqa"), image_size=(640, 480), train_images=pictures)
-        clip = str(fixtures.build_tiny_clip(Path(tmp, "clip")))
+        vqa = tiny.build_okvqa_fixture(Path(tmp, "okvqa"), image_size=(640, 480), train_images=pictures)
+        clip = str(tiny.build_tiny_clip(Path(tmp, "clip")))
         for _ in range(2):  # embedded, then read back from its cache
             t0 = time.perf_counter()
             size = len(Library.from_vqa("okvqa", vqa, clip, device="cpu").items)
@@ -656,7 +647,7 @@ def bench_lvlm(args: Args) -> dict:
     peak, and where its wall time goes."""
     import resource
 
-    from icl_select import lvlm
+    from icl_select import hf, pictures, preprocessing
     from icl_select.lvlm import LVLMBackend, credited_replies
     from icl_select.vqa import postprocess
     from icl_select.vqa_data import load_vqa_split
@@ -683,13 +674,13 @@ def bench_lvlm(args: Args) -> dict:
     examples = [ex for step in steps for ex in step]
     device, cuda = backend.model.device, backend.model.device.type == "cuda"
     encoder_cache, pool, images = backend.encoder_cache, backend.pool, backend.processor.image_processor
-    n_workers = lvlm.worker_count(args.lvlm_workers)
-    workers = lvlm.picture_processes(n_workers) if n_workers > 1 and hasattr(images, "pool") else None
-    has_varlen = lvlm.varlen_runs(backend.model)
+    n_workers = preprocessing.worker_count(args.lvlm_workers)
+    workers = preprocessing.picture_processes(n_workers) if n_workers > 1 and hasattr(images, "pool") else None
+    has_varlen = hf.varlen_runs(backend.model)
 
     def levers(cache=True, threads=True, processes=False, varlen=True, static=args.lvlm_static_decode, **_) -> None:
         if has_varlen:
-            lvlm.vision_attention(backend.model, varlen)
+            hf.vision_attention(backend.model, varlen)
         backend.encoder_cache = encoder_cache if cache else None
         backend.pool = pool if threads else None
         backend.picture_pool = (workers if processes and workers is not None else pool) if threads else None
@@ -699,7 +690,7 @@ def bench_lvlm(args: Args) -> dict:
             images.pool = backend.picture_pool
 
     def cold() -> None:
-        for c in (lvlm.DECODED_IMAGES, getattr(images, "cache", None), encoder_cache and encoder_cache.cache):
+        for c in (pictures.DECODED_IMAGES, getattr(images, "cache", None), encoder_cache and encoder_cache.cache):
             if c is not None:
                 c.clear()
         backend.counts.clear()
@@ -882,15 +873,6 @@ def bench_lvlm(args: Args) -> dict:
 TINY_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "llava", "llava_next", "llava_onevision", "gemma3")
 
 
-def real_fixtures():
-    """tests/real_fixtures.py, the offline builders of tiny checkpoints and OK-VQA-format folders."""
-    import importlib
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent / "tests"))
-    return importlib.import_module("real_fixtures")
-
-
 def bench_coco_sized(args: Args) -> dict:
     """bench_lvlm on 1,000 train pictures of 640 x 480 built in a temporary folder, with random weights in
     Qwen2.5-VL-3B-Instruct's shape in bfloat16 (random-3b: the GPU time of scoring without the checkpoint; a random
@@ -898,14 +880,13 @@ def bench_coco_sized(args: Args) -> dict:
     processing (tiny-3b-pixels: the CPU side of scoring at its real cost, beside a small model)."""
     from dataclasses import replace
 
-    fixtures = real_fixtures()
     with tempfile.TemporaryDirectory(prefix="icl-select-bench-") as tmp:
         root = Path(tmp)
-        vqa = fixtures.build_okvqa_fixture(root / "okvqa", image_size=(640, 480), train_images=1000)
+        vqa = tiny.build_okvqa_fixture(root / "okvqa", image_size=(640, 480), train_images=1000)
         if args.lvlm == "random-3b":
-            folder = fixtures.build_qwen2_5_vl_3b_shape(root / "qwen2.5-vl-3b-shape")
+            folder = tiny.build_qwen2_5_vl_3b_shape(root / "qwen2.5-vl-3b-shape")
         else:
-            folder = fixtures.build_tiny_qwen_3b_pixels(root / "tiny-qwen-3b-pixels")
+            folder = tiny.build_tiny_qwen_3b_pixels(root / "tiny-qwen-3b-pixels")
         return bench_lvlm(replace(args, lvlm=str(folder), vqa_root=vqa))
 
 
@@ -913,388 +894,18 @@ def bench_tiny_families(args: Args) -> dict:
     """bench_lvlm for the tiny checkpoint of every family tested here, built offline in a temporary folder."""
     from dataclasses import replace
 
-    fixtures, rows = real_fixtures(), {}
+    rows = {}
     with tempfile.TemporaryDirectory(prefix="icl-select-bench-") as tmp:
-        vqa = fixtures.build_okvqa_fixture(Path(tmp, "okvqa"), mixed=True)
+        vqa = tiny.build_okvqa_fixture(Path(tmp, "okvqa"), mixed=True)
         for family in TINY_FAMILIES:
             builder = "build_tiny_qwen" if family == "qwen2_5_vl" else f"build_tiny_{family}"
-            folder = getattr(fixtures, builder)(Path(tmp, family))
+            folder = getattr(tiny, builder)(Path(tmp, family))
             rows[family] = bench_lvlm(replace(args, lvlm=str(folder), vqa_root=vqa, device="cpu"))
     print("\n| family | prompt tokens per sequence (shared) | fewer than unshared | same answers | max gt_prob diff |")
     print("|---|---|---|---|---|")
     for family, r in rows.items():
         print(f"| {family} | {r['tokens']:.1f} | {r['token_ratio']:.2f}x | {r['same_answers']} | {r['max_diff']:.1e} |")
     return rows
-
-
-@dataclass(frozen=True)
-class ReportShapes:
-    """What --only gpu-report runs: the pictures of its OK-VQA-format folder, the bench lines' shapes, and each
-    stage's size."""
-
-    train_pictures: int  # two questions each
-    val_pictures: int  # one question each
-    picture_size: tuple[int, int] | None  # None: the tests' small mixed sizes
-    queries: int  # bench: questions per step, each a group of `group` sequences of `shots` from a pool of `pool`
-    group: int
-    shots: int
-    pool: int
-    batch: int  # prompts per forward pass, in the bench lines and every stage
-    steps: int  # the recurring-pictures line's online steps
-    repeats: int
-    data_queries: int  # gen_rl_data.py anchors
-    eval_questions: int  # evaluate.py questions, at 1-4 shots
-    grpo_batch: int  # online grpo.py queries per step
-    grpo_budget: int  # online grpo.py --lvlm-budget
-
-
-# The issue's bench command, its recurring-pictures line and the stages on a GPU; the same steps in miniature on the
-# CPU (--smoke), to check the script end to end where no GPU is at hand.
-GPU_SHAPES = ReportShapes(1000, 64, (640, 480), 4, 16, 4, 64, 16, 6, 2, 12, 48, 8, 384)
-SMOKE_SHAPES = ReportShapes(24, 12, None, 2, 4, 2, 8, 4, 2, 1, 8, 6, 2, 60)
-
-# A one-GPU OK-VQA pipeline at the stages' defaults (9,009 train and 5,046 val questions): README's commands plus the
-# random and zero-shot baselines, in LVLM prompts per stage and the processes that load the model.
-PIPELINE = {
-    "clip": 9_009 + 5_046,  # questions (and about as many pictures) embedded once, in gen_rl_data.py
-    "data": 800 * 16,  # anchors x sequences (of 4 shots)
-    "online": 35_000,  # grpo.py --online --lvlm-budget 35000, training and validation
-    "eval_selectors": 4 * 800 * 4,  # random, RICES, RCE and online GRPO: 800 questions x 1-4 shots
-    "eval_zero_shot": 800,  # asked once for every shot count
-    "processes": 6,  # gen_rl_data, online grpo, evaluate of the two runs, and of three baselines apart
-}
-
-
-def gpu_report(args: Args) -> dict:
-    """Every GPU figure of docs/real-models.md from one run, on random weights in Qwen2.5-VL-3B-Instruct's and CLIP
-    ViT-B/32's shapes and an OK-VQA-format folder of 640 x 480 pictures built on the spot: the bench line of issue 49
-    with its levers, the recurring-pictures line, CLIP's embedding rate, each LVLM stage as its own command
-    (gen_rl_data.py, online grpo.py with --lvlm-budget, evaluate.py of a selector and of zero-shot) with the rate it
-    records, and from them the GPU-hours of the whole pipeline. `--smoke` runs the same steps with the tiny Qwen and
-    CLIP on the CPU. report.md and report.json are rewritten into --report-dir after every step, so that a run cut
-    short keeps what it measured; a step that fails is reported and the next runs."""
-    import contextlib
-    import io
-    import json
-    import os
-    import platform
-    import subprocess
-    import sys
-    import traceback
-    from dataclasses import asdict, replace
-
-    import transformers
-
-    from icl_select.files import atomic_write_text
-
-    shapes, device = (SMOKE_SHAPES, "cpu") if args.smoke else (GPU_SHAPES, args.device)
-    out = args.report_dir
-    out.mkdir(parents=True, exist_ok=True)
-    scratch = tempfile.TemporaryDirectory(prefix="icl-select-report-")  # models and data: removed on return or exit
-    work = Path(scratch.name)
-    log = out / "report.log"
-    log.write_text("")
-    cuda = torch.cuda.is_available() and device != "cpu"
-    doc = {
-        "smoke": args.smoke,
-        "command": "python bench.py --only gpu-report" + (" --smoke" if args.smoke else ""),
-        "machine": {
-            "device": torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or platform.machine()})",
-            "cores": os.cpu_count(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "python": platform.python_version(),
-        },
-        "shapes": asdict(shapes),
-        "steps": {},
-    }
-    started = time.perf_counter()
-
-    def save() -> None:
-        doc["seconds"] = round(time.perf_counter() - started, 1)
-        doc["hours"] = pipeline_hours(doc)
-        atomic_write_text(out / "report.json", json.dumps(doc, indent=2) + "\n")
-        atomic_write_text(out / "report.md", report_markdown(doc))
-
-    def step(name: str, fn: Callable[[], dict]) -> dict | None:
-        """Run one step, its output into the log; its result (or its error) into the report. Past --report-seconds no
-        step starts: what ran is kept where a command's time limit would cut it off."""
-        if time.perf_counter() - started > args.report_seconds:
-            doc["steps"][name] = {"seconds": 0, "error": f"skipped: past --report-seconds {args.report_seconds}"}
-            save()
-            return None
-        t0 = time.perf_counter()
-        print(f"[{time.perf_counter() - started:6.0f} s] {name} ...", flush=True)
-        text = io.StringIO()
-        try:
-            with contextlib.redirect_stdout(text):
-                result = fn()
-            doc["steps"][name] = {"seconds": round(time.perf_counter() - t0, 1), **result}
-        except Exception as e:  # noqa: BLE001  (a failed step is reported, and the rest still runs)
-            text.write(traceback.format_exc())
-            doc["steps"][name] = {"seconds": round(time.perf_counter() - t0, 1), "error": f"{type(e).__name__}: {e}"}
-        with log.open("a") as f:
-            f.write(f"==== {name}\n{text.getvalue()}\n")
-        print(text.getvalue(), end="", flush=True)
-        save()
-        return doc["steps"][name] if "error" not in doc["steps"][name] else None
-
-    def stage(name: str, argv: list[str]) -> float:
-        """One stage as its own command (a user's process: the model's loading, compiling and self-check included);
-        its wall seconds. Its output goes to the log."""
-        t0 = time.perf_counter()
-        done = subprocess.run([sys.executable, *argv], cwd=Path(__file__).parent, capture_output=True, text=True)
-        with log.open("a") as f:
-            f.write(f"==== {name}: {' '.join(argv)}\n{done.stdout}{done.stderr}\n")
-        if done.returncode != 0:
-            last = [line for line in done.stderr.splitlines() if any(c.isalnum() for c in line)][-1:] or ["no output"]
-            raise RuntimeError(f"{name} exited with {done.returncode}: {last[0]}")
-        return time.perf_counter() - t0
-
-    fixtures = real_fixtures()
-    built = {}
-
-    def build() -> dict:
-        size = {"image_size": shapes.picture_size} if shapes.picture_size else {}
-        built["vqa"] = fixtures.build_okvqa_fixture(
-            work / "okvqa", train_images=shapes.train_pictures, val_images=shapes.val_pictures, **size
-        )
-        if args.smoke:
-            built["lvlm"], built["clip"] = (
-                fixtures.build_tiny_qwen(work / "lvlm"),
-                fixtures.build_tiny_clip(work / "clip"),
-            )
-        else:
-            built["lvlm"] = fixtures.build_qwen2_5_vl_3b_shape(work / "lvlm")
-            built["clip"] = fixtures.build_clip_b32_shape(work / "clip")
-        return {"model": "tiny Qwen2.5-VL" if args.smoke else "random weights in Qwen2.5-VL-3B-Instruct's shape"}
-
-    def bench(**kw) -> Callable[[], dict]:
-        def run() -> dict:
-            common = dict(
-                lvlm=str(built["lvlm"]),
-                vqa_root=built["vqa"],
-                device=device,
-                queries=shapes.queries,
-                group_size=shapes.group,
-                shots=shapes.shots,
-                pool_size=shapes.pool,
-                lvlm_batch_size=shapes.batch,
-                repeats=shapes.repeats,
-                lvlm_reference=False,
-            )
-            r = bench_lvlm(replace(args, only="lvlm", **common, **kw))
-            rates = {k: statistics.median(v) for k, v in r["rates"].items()}
-            return {
-                "rates": rates,
-                "rate_runs": r["rates"],
-                "prepared": {k: statistics.median(v) for k, v in r["prepared"].items()},
-                "tokens": r["tokens"],
-                "pictures": r["pictures"],
-                "agreement": r["agreement"],
-                "peaks_gib": {k: v / 2**30 for k, v in r["peaks"].items()},
-                "phases": {k: v / sum(r["phases"].values()) for k, v in r["phases"].items()},
-                "flops": r["flops"],
-            }
-
-        return run
-
-    def clip_rate() -> dict:
-        from icl_select.lvlm import DECODED_IMAGES, clip_embed
-        from icl_select.vqa_data import load_vqa_split
-
-        items = [it for s in ("train", "val") for it in load_vqa_split("okvqa", built["vqa"], s)]
-        clip_embed(items[:8], str(built["clip"]), device=device)  # the encoder loaded, kernels warm
-        DECODED_IMAGES.clear()
-        t0 = time.perf_counter()
-        clip_embed(items, str(built["clip"]), device=device)
-        seconds = time.perf_counter() - t0
-        return {
-            "items": len(items),
-            "pictures": len({it["image"] for it in items}),
-            "items_per_s": len(items) / seconds,
-        }
-
-    lvlm_flags = ["--lvlm-batch-size", str(shapes.batch), "--device", device]
-    data, rce_run, online_run = work / "data", work / "rce", work / "online"
-
-    def data_stage() -> dict:
-        argv = ["gen_rl_data.py", "--lvlm", str(built["lvlm"]), "--dataset", "okvqa", "--data-root", str(built["vqa"])]
-        argv += ["--encoder", str(built["clip"]), "--num-queries", str(shapes.data_queries), "--out", str(data)]
-        argv += ["--pool-size", str(shapes.pool), "--group-size", str(shapes.group), "--seq-len", str(shapes.shots)]
-        seconds = stage("gen_rl_data.py", argv + lvlm_flags)
-        rate = json.loads((data / "meta.json").read_text())["lvlm_seq_per_s"]
-        return {"rate": rate, "process_seconds": seconds, "sequences": shapes.data_queries * shapes.group}
-
-    def online_stage() -> dict:
-        argv = ["rce.py", "--data", str(data), "--out", str(rce_run), "--epochs", "2", "--val-frac", "0.25"]
-        stage("rce.py", argv + ["--quality", "all"])  # a random LVLM's rewards rarely vary within a group
-        argv = ["grpo.py", "--data", str(data), "--init", str(rce_run), "--online", "--out", str(online_run)]
-        argv += ["--lvlm-budget", str(shapes.grpo_budget), "--batch-size", str(shapes.grpo_batch)]
-        argv += ["--group-size", str(shapes.group)]
-        seconds = stage("grpo.py --online", argv + lvlm_flags)
-        epochs = [json.loads(x) for x in (online_run / "metrics.jsonl").read_text().splitlines()]
-        rates = [e["lvlm/seq_per_s"] for e in epochs if "lvlm/seq_per_s" in e]
-        return {"rate": statistics.median(rates), "epoch_rates": rates, "process_seconds": seconds}
-
-    def eval_stage(run: Path | None) -> Callable[[], dict]:
-        def go() -> dict:
-            target = work / "zero-shot" if run is None else run
-            argv = ["evaluate.py"] + ([] if run is None else [str(run)]) + ["--data", str(data)]
-            argv += ["--num-samples", str(shapes.eval_questions), "--shots", *map(str, range(1, shapes.shots + 1))]
-            if run is None:
-                argv += ["--baseline", "zero-shot", "--out", str(target)]
-            seconds = stage(f"evaluate.py {target.name}", argv + lvlm_flags)
-            result = json.loads((target / "eval" / "val.json").read_text())
-            asked = shapes.eval_questions * (1 if run is None else shapes.shots)
-            return {"rate": result["lvlm_seq_per_s"], "process_seconds": seconds, "sequences": asked}
-
-        return go
-
-    # The most wanted figures first; decoding over a static cache (compiling CUDA graphs: the least predictable time)
-    # last, each with the default beside it in the same process.
-    if step("build", build) is not None:
-        step("bench", bench(lvlm_passes=["default", "no-encoder-cache", "picture-processes", "inline"]))
-        if step("gen_rl_data.py", data_stage) is not None:
-            if step("grpo.py --online", online_stage) is not None:
-                step("evaluate.py selector", eval_stage(online_run))
-            step("evaluate.py zero-shot", eval_stage(None))
-        step("clip", clip_rate)
-        step("bench recurring", bench(lvlm_steps=shapes.steps, lvlm_passes=["default"]))
-        if cuda:
-            step("bench static", bench(lvlm_passes=["default", "static-inductor", "static-cudagraphs"]))
-    save()
-    scratch.cleanup()
-    print(f"wrote {out / 'report.md'} and {out / 'report.json'} ({doc['seconds']:.0f} s)")
-    return doc
-
-
-def pipeline_hours(doc: dict) -> dict | None:
-    """The GPU-hours of PIPELINE from the rates measured: prompts / rate per stage, plus each process's start-up (its
-    wall time less its scoring: loading, compiling, the self-check), measured on the stages that ran."""
-    steps = doc["steps"]
-    need = ("clip", "gen_rl_data.py", "grpo.py --online", "evaluate.py selector", "evaluate.py zero-shot")
-    if any(name not in steps or "error" in steps[name] for name in need):
-        return None
-    seconds = {
-        "CLIP embeddings": PIPELINE["clip"] / steps["clip"]["items_per_s"],
-        "gen_rl_data.py": PIPELINE["data"] / steps["gen_rl_data.py"]["rate"],
-        "grpo.py --online --lvlm-budget 35000": PIPELINE["online"] / steps["grpo.py --online"]["rate"],
-        "evaluate.py: 4 methods x 800 x 1-4 shots": PIPELINE["eval_selectors"] / steps["evaluate.py selector"]["rate"],
-        "evaluate.py: zero-shot x 800": PIPELINE["eval_zero_shot"] / steps["evaluate.py zero-shot"]["rate"],
-    }
-    start_ups = [
-        steps[name]["process_seconds"] - steps[name]["sequences"] / steps[name]["rate"]
-        for name in ("gen_rl_data.py", "evaluate.py selector", "evaluate.py zero-shot")
-    ]
-    seconds["process start-ups"] = PIPELINE["processes"] * statistics.median(start_ups)
-    return {"stages": {k: v / 3600 for k, v in seconds.items()}, "total": sum(seconds.values()) / 3600}
-
-
-def report_markdown(doc: dict) -> str:
-    """report.json as Markdown: the machine, each measured figure, and the pipeline's GPU-hours."""
-    m, steps = doc["machine"], doc["steps"]
-    label = "SMOKE RUN on the CPU with tiny models: not GPU figures" if doc["smoke"] else "measured"
-    lines = [
-        f"# Scoring throughput report ({label})",
-        "",
-        f"`{doc['command']}` on {m['device']} ({m['cores']} cores), torch {m['torch']}, transformers "
-        f"{m['transformers']}, Python {m['python']}; {doc['seconds']:.0f} s in all. "
-        + (
-            "The tiny random Qwen2.5-VL and CLIP of the tests on small pictures: a check of the script."
-            if doc["smoke"]
-            else "Random weights in Qwen2.5-VL-3B-Instruct's and CLIP ViT-B/32's shapes (a random model rarely stops "
-            "before its 10 new tokens: the rates are floors), an OK-VQA-format folder of 640 x 480 pictures built on "
-            "the spot."
-        ),
-        "",
-    ]
-    for name, r in steps.items():
-        if "error" in r:
-            lines += [f"## {name}: FAILED after {r['seconds']} s", "", f"`{r['error']}` (report.log has the trace)", ""]
-    s = doc["shapes"]
-    titles = {
-        "bench": "The bench line",
-        "bench recurring": "Pictures recurring as in a GRPO run",
-        "bench static": "Decoding over a static cache (CUDA graphs)",
-    }
-    for name, title in titles.items():
-        r = steps.get(name)
-        if r is None or "error" in r:
-            continue
-        steps_note = f"{s['steps']} online steps of " if name == "bench recurring" else ""
-        lines += [
-            f"## {title}",
-            "",
-            f"{steps_note}{s['queries']} questions x {s['group']} sequences of {s['shots']} demonstrations from pools "
-            f"of {s['pool']}, {s['batch']} prompts a batch, {r['tokens']:.0f} prompt tokens a sequence; "
-            f"{r['pictures']['distinct']} distinct pictures in {r['pictures']['slots']} picture slots. Median of "
-            f"{s['repeats']} interleaved passes (runs: sequences/s of each).",
-            "",
-            "| scoring path | sequences/s | runs | peak memory GiB | answers as the default's |",
-            "|---|---|---|---|---|",
-        ]
-        for k, rate in r["rates"].items():
-            agree = r["agreement"].get(k)
-            same = "" if agree is None else f"{agree[0]}, gt_prob within {agree[1]:.1e}"
-            runs = " / ".join(f"{x:.2f}" for x in r["rate_runs"][k])
-            lines.append(f"| {LVLM_PASSES[k][0]} | {rate:.2f} | {runs} | {r['peaks_gib'][k]:.1f} | {same} |")
-        f = r["flops"]
-        total = f["lm"] + f["vision"]
-        sheet = f["datasheet"]
-        share = f", {total / sheet:.0%} of the datasheet's {sheet / 1e12:.0f} TFLOP/s" if sheet else ""
-        lines += [
-            "",
-            f"The default: {total / 1e12:.3g} TFLOP/s (2 x parameters x tokens), {total / f['matmul']:.0%} of a dense "
-            f"matrix product measured here ({f['matmul'] / 1e12:.3g} TFLOP/s){share}. Wall time: "
-            + ", ".join(f"{k} {v:.0%}" for k, v in r["phases"].items())
-            + ". The CPU side alone (batches prepared, nothing run): "
-            + ", ".join(f"pictures preprocessed {k} {v:.1f} sequences/s" for k, v in r["prepared"].items())
-            + ".",
-            "",
-        ]
-    bench_rate = steps.get("bench", {}).get("rates", {}).get("default")
-    rows = []
-    for name in ("gen_rl_data.py", "grpo.py --online", "evaluate.py selector", "evaluate.py zero-shot"):
-        r = steps.get(name)
-        if r is None or "error" in r:
-            continue
-        ratio = f"{r['rate'] / bench_rate:.0%}" if bench_rate else ""
-        rows.append(f"| `{name}` | {r['rate']:.2f} | {ratio} | {r['process_seconds']:.0f} |")
-    if rows:
-        lines += [
-            "## The stages, each as its own command",
-            "",
-            f"gen_rl_data.py: {s['data_queries']} anchors x {s['group']} sequences of {s['shots']}; grpo.py --online: "
-            f"--lvlm-budget {s['grpo_budget']}, {s['grpo_batch']} queries a step; evaluate.py: {s['eval_questions']} "
-            f"questions at 1-{s['shots']} shots (the online run's selector), and zero-shot. The rate is the one each "
-            "records (meta.json, metrics.jsonl, the evaluation file).",
-            "",
-            "| stage | sequences/s | of the bench line's default | process seconds, loading and self-check included |",
-            "|---|---|---|---|",
-            *rows,
-            "",
-        ]
-    if (r := steps.get("clip")) is not None and "error" not in r:
-        lines += [f"CLIP: {r['items_per_s']:.0f} questions/s ({r['items']} questions on {r['pictures']} pictures).", ""]
-    hours = doc.get("hours")
-    if hours:
-        lines += [
-            "## GPU-hours of the whole pipeline, from these rates"
-            + (" (smoke: tiny models on the CPU)" if doc["smoke"] else ""),
-            "",
-            "OK-VQA at the stages' defaults, README's one-GPU commands and the random and zero-shot baselines: "
-            "prompts / the stage's rate, plus each of "
-            f"{PIPELINE['processes']} processes' start-up (the median measured above). RCE and offline GRPO run on "
-            "the CPU.",
-            "",
-            "| stage | GPU-hours |",
-            "|---|---|",
-            *(f"| {k} | {v:.3f} |" for k, v in hours["stages"].items()),
-            f"| **whole pipeline** | **{hours['total']:.2f}** |",
-            "",
-        ]
-    return "\n".join(lines)
 
 
 def main(args: Args) -> None:
@@ -1318,8 +929,6 @@ def main(args: Args) -> None:
         bench_pools(args.pool_rows, args.pool_queries, args.pool_samplers, args.repeats, args.pool_whole_rows)
     if args.only == "lvlm":
         bench_lvlm(args)
-    if args.only == "gpu-report":
-        gpu_report(args)
 
 
 if __name__ == "__main__":

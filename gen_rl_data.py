@@ -261,7 +261,7 @@ def open_source(args: Args) -> Source:
         sim = make_sim(args)
         return Source(sim.items, sim.emb, SimBackend(sim), {"source": "sim", "encoder": "sim"})
     from icl_select.caption_data import load_caption_split
-    from icl_select.lvlm import resolve_model
+    from icl_select.hf import resolve_model
     from icl_select.vqa_data import load_vqa_split
 
     if args.task == "caption":
@@ -298,9 +298,9 @@ def open_lvlm(args: Args, src: Source) -> None:
 
 def embed(args: Args, items: dict[str, list[dict]]) -> dict[str, Tensor]:
     """CLIP image, question and fused embeddings of both splits (real data), as the task's selector reads them
-    (`lvlm.task_embed`: a captioning selector reads the picture alone). Each item gets its picture's pixel digest
+    (`clip.task_embed`: a captioning selector reads the picture alone). Each item gets its picture's pixel digest
     ("picture", decoded for the embedding already), by which pools keep a question's own picture out, copies too."""
-    from icl_select.lvlm import task_embed
+    from icl_select.clip import task_embed
 
     emb = {}
     for split, rows in items.items():

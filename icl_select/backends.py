@@ -227,7 +227,7 @@ def lvlm_identity(meta: dict, lvlm: str | None = None) -> str:
     would make against what it made before loading a model."""
     if meta.get("source") == "sim" and lvlm in (None, "sim"):
         return lineage.lvlm_of(meta)
-    from icl_select.lvlm import resolve_model
+    from icl_select.hf import resolve_model
 
     name = lvlm or meta["lvlm"]
     return lineage.model_of(name, resolve_model(name)[1])

@@ -209,9 +209,10 @@ def library_digest(items: list[dict], pictures: dict[str, str], task: str, encod
 def embedded(
     items: list[dict], task: str, cache: Path, name: str, encoder: str, device: str
 ) -> tuple[dict[str, Tensor], str]:
-    """`lvlm.task_embed` of the items, read from `cache/<name>-<encoder>-<digest>.safetensors` when their digest is
+    """`clip.task_embed` of the items, read from `cache/<name>-<encoder>-<digest>.safetensors` when their digest is
     unchanged, else computed and written there (the files of older digests removed); and the encoder's revision."""
-    from icl_select.lvlm import resolve_model, task_embed
+    from icl_select.clip import task_embed
+    from icl_select.hf import resolve_model
 
     revision = resolve_model(encoder)[1]
     cache.mkdir(parents=True, exist_ok=True)
@@ -337,7 +338,7 @@ class Demonstrations:
                 "(Library.from_dataset, from_vqa or from_captions with encoder=...)"
             )
         if encoder != "sim":  # the encoder that embeds the queries here must be the one the run was trained with
-            from icl_select.lvlm import resolve_model
+            from icl_select.hf import resolve_model
 
             if (here := resolve_model(encoder)[1]) != trained:
                 fix = (
@@ -365,7 +366,7 @@ class Demonstrations:
         """`pick` for many queries, (picture, question) pairs or, for captions, pictures: the encoder loads once per
         call."""
 
-        from icl_select.lvlm import task_embed
+        from icl_select.clip import task_embed
 
         if self.library.encoder == "sim":
             raise ValueError(
@@ -410,7 +411,7 @@ class Demonstrations:
         keys: list[int] | None = None,
         exactly: bool = False,
     ) -> list[list[Demo]]:
-        """Demonstrations for queries given as embeddings, as `lvlm.task_embed` returns them: "fused" (B, d), and the
+        """Demonstrations for queries given as embeddings, as `clip.task_embed` returns them: "fused" (B, d), and the
         "image" / "text" views the sampler compares. `image_ids` (B,): the library's items on these pictures stay out
         of the pools (default: none); `keys` seed the random pools (default: from each query's embedding); `k` and
         `exactly` as in `pick`."""

@@ -1,18 +1,15 @@
-"""The real LVLM backend (Hugging Face transformers: any image-text-to-text family) and CLIP embeddings.
+"""The real LVLM backend: a Hugging Face image-text-to-text model (any family) that answers prompts of demonstrations.
 
     backend = LVLMBackend("Qwen/Qwen2.5-VL-3B-Instruct", items)   # items: {"train": [...], "val": [...]}
     backend.score("val", queries (N,), icds (N, k)) -> {"prediction", "acc", "correct", "gt_prob", "rel"}
     backend.self_check() -> the fast path against plain transformers on a few prompts of this data (raises if off)
     backend.describe() -> {"lvlm", "revision", "prompt_template", "system_prompt", "generation", "simulation": False}
-    clip_embed(items) -> {"image", "text", "fused"}: (N, d) L2-normalised CLIP embeddings
 
 The contract, for every family and batch size: the greedy answer is model.generate()'s on the prompt alone, and P(reply)
 is one full forward pass over the prompt plus the reply as the chat template renders the assistant turn. Each prompt
 runs through the model once, its KV cache serving the greedy answer and then every credited reply; docs/real-models.md
-says what keeps that exact. Models load only from a local folder or the local Hugging Face cache, the snapshot's commit
-hash recorded as the revision. Two things have no public route in transformers 5.23, so each has one named home here,
-checked by tests/test_transformers_routes.py: generate()'s positions (generation_positions) and a processor's
-sub-processors (image_only).
+says what keeps that exact. Loading the model and its two patches: icl_select/hf.py; pictures: pictures.py (files) and
+preprocessing.py (through the processor and the vision encoder once); CLIP: clip.py.
 """
 
 from __future__ import annotations
@@ -20,10 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import importlib.util
-import json
 import math
-import multiprocessing
 import os
 import queue
 import random
@@ -32,68 +26,47 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Literal
 
-import numpy as np
 import torch
 import torch.nn.functional as F
-import transformers
-from huggingface_hub import snapshot_download
-from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 from PIL import Image
 from torch import Tensor
-from tqdm.auto import tqdm
 from transformers import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForImageTextToText,
-    AutoProcessor,
     BatchFeature,
     CompileConfig,
     GenerationConfig,
-    PretrainedConfig,
-    ProcessorMixin,
 )
 from transformers.cache_utils import DynamicLayer, StaticCache
-from transformers.image_utils import make_flat_list_of_images
-from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
-from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
 
 from icl_select.cider import CiderD, ptb_tokenize
-from icl_select.files import folder_digest
+from icl_select.hf import (
+    compile_regions,
+    cuda_half,
+    generation_positions,
+    load_lvlm,
+    varlen_runs,
+    vision_attention,
+)
 from icl_select.pictures import (
     DECODED_IMAGES,
     DEFAULT_IMAGE_CACHE_MIB,
     IMAGE_KEY,
     MIB,
-    ByteLRU,
     PictureKey,
     decode_ahead,
     load_image,
-    picture_id,
     picture_pixels,
-    rgb,
 )
+from icl_select.preprocessing import CachedImageProcessor, EncoderCache, picture_processes, worker_count
 from icl_select.vqa import answer_rel, normalize_answer, postprocess, shown_answer, vqa_score
 
 PromptStyle = Literal["single-turn", "turn-per-demo"]
 
-__all__ = [
-    "Example",
-    "LVLMBackend",
-    "PromptTemplate",
-    "credited_replies",
-    "clip_embed",
-    "image_only",
-    "load_lvlm",
-    "resolve_device",
-    "resolve_model",
-    "task_embed",
-]
+__all__ = ["Example", "LVLMBackend", "PromptTemplate", "credited_replies"]
 
 DEFAULT_ENCODER_CACHE_MIB = 4096
 
@@ -120,148 +93,6 @@ class PromptTemplate:
     and `query` filled with its question) answered by an assistant turn (its answer), then the query's user turn."""
 
 
-def _feature_bytes(feature: BatchFeature) -> int:
-    return sum(v.nbytes for v in feature.values() if torch.is_tensor(v) or isinstance(v, np.ndarray))
-
-
-def _preprocess(inner, image: Image.Image, kwargs: dict) -> BatchFeature:
-    """One picture through the image processor `inner` (a worker's task: top-level, so a process can run it)."""
-    return inner([image], **kwargs)
-
-
-def _owned(feature: BatchFeature) -> BatchFeature:
-    """A feature received from a worker process with its tensors copied out of the shared memory they came in (each
-    shared block holds a file descriptor open while it lives, and a cache holds thousands of them)."""
-    return BatchFeature({k: v.clone() if torch.is_tensor(v) else v for k, v in feature.items()})
-
-
-def worker_count(workers: int) -> int:
-    """The picture workers of this process: `workers`, or 0 = one per core this process may use, shared among the
-    torchrun ranks of the machine."""
-    if workers:
-        return workers
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-
-
-@functools.cache
-def picture_processes(workers: int) -> ProcessPoolExecutor:
-    """The process's pool of `workers` picture-preprocessing processes, shared by every backend as the picture caches
-    are. They are forked (as DataLoader's workers are: a spawned process would import the caller's main script again)
-    at once, from the thread that builds the backend, before its batch threads exist; they never touch CUDA."""
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
-    pool.submit(int).result()  # a fork pool starts all its processes at the first task
-    return pool
-
-
-class CachedImageProcessor:
-    """A processor's image processor that preprocesses each picture (by picture_key) once while it stays in a ByteLRU
-    of `budget` bytes: ICD pictures recur across thousands of prompts. Misses run in `pool` when one is given: worker
-    processes (their results are the same function's on the same inputs, so the same bits) or threads."""
-
-    def __init__(self, inner, budget: int = DEFAULT_IMAGE_CACHE_MIB * MIB // 2, pool: Executor | None = None):
-        self.inner, self.pool = inner, pool
-        self.cache = ByteLRU(budget, _feature_bytes)
-        self.local = threading.local()  # .apart: see pictures_apart
-
-    @property
-    def misses(self) -> int:
-        return self.cache.misses
-
-    def __getattr__(self, name: str):  # merge_size, patch_size, ... as the processor expects
-        return getattr(self.inner, name)
-
-    @contextmanager
-    def pictures_apart(self) -> Iterator[list[BatchFeature]]:
-        """Within the block, this thread's calls return an empty pixel_values and put each picture's own features in
-        the list yielded: a caller that needs only some pictures' pixels takes them without copying the others."""
-        self.local.apart = apart = []
-        try:
-            yield apart
-        finally:
-            self.local.apart = None
-
-    def one(self, image: Image.Image, kwargs: dict) -> BatchFeature:
-        key = (image.info.get(IMAGE_KEY), repr(sorted(kwargs.items())))  # the same key as __call__'s
-        if key[0] is None:  # not loaded through load_image: nothing to key the cache on
-            return self.inner([image], **kwargs)
-        return self.cache.get(key, lambda: self.inner([image], **kwargs))
-
-    def __call__(self, images, **kwargs) -> BatchFeature:
-        images = make_flat_list_of_images(images)
-        if self.pool is not None:  # the misses in parallel, so that one() finds them all cached
-            settings = repr(sorted(kwargs.items()))
-            missing = {
-                key: image
-                for image in images
-                if (key := image.info.get(IMAGE_KEY)) is not None and (key, settings) not in self.cache
-            }
-            if len(missing) > 1:
-                n = len(missing)
-                made = self.pool.map(_preprocess, [self.inner] * n, missing.values(), [kwargs] * n)
-                owned = _owned if isinstance(self.pool, ProcessPoolExecutor) else lambda feature: feature
-                for key, feature in zip(missing, made):
-                    self.cache.put((key, settings), owned(feature))
-        parts = [self.one(image, kwargs) for image in images]
-        apart = getattr(self.local, "apart", None)
-        if apart is not None:
-            apart += parts
-        merged = {}
-        for key in parts[0]:
-            values = [p[key] for p in parts]
-            if apart is not None and key == "pixel_values":
-                merged[key] = values[0][:0]  # (0, D): the caller takes the pixels it needs from `apart`
-            elif torch.is_tensor(values[0]):
-                merged[key] = torch.cat(values)
-            elif isinstance(values[0], np.ndarray):
-                merged[key] = np.concatenate(values)
-            else:
-                merged[key] = [v for vs in values for v in vs]
-        return BatchFeature(merged)
-
-
-class EncoderCache:
-    """Each picture's vision-encoder output by picture_key, on the model's device, for the families whose encoder sees
-    every picture alone (Qwen2/2.5/3-VL): a picture that recurs across prompts is encoded once while cached, and the
-    model takes the outputs through its own `mm_encoder_outputs` input in place of the pixels. Only the pixels of the
-    pictures it lacks go to the device."""
-
-    def __init__(self, model, budget: int, counts: Counter):
-        self.model, self.counts = model, counts
-        self.cache = ByteLRU(budget, lambda parts: sum(t.nbytes for t in parts))
-        self.output_type = None  # the model's encoder output class (Qwen3-VL's carries its deepstack features)
-
-    def __call__(self, prep: Prepared, inputs: BatchFeature) -> dict:
-        """The model's inputs for the batch `prep`, the pixels replaced by the encoder's outputs: the cached ones, and
-        the others from one encoder pass over their patch rows, which `inputs["pixel_values"]` holds for the pictures
-        `prep.ahead` (those the cache lacked when the batch was prepared) and `prep.pixels` on the CPU for any evicted
-        since. Nothing here waits for the GPU: the grids it splits by are the CPU's."""
-        keys, grid = prep.keys, prep.grid
-        found = {k: v for k in dict.fromkeys(keys) if (v := self.cache.lookup(k)) is not None}
-        first: dict[PictureKey, int] = {}
-        for i, k in enumerate(keys):
-            first.setdefault(k, i)
-        new = [k for k in first if k not in found]
-        if new:
-            index = [first[k] for k in new]
-            self.counts["vision_patches"] += int(grid[index].prod(-1).sum())
-            sizes = [int(grid[first[k]].prod()) for k in prep.ahead]
-            sent = dict(zip(prep.ahead, inputs["pixel_values"].split(sizes)))  # patch rows on the device
-            device, dtype = inputs["image_grid_thw"].device, self.model.dtype
-            pixels = torch.cat([sent[k] if k in sent else prep.pixels[k].to(device, dtype) for k in new])
-            new_grid = torch.cat([inputs["image_grid_thw"][i : i + 1] for i in index])
-            out = self.model.get_image_features(pixels, new_grid, return_dict=True)
-            self.output_type = type(out)
-            deep = getattr(out, "deepstack_features", None) or []  # per layer, per picture
-            for j, key in enumerate(new):
-                found[key] = (out.pooler_output[j], *(layer[j] for layer in deep))
-                self.cache.put(key, found[key])
-        parts = [found[k] for k in keys]
-        deep = {"deepstack_features": [tuple(x[k] for x in parts) for k in range(1, len(parts[0]))]}
-        out = self.output_type(pooler_output=tuple(x[0] for x in parts), **(deep if len(parts[0]) > 1 else {}))
-        return {**{k: v for k, v in inputs.items() if k != "pixel_values"}, "mm_encoder_outputs": {"image": out}}
-
-
 def credited_replies(answers: list[str]) -> list[tuple[str, float]]:
     """The replies gt_prob adds up, each with its VQA credit: every normalised annotator answer and each raw spelling of
     it the annotators used ("yes", "Yes"), all credited alike since the metric normalises the prediction too. Credit =
@@ -279,199 +110,6 @@ def credit_sum(credited: list[list[tuple[str, float]]], probs: list[Tensor]) -> 
     total = torch.stack([(p * torch.tensor([w for _, w in c])).sum() for p, c in zip(probs, credited)])  # (N,)
     # Exclusive replies make the sum at most 1; the clamp only removes float rounding above it.
     return total.clamp_(max=1.0)  # (N,)
-
-
-def resolve_device(device: str = "auto", dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
-    """Device and dtype; "auto" = this process's CUDA device (LOCAL_RANK under torchrun) in bf16, else CPU float32."""
-    if device == "auto":
-        cuda = torch.cuda.is_available()
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    else:
-        dev = torch.device(device)
-    if dtype == "auto":
-        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
-    torch_dtype = getattr(torch, dtype, None)
-    if not isinstance(torch_dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
-    return dev, torch_dtype
-
-
-def resolve_model(model: str, cache_dir: str | Path | None = None) -> tuple[Path, str]:
-    """The local folder of a model given as a path or a hub id, and its revision: the commit hash of a hub snapshot,
-    or for a folder of your own a digest of its files (`files.folder_digest`), so that changed weights under the same
-    path are another model. Hub ids are looked up in the local cache only."""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path.resolve(), folder_digest(path)
-    # Only "org/name" can be a hub id: an absolute, ~, ./ or deeper path is a missing folder, and a download
-    # command would not help.
-    if model.startswith(("/", "~", ".")) or model.count("/") != 1:
-        raise ValueError(f"model folder {model} does not exist")
-    try:
-        snapshot = Path(snapshot_download(repo_id=model, cache_dir=cache_dir, local_files_only=True))
-    except (HFValidationError, LocalEntryNotFoundError) as e:
-        raise ValueError(
-            f"model {model!r} is neither a local folder nor in the local Hugging Face cache; download it first "
-            f"with `hf download {model}` or pass a local path"
-        ) from e
-    # The hub cache stores each revision under snapshots/<commit hash>/.
-    return snapshot, snapshot.name
-
-
-def _load_config(model: str, folder: Path) -> PretrainedConfig:
-    """The transformers config in `folder`, or a ValueError saying why it cannot be read."""
-    try:
-        return AutoConfig.from_pretrained(folder)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{model}: {folder} does not hold a loadable transformers model config: {e}") from e
-
-
-def generation_positions(model, inputs: BatchFeature) -> Tensor:
-    """The position ids generate() gives a prompt, (B, T) or (3 | 4, B, T): left padding skipped, and Qwen's 3-d rope
-    from the image grids. generate() builds them with a private method and transformers offers no public route, so
-    this is the kit's one call of it (tests/test_transformers_routes.py fails when the pinned release changes)."""
-    return model._prepare_position_ids_for_generation(inputs["input_ids"], dict(inputs))
-
-
-def image_only(cls: type[ProcessorMixin]) -> type[ProcessorMixin]:
-    """`cls` without its video processor, so that it builds without torchvision (only its video half needs it): the
-    subclass leaves video_processor out of get_attributes() and hands the family's __init__ video_processor=None.
-    Everything else is the family's own, so one mechanism serves every family; videos are unsupported."""
-
-    class ImageOnly(cls):
-        @classmethod
-        def get_attributes(klass) -> list[str]:
-            return [name for name in super().get_attributes() if name != "video_processor"]
-
-        @classmethod
-        def get_processor_dict(klass, *args, **kwargs) -> tuple[dict, dict]:
-            processor_dict, rest = super().get_processor_dict(*args, **kwargs)
-            return {**processor_dict, "video_processor": None}, rest
-
-    ImageOnly.__name__ = ImageOnly.__qualname__ = f"ImageOnly{cls.__name__}"
-    return ImageOnly
-
-
-def _processor_class(folder: Path, config: PretrainedConfig) -> type[ProcessorMixin] | None:
-    """The processor class a folder names (processor_config.json), else the one AutoProcessor maps its config to."""
-    saved = folder / "processor_config.json"
-    name = json.loads(saved.read_text()).get("processor_class") if saved.is_file() else None
-    if name:
-        return getattr(transformers, name, None)
-    return PROCESSOR_MAPPING.get(type(config), None)
-
-
-def _load_processor(folder: Path, config: PretrainedConfig) -> ProcessorMixin:
-    """The model's image+text processor with left padding (batched generation appends on the right): AutoProcessor, else
-    the folder's processor class without its video processor (image_only), for processors whose video half needs
-    torchvision or that were saved without one. Anything else is one ValueError naming each loader's reason."""
-    cls = _processor_class(folder, config)
-    video = cls is not None and "video_processor" in cls.get_attributes()
-    loaders = [AutoProcessor] + ([image_only(cls)] if video else [])
-    reasons = []
-    for loader in loaders:
-        try:
-            processor = loader.from_pretrained(folder)
-        except (ImportError, OSError, ValueError, KeyError, TypeError) as e:
-            first = (str(e).strip() or type(e).__name__).splitlines()[0].split(". ")[0]  # transformers' hints: noise
-            reasons.append(f"{loader.__name__}: {first}")
-            continue
-        if getattr(processor, "image_processor", None) is not None and getattr(processor, "tokenizer", None):
-            processor.tokenizer.padding_side = "left"
-            return processor
-        reasons.append(f"{loader.__name__} built a {type(processor).__name__}, not an image+text processor")
-    raise ValueError(f"{folder}: no image+text processor loads ({'; '.join(reasons)})")
-
-
-# The Qwen encoders attend within each window or picture of a packed sequence: transformers runs its sdpa path as one
-# call per window (hundreds per picture), its flash path as one call over the whole sequence given its boundaries. A
-# name with "flash" in it takes that path; PyTorch's varlen attention computes it, where its CUDA kernels exist.
-VARLEN_ATTENTION = "icl_select_flash_varlen"
-VARLEN_ENCODERS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-
-
-def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention within each packed sequence of query/key/value (1, H, T, D), bounded by cu_seq_lens_q/k:
-    returns ((1, T, H, D), None), as transformers' attention functions do."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, H, D)
-    cu_q, cu_k = kwargs["cu_seq_lens_q"].int(), kwargs["cu_seq_lens_k"].int()
-    out = varlen_attn(q, k, v, cu_q, cu_k, int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), scale=scaling)
-    return out[None], None
-
-
-def cuda_half(model: torch.nn.Module) -> bool:
-    """Whether `model` runs on CUDA in half precision, where the kit's own kernels and compiled regions apply."""
-    return model.device.type == "cuda" and model.dtype in (torch.float16, torch.bfloat16)
-
-
-def varlen_runs(model: torch.nn.Module) -> bool:
-    """Whether `model` has a Qwen vision encoder and PyTorch runs varlen attention for it (CUDA, half precision)."""
-    kernel = importlib.util.find_spec("torch.nn.attention.varlen") is not None
-    return model.config.model_type in VARLEN_ENCODERS and cuda_half(model) and kernel
-
-
-def vision_attention(model: torch.nn.Module, varlen: bool) -> None:
-    """The Qwen vision encoder's attention: varlen (one call per sequence) or transformers' sdpa (one per window)."""
-    transformers.AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)
-    model.set_attn_implementation({"vision_config": VARLEN_ATTENTION if varlen else "sdpa"})
-
-
-# Regional compilation on CUDA: the modules whose class names end so (the outermost where they nest) run through
-# torch.compile, which fuses the elementwise work that eager runs kernel by kernel (RMSNorm in float32, the vision
-# rotary embedding, gated activations, residual adds). Every layer of a kind shares one graph, shapes left dynamic.
-# Norms inside an attention module (Gemma3's and Qwen3's per-head q_norm, k_norm) stay eager: their per-head shapes
-# would add specialisations past dynamo's limit for the one forward they share with the layer norms.
-COMPILED = ("VisionBlock", "RMSNorm", "MLP")
-
-
-def compile_regions(model: torch.nn.Module) -> list[str]:
-    """torch.compile the modules of `model` that COMPILED names, in place; returns their names."""
-    compiled: list[str] = []
-    for name, module in model.named_modules():
-        inside = any(name.startswith(c + ".") for c in compiled) or any("attn" in part for part in name.split(".")[:-1])
-        if type(module).__name__.endswith(COMPILED) and not inside:
-            module.compile(dynamic=True)
-            compiled.append(name)
-    return compiled
-
-
-def load_lvlm(
-    model: str, device: str = "auto", dtype: str = "auto", cache_dir: str | Path | None = None
-) -> tuple[torch.nn.Module, ProcessorMixin, dict]:
-    """An image-text-to-text model and its processor from a local path or the local hub cache: (model in eval mode on
-    `device`, processor with left padding, info: "lvlm", "revision", "path", "model_class", "processor_class", "device",
-    "dtype")."""
-    folder, revision = resolve_model(model, cache_dir)
-    config = _load_config(model, folder)
-    if type(config) not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
-        arch = ", ".join(config.architectures or []) or type(config).__name__
-        raise ValueError(
-            f"{model} is a {arch} model (model_type {config.model_type!r}), not an image-text-to-text model that "
-            "AutoModelForImageTextToText can load; pass a vision-language model such as Qwen/Qwen2.5-VL-3B-Instruct"
-        )
-    dev, torch_dtype = resolve_device(device, dtype)
-    processor = _load_processor(folder, config)
-    if processor.chat_template is None:
-        raise ValueError(
-            f"{model} has no chat template (a base checkpoint, such as PaliGemma's): icl-select builds every prompt "
-            f"with the model's chat template, so use the instruct or chat version of the model, or add a "
-            f"chat_template.jinja to {folder}"
-        )
-    lvlm = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch_dtype).to(dev).eval()
-    if varlen_runs(lvlm):
-        vision_attention(lvlm, varlen=True)
-    info = {
-        "lvlm": model,
-        "revision": revision,
-        "path": str(folder),
-        "model_class": type(lvlm).__name__,
-        "processor_class": type(processor).__name__,
-        "device": str(dev),
-        "dtype": str(torch_dtype).removeprefix("torch."),
-    }
-    return lvlm, processor, info
 
 
 @dataclass
@@ -1167,65 +805,3 @@ class LVLMBackend:
             "simulation": False,
             **({"prompt_note": self.layout_note} if self.layout_note else {}),
         }
-
-
-@functools.lru_cache(maxsize=2)
-def clip_encoder(folder: Path, revision: str, device: torch.device) -> tuple[torch.nn.Module, ProcessorMixin]:
-    """The CLIP-style model (float32, eval mode, on `device`) and processor in `folder` at `revision` (`resolve_model`),
-    loaded once per process while its files stay the same: picking demonstrations for new questions embeds them batch
-    after batch."""
-    model = AutoModel.from_pretrained(folder, dtype=torch.float32).to(device).eval()
-    if not hasattr(model, "get_image_features") or not hasattr(model, "get_text_features"):
-        raise ValueError(f"{folder} holds a {type(model).__name__}, not a CLIP-style image+text encoder")
-    return model, AutoProcessor.from_pretrained(folder)
-
-
-@torch.inference_mode()
-def clip_embed(
-    items: list[dict],
-    encoder: str = "openai/clip-vit-base-patch32",
-    batch_size: int = 64,
-    device: str = "auto",
-    cache_dir: str | Path | None = None,
-) -> dict[str, Tensor]:
-    """CLIP embeddings of each item's image (a file path or a PIL image) and question, (N, d) float32 unit norm:
-    "image", "text" and "fused" = normalize(normalize(image) + normalize(text)). Each distinct image (file, or PIL
-    object) is embedded once, in float32 on any device, so embeddings do not depend on the GPU."""
-    if not items:
-        raise ValueError("clip_embed needs at least one item")
-    folder, revision = resolve_model(encoder, cache_dir)
-    dev, _ = resolve_device(device)
-    model, processor = clip_encoder(folder, revision, dev)
-    max_length = model.config.text_config.max_position_embeddings
-    pictures = {picture_id(item["image"]): item["image"] for item in items}  # distinct, in order of first use
-    paths = list(pictures)
-    image_steps, text_steps = list(range(0, len(paths), batch_size)), list(range(0, len(items), batch_size))
-    bar = tqdm(total=len(image_steps) + len(text_steps), desc=f"CLIP {encoder}", unit="batch")
-    images, texts = [], []
-    for start in image_steps:
-        batch = [rgb(pictures[p]) for p in paths[start : start + batch_size]]
-        pixels = processor(images=batch, return_tensors="pt")["pixel_values"].to(dev)  # (B, 3, H, W)
-        images.append(model.get_image_features(pixel_values=pixels).pooler_output.float().cpu())  # (B, d)
-        bar.update()
-    for start in text_steps:
-        questions = [item["question"] for item in items[start : start + batch_size]]
-        tokens = processor(
-            text=questions, padding=True, truncation=True, max_length=max_length, return_tensors="pt"
-        ).to(dev)
-        texts.append(model.get_text_features(**tokens).pooler_output.float().cpu())  # (B, d)
-        bar.update()
-    bar.close()
-    row = {p: i for i, p in enumerate(paths)}
-    image = F.normalize(torch.cat(images)[[row[picture_id(item["image"])] for item in items]], dim=-1)  # (N, d)
-    text = F.normalize(torch.cat(texts), dim=-1)  # (N, d)
-    return {"image": image, "text": text, "fused": F.normalize(image + text, dim=-1)}
-
-
-def task_embed(items: list[dict], task: str, encoder: str, device: str = "auto") -> dict[str, Tensor]:
-    """`clip_embed` of items as a selector of `task` reads them. A picture to caption comes with no text, so a
-    captioning selector reads the picture alone ("fused" is the image view), queries and demonstrations alike; a
-    demonstration's text view is the caption it shows (its first reference), what a caption sampler compares."""
-    if task != "caption":
-        return clip_embed(items, encoder, device=device)
-    emb = clip_embed([{**it, "question": (it.get("answers") or [""])[0]} for it in items], encoder, device=device)
-    return emb | {"fused": emb["image"].clone()}  # a tensor of its own in a file

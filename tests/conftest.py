@@ -41,7 +41,7 @@ def small_data(tmp_path_factory):
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory) -> dict:
     """Tiny random-weight Qwen2.5-VL, CLIP and text-only LM, and an OK-VQA-format dataset, built offline once."""
-    from real_fixtures import build_okvqa_fixture, build_tiny_clip, build_tiny_qwen, build_tiny_text_lm
+    from icl_select.tiny import build_okvqa_fixture, build_tiny_clip, build_tiny_qwen, build_tiny_text_lm
 
     root = tmp_path_factory.mktemp("real")
     return {
@@ -58,19 +58,17 @@ FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "llava", "llava_ne
 @pytest.fixture(scope="session")
 def family_models(assets, tmp_path_factory) -> dict:
     """A tiny random-weight checkpoint of each model family in FAMILIES (Qwen2.5-VL: assets["qwen"]), built once."""
-    import real_fixtures
+    from icl_select import tiny
 
     root = tmp_path_factory.mktemp("families")
-    built = {
-        name: getattr(real_fixtures, f"build_tiny_{name}")(root / name) for name in FAMILIES if name != "qwen2_5_vl"
-    }
+    built = {name: getattr(tiny, f"build_tiny_{name}")(root / name) for name in FAMILIES if name != "qwen2_5_vl"}
     return built | {"qwen2_5_vl": assets["qwen"]}
 
 
 @pytest.fixture(scope="session")
 def mixed_okvqa(tmp_path_factory):
     """The OK-VQA-format dataset with images of mixed sizes, modes and formats (wide, tall, tiny, L, P, CMYK)."""
-    from real_fixtures import build_okvqa_fixture
+    from icl_select.tiny import build_okvqa_fixture
 
     return build_okvqa_fixture(tmp_path_factory.mktemp("real") / "okvqa-mixed", mixed=True)
 

@@ -179,10 +179,10 @@ def new_weights(name: str) -> Callable[[Path], None]:
     """The model folder models/<name> built again from another seed: the same files, other weights."""
 
     def change(root: Path) -> None:
-        import real_fixtures
+        from icl_select import tiny
 
         shutil.rmtree(root / "models" / name)
-        getattr(real_fixtures, f"build_tiny_{name}")(root / "models" / name, seed=1)
+        getattr(tiny, f"build_tiny_{name}")(root / "models" / name, seed=1)
 
     return change
 

@@ -103,7 +103,7 @@ def test_what_a_caption_cannot_be_given_is_one_line(flags, pattern):
 
 @pytest.fixture(scope="module")
 def coco(tmp_path_factory):
-    from real_fixtures import build_coco_captions_fixture
+    from icl_select.tiny import build_coco_captions_fixture
 
     return build_coco_captions_fixture(tmp_path_factory.mktemp("coco") / "coco")
 

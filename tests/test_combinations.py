@@ -167,7 +167,7 @@ def check_eval(doc: dict, ds, exactly: bool) -> None:
 
 @pytest.fixture(scope="module")
 def coco(tmp_path_factory):
-    from real_fixtures import build_coco_captions_fixture
+    from icl_select.tiny import build_coco_captions_fixture
 
     return build_coco_captions_fixture(tmp_path_factory.mktemp("combos-coco") / "coco")
 

@@ -1,7 +1,7 @@
 """The real backend against plain transformers, for every model family tested here.
 
 For each family (a tiny random-weight checkpoint with its family's processor files and published chat template, built
-by tests/real_fixtures.py) and an OK-VQA-format folder whose images mix wide, tall, tiny, grayscale, palette and CMYK
+by icl_select/tiny.py) and an OK-VQA-format folder whose images mix wide, tall, tiny, grayscale, palette and CMYK
 files, an independent reference is computed per prompt alone, with nothing of lvlm.py but the chat it lays out
 (`LVLMBackend.messages`):
 

@@ -1,12 +1,12 @@
 """Every model family through every stage, its LVLM at one prompt per forward pass and at four.
 
-For each family's tiny checkpoint (tests/real_fixtures.py) on the OK-VQA-format folder with mixed picture shapes:
+For each family's tiny checkpoint (icl_select/tiny.py) on the OK-VQA-format folder with mixed picture shapes:
 gen_rl_data.py (sampled groups, and InfoScore beams), evaluate.py with every baseline and an RCE selector and a
 retriever trained on that data, and one online GRPO step.
 Each LVLM-bound stage runs with --lvlm-batch-size 1 and 4 and must write the same answers and accuracies, and the same
 gt_prob within float32 rounding: a left-padded batch is a different computation only in its rounding.
 
-Gemma3's sliding window (real_fixtures.GEMMA3_SLIDING_WINDOW) is shorter than every prompt the stages give it, so its
+Gemma3's sliding window (tiny.GEMMA3_SLIDING_WINDOW) is shorter than every prompt the stages give it, so its
 cache drops states and cannot be cut back after decoding. Every family runs under `-m slow`.
 """
 

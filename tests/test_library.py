@@ -25,7 +25,8 @@ import evaluate
 import rce
 from gen_rl_data import Args as GenArgs
 from gen_rl_data import generate
-from icl_select import lvlm
+from icl_select import clip as clip_module
+from icl_select import hf
 from icl_select.backends import LVLMRun, open_backend
 from icl_select.data import data_digest, load_dataset
 from icl_select.library import CACHE, Demonstrations, Library
@@ -353,8 +354,10 @@ def test_the_library_is_embedded_once_and_again_when_it_changes(assets, real_run
     root = tmp_path / "okvqa"
     shutil.copytree(assets["okvqa"], root)
     calls = []
-    embed = lvlm.clip_embed
-    monkeypatch.setattr(lvlm, "clip_embed", lambda items, *a, **k: calls.append(len(items)) or embed(items, *a, **k))
+    embed = clip_module.clip_embed
+    monkeypatch.setattr(
+        clip_module, "clip_embed", lambda items, *a, **k: calls.append(len(items)) or embed(items, *a, **k)
+    )
     clip = str(assets["clip"])
     first = Library.from_vqa("okvqa", root, clip)
     assert calls == [32] and first.encoder == clip and first.where == f"okvqa train of {root}"
@@ -389,7 +392,7 @@ def test_the_library_is_embedded_once_and_again_when_it_changes(assets, real_run
     assert calls == [32, 32, 32]
 
     # a library embedded by another CLIP: the run refuses it in one line
-    from real_fixtures import build_tiny_clip
+    from icl_select.tiny import build_tiny_clip
 
     other = str(build_tiny_clip(tmp_path / "clip2", seed=1))
     _, run = real_run
@@ -419,15 +422,17 @@ def test_an_encoder_folder_is_who_its_weights_are(assets, tmp_path, monkeypatch)
     root = tmp_path / "okvqa"
     shutil.copytree(assets["okvqa"], root)
     calls = []
-    embed = lvlm.clip_embed
-    monkeypatch.setattr(lvlm, "clip_embed", lambda items, *a, **k: calls.append(len(items)) or embed(items, *a, **k))
+    embed = clip_module.clip_embed
+    monkeypatch.setattr(
+        clip_module, "clip_embed", lambda items, *a, **k: calls.append(len(items)) or embed(items, *a, **k)
+    )
     before = Library.from_vqa("okvqa", root, str(clip))
     assert before.encoder_revision == meta["encoder_revision"] and calls == [32]
     Demonstrations.from_run(tmp_path / "rce", library=before)
 
     moved = tmp_path / "clip-moved"  # the same weights elsewhere: the same encoder, its embeddings reused
     shutil.copytree(clip, moved)
-    assert lvlm.resolve_model(str(moved))[1] == meta["encoder_revision"]
+    assert hf.resolve_model(str(moved))[1] == meta["encoder_revision"]
 
     weights = clip / "model.safetensors"  # new weights in the same folder
     tensors = load_file(weights)

@@ -218,11 +218,11 @@ def real_random(out: str, **flags) -> None:
 @pytest.fixture(scope="module")
 def real_tree(assets, tmp_path_factory) -> Path:
     """REAL_TREE: the small pipeline on tiny real models that every real change starts from."""
-    import real_fixtures
+    from icl_select import tiny
 
     root = tmp_path_factory.mktemp("lineage-real")
-    real_fixtures.build_tiny_qwen(root / "models" / "qwen")
-    real_fixtures.build_tiny_clip(root / "models" / "clip")
+    tiny.build_tiny_qwen(root / "models" / "qwen")
+    tiny.build_tiny_clip(root / "models" / "clip")
     with pytest.MonkeyPatch.context() as m:
         m.chdir(root)
         real_gen("data", assets["okvqa"])

@@ -1,7 +1,7 @@
 """Tests for the real-model backend (lvlm.py), fully offline.
 
 Tiny random-weight Qwen2.5-VL / CLIP checkpoints and an OK-VQA-format dataset are built once per session by
-tests/real_fixtures.py and loaded through the same from_pretrained path as real checkpoints. Expected values are
+icl_select/tiny.py and loaded through the same from_pretrained path as real checkpoints. Expected values are
 computed independently of lvlm.py where it matters: prompt text by hand, gt_prob from one explicit forward pass.
 """
 
@@ -31,17 +31,11 @@ from PIL import Image
 from torch import Tensor
 from transformers import Qwen2_5_VLProcessor
 
-from icl_select import lvlm
+from icl_select import clip, hf, lvlm, pictures
+from icl_select.clip import clip_embed
 from icl_select.files import folder_digest
-from icl_select.lvlm import (
-    LVLMBackend,
-    PromptTemplate,
-    clip_embed,
-    credited_replies,
-    image_only,
-    load_lvlm,
-    prefetched,
-)
+from icl_select.hf import image_only, load_lvlm
+from icl_select.lvlm import LVLMBackend, PromptTemplate, credited_replies, prefetched
 from icl_select.pictures import ByteLRU, load_image
 from icl_select.vqa import answer_rel, normalize_answer, postprocess, vqa_score
 from icl_select.vqa_data import load_vqa_split
@@ -181,12 +175,12 @@ def test_batches_are_longest_first_within_the_token_budget(assets, items, backen
 def test_image_caches_follow_the_budget_flag(assets, items):
     small = LVLMBackend(str(assets["qwen"]), items, batch_size=4, max_new_tokens=4, image_cache_mib=1)
     patches = small.processor.image_processor.cache
-    assert lvlm.DECODED_IMAGES.budget == patches.budget == MIB // 2
+    assert pictures.DECODED_IMAGES.budget == patches.budget == MIB // 2
     examples = [(items["val"][q], items["train"][3 * q : 3 * q + 3]) for q in range(6)]
     small.encode(examples)  # about 0.9 MiB of patches at the fixture's sizes: some must go
     assert 0 < patches.bytes <= MIB // 2 and patches.misses > len(patches.entries)
     big = LVLMBackend(str(assets["qwen"]), items, batch_size=4, max_new_tokens=4)  # the default: 4 GiB
-    assert lvlm.DECODED_IMAGES.budget == 2048 * MIB
+    assert pictures.DECODED_IMAGES.budget == 2048 * MIB
     a, b = small.encode(examples), big.encode(examples)  # eviction changes memory, never the inputs
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -242,7 +236,7 @@ def test_a_picture_changed_in_place_is_read_again(assets, items, tmp_path):
     stock = kit.processor.image_processor.inner(images=[drawn], return_tensors="pt")
     assert torch.equal(kit.encode([(query, [])])["pixel_values"], stock["pixel_values"])
     after = kit.run(examples, replies)
-    lvlm.DECODED_IMAGES.clear()
+    pictures.DECODED_IMAGES.clear()
     fresh = LVLMBackend(str(assets["qwen"]), items, batch_size=4, max_new_tokens=4).run(examples, replies)
     assert after[0] == fresh[0] and torch.equal(after[1][0], fresh[1][0])
     assert not torch.equal(before[1][0], after[1][0])  # the picture matters to the model: a stale one would show
@@ -609,7 +603,7 @@ def test_lvlm_bench_recurring_pictures_are_encoded_once_per_pass(assets, items):
 
 @pytest.mark.slow
 def test_the_gpu_report_runs_end_to_end_in_its_smoke_form(tmp_path):
-    """bench.py --only gpu-report --smoke: every step of the GPU run (the bench lines, CLIP, each stage as its own
+    """gpu_report.py --smoke: every step of the GPU run (the bench lines, CLIP, each stage as its own
     command, the rates they record) with the tiny models on the CPU, and the pipeline's hours from those rates; the
     models and data it built are removed (a full-shape run builds gigabytes)."""
     import bench
@@ -617,7 +611,7 @@ def test_the_gpu_report_runs_end_to_end_in_its_smoke_form(tmp_path):
     root, scratch = Path(__file__).resolve().parent.parent, tmp_path / "scratch"
     scratch.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TMPDIR": str(scratch)}
-    argv = [sys.executable, "bench.py", "--only", "gpu-report", "--smoke", "--report-dir", str(tmp_path / "report")]
+    argv = [sys.executable, "gpu_report.py", "--smoke", "--report-dir", str(tmp_path / "report")]
     subprocess.run(argv, check=True, cwd=root, env=env, capture_output=True)
     assert list(scratch.iterdir()) == []
     doc = json.loads((tmp_path / "report" / "report.json").read_text())
@@ -696,9 +690,9 @@ def test_clip_embed_matches_the_model(assets, items):
 
 
 def test_clip_embed_loads_the_encoder_once_and_takes_pil_images(assets, items, monkeypatch):
-    lvlm.clip_encoder.cache_clear()
-    loads, load = [], lvlm.AutoModel.from_pretrained
-    monkeypatch.setattr(lvlm.AutoModel, "from_pretrained", lambda *a, **k: loads.append(a) or load(*a, **k))
+    clip.clip_encoder.cache_clear()
+    loads, load = [], clip.AutoModel.from_pretrained
+    monkeypatch.setattr(clip.AutoModel, "from_pretrained", lambda *a, **k: loads.append(a) or load(*a, **k))
     train = items["train"][:6]
     by_path = clip_embed(train, str(assets["clip"]), device="cpu")
     pictures = []  # PIL images: RGB, and every other one grey (mode "L")
@@ -826,7 +820,7 @@ def test_model_without_chat_template_is_one_line(assets, tmp_path):
         load_lvlm(str(folder), device="cpu")
 
 
-@pytest.mark.parametrize("name", lvlm.VARLEN_ENCODERS)
+@pytest.mark.parametrize("name", hf.VARLEN_ENCODERS)
 def test_varlen_vision_attention_gives_the_per_window_features(name, family_models, mixed_items, monkeypatch):
     """The Qwen encoders' varlen attention (its kernel runs on CUDA only; here attention computed window by window in
     its place) gives the picture features of transformers' sdpa path: the windows' bounds reach it, in its layout."""
@@ -840,8 +834,8 @@ def test_varlen_vision_attention_gives_the_per_window_features(name, family_mode
 
     calls = []
     monkeypatch.setattr(varlen, "varlen_attn", per_window)
-    model, processor, _ = lvlm.load_lvlm(str(family_models[name]), device="cpu")
-    assert not lvlm.varlen_runs(model)  # on the CPU the kit keeps transformers' path
+    model, processor, _ = hf.load_lvlm(str(family_models[name]), device="cpu")
+    assert not hf.varlen_runs(model)  # on the CPU the kit keeps transformers' path
     pictures = [Image.open(it["image"]).convert("RGB") for it in mixed_items["train"][:3]]
     inputs = processor.image_processor(pictures, return_tensors="pt")
 
@@ -851,9 +845,9 @@ def test_varlen_vision_attention_gives_the_per_window_features(name, family_mode
 
     with torch.no_grad():
         reference = features()
-        lvlm.vision_attention(model, varlen=True)
+        hf.vision_attention(model, varlen=True)
         fast = features()
-        lvlm.vision_attention(model, varlen=False)
+        hf.vision_attention(model, varlen=False)
         back = features()
     assert calls and max(calls) > 1  # one call a layer, over several pictures or windows at once
     torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
@@ -880,7 +874,7 @@ def test_compiled_regions_are_the_outermost_norms_mlps_and_vision_blocks(assets,
     backend = LVLMBackend(str(assets["qwen"]), items, batch_size=4)
     assert backend.compiled == []
     model = backend.model
-    names = lvlm.compile_regions(model)
+    names = hf.compile_regions(model)
     kinds = {n: type(m).__name__ for n, m in model.named_modules()}
     blocks = [n for n, k in kinds.items() if k.endswith("VisionBlock")]
     assert blocks and set(blocks) <= set(names)
@@ -891,8 +885,8 @@ def test_compiled_regions_are_the_outermost_norms_mlps_and_vision_blocks(assets,
 
 def test_norms_inside_attention_stay_eager(family_models):
     """Gemma3's per-head q_norm and k_norm would push the one RMSNorm forward past dynamo's specialisation limit."""
-    model, _, _ = lvlm.load_lvlm(str(family_models["gemma3"]), device="cpu")
-    names = lvlm.compile_regions(model)
+    model, _, _ = hf.load_lvlm(str(family_models["gemma3"]), device="cpu")
+    names = hf.compile_regions(model)
     heads = [n for n, m in model.named_modules() if n.endswith(("q_norm", "k_norm"))]
     assert heads and not set(heads) & set(names)
     assert any(n.endswith("input_layernorm") for n in names)
@@ -917,7 +911,7 @@ def test_compiled_regions_score_as_eager(assets, items):
     examples = [(items["val"][i % len(items["val"])], rng.sample(items["train"], i % 5)) for i in range(9)]
     replies = [[q["answers"][0], "yes"] for q, _ in examples]
     eager = backend.run(examples, replies)
-    assert lvlm.compile_regions(backend.model)
+    assert hf.compile_regions(backend.model)
     compiled = backend.run(examples, replies)
     assert compiled[0] == eager[0]
     for got, want in zip(compiled[1], eager[1]):

@@ -10,7 +10,7 @@ import evaluate
 import grpo
 import rce
 from gen_rl_data import Args, generate
-from icl_select import lvlm
+from icl_select import clip, lvlm, pictures
 from icl_select.backends import LVLMRun, open_backend
 from icl_select.data import load_dataset
 from icl_select.files import folder_digest
@@ -59,7 +59,7 @@ def test_dataset_folder_records_the_real_backend(data, assets, monkeypatch):
     assert ds.emb["train"].shape[0] == len(ds.items["train"]) == 32 and "val_image" in ds.emb
     assert all(it["image"].endswith(".jpg") for it in ds.items["train"])
     # re-running the same command resumes: nothing is recomputed, the CLIP embeddings are reused
-    monkeypatch.setattr(lvlm, "clip_embed", lambda *a, **k: pytest.fail("embeddings recomputed"))
+    monkeypatch.setattr(clip, "clip_embed", lambda *a, **k: pytest.fail("embeddings recomputed"))
     before = {p.name: p.read_bytes() for p in data.iterdir()}
     generate(gen_args(assets, data))
     assert {p.name: p.read_bytes() for p in data.iterdir()} == before
@@ -104,7 +104,7 @@ def test_moved_data_root_and_corrupt_image(assets, tmp_path, monkeypatch):
     ev = dict(data=data, baseline="random", shots=[1], num_samples=[4])
     evaluate.main(evaluate.Args(out=tmp_path / "a", **ev))
     orig.rename(moved)  # the dataset moved: its recorded image paths are gone
-    lvlm.DECODED_IMAGES.clear()
+    pictures.DECODED_IMAGES.clear()
     # the question count, the split, the dataset and a missing image under the old root
     gone = rf"\b4\b.*\bval\b.*{re.escape(str(data))}\b.*{re.escape(str(orig))}/\S+ \(not found\)"
     with pytest.raises(ValueError, match=gone):
@@ -115,7 +115,7 @@ def test_moved_data_root_and_corrupt_image(assets, tmp_path, monkeypatch):
     assert a == b
     broken = sorted((moved / "train2014").glob("*.jpg"))[3]
     broken.write_bytes(b"not a jpeg")
-    lvlm.DECODED_IMAGES.clear()
+    pictures.DECODED_IMAGES.clear()
     pool_images = {str(p) for p in (moved / "train2014").glob("*.jpg")}  # evaluation reads pools of train images
     assert str(broken) in pool_images
     with (

@@ -9,7 +9,7 @@ from pathlib import Path
 import transformers
 from transformers import GenerationMixin, ProcessorMixin
 
-from icl_select import lvlm
+from icl_select import hf
 
 
 def pinned(package: str) -> str:
@@ -19,7 +19,7 @@ def pinned(package: str) -> str:
 
 def test_the_pinned_transformers_is_the_one_installed():
     assert transformers.__version__ == pinned("transformers"), (
-        "transformers changed: check lvlm.generation_positions and lvlm.image_only against the new release"
+        "transformers changed: check hf.generation_positions and hf.image_only against the new release"
     )
 
 
@@ -27,7 +27,7 @@ def test_generation_positions_calls_what_generate_calls():
     method = GenerationMixin._prepare_position_ids_for_generation
     assert list(inspect.signature(method).parameters) == ["self", "inputs_tensor", "model_kwargs"]
     assert "_prepare_position_ids_for_generation" in inspect.getsource(GenerationMixin.generate)
-    assert "_prepare_position_ids_for_generation" in inspect.getsource(lvlm.generation_positions)
+    assert "_prepare_position_ids_for_generation" in inspect.getsource(hf.generation_positions)
 
 
 def test_image_only_overrides_the_methods_processors_load_with():
@@ -40,4 +40,4 @@ def test_image_only_overrides_the_methods_processors_load_with():
     assert "cls.get_attributes()" in inspect.getsource(ProcessorMixin._get_arguments_from_pretrained.__func__)
     video = transformers.Qwen2_5_VLProcessor
     assert "video_processor" in video.get_attributes()
-    assert "video_processor" not in lvlm.image_only(video).get_attributes()
+    assert "video_processor" not in hf.image_only(video).get_attributes()

@@ -1,5 +1,5 @@
 """The official VQA file loader (vqa_data.py): OK-VQA/VQAv2 questions, annotations and COCO images, and one
-clear error per kind of broken file. The OK-VQA-format fixture is built offline by tests/real_fixtures.py."""
+clear error per kind of broken file. The OK-VQA-format fixture is built offline by icl_select/tiny.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Offline stand-ins for the real backend's inputs: tiny random-weight models and a tiny OKVQA-format dataset.
+"""Offline stand-ins for the real backend's inputs: tiny random-weight models and a tiny OKVQA-format dataset, which the
+tests and bench.py build (and random weights in real checkpoints' shapes, for timing a GPU without downloading them).
 
 Every builder writes into a folder it is given and returns the path to pass on, so tests (or any other script) can
 build them once per session. Nothing is downloaded: the models are built from configs with random weights, and the
