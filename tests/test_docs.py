@@ -244,3 +244,39 @@ def test_the_docs_rules_catch_what_they_forbid(tmp_path):
     assert any("a paragraph of 121 words" in p for p in problems) and any("a table of 9 columns" in p for p in problems)
     readme.write_text(body + (" word" * 1600))
     assert any("more than 1500" in p for p in doc_problems([readme], readme))
+
+
+def test_every_flag_the_flags_page_names_is_declared_and_every_flag_that_points_there_is_on_it():
+    """docs/flags.md against the stages' declarations: no flag it explains is gone (or misspelt), and every flag whose
+    help says "docs/flags.md" is explained there."""
+    import dataclasses
+    import typing
+
+    import ablate
+    import bench
+    import compare
+    import evaluate
+    import gen_rl_data
+    import gpu_report
+    import grpo
+    import rce
+
+    stages = (gen_rl_data, rce, grpo, evaluate, compare, ablate, bench, gpu_report)
+    declared, pointing = {"--help"}, set()
+    for stage in stages:
+        for f in dataclasses.fields(stage.Args):
+            flag = f"--{f.name.replace('_', '-')}"
+            declared.add(flag)
+            hint = typing.get_type_hints(stage.Args, include_extras=True)[f.name]
+            names = [a for m in getattr(hint, "__metadata__", ()) for a in (getattr(m, "aliases", None) or ())]
+            declared |= set(names)
+    page = (ROOT / "docs" / "flags.md").read_text()
+    named = set(re.findall(r"`(--[a-z][a-z-]*)", page))
+    assert named <= declared, f"docs/flags.md explains flags no stage declares: {sorted(named - declared)}"
+    for stage in stages:
+        source = Path(stage.__file__).read_text()
+        for f in dataclasses.fields(stage.Args):
+            field_doc = re.search(rf"\n    {f.name}: [^\n]*\n    \"\"\"(.*?)\"\"\"", source, re.S)
+            if field_doc and "docs/flags.md" in field_doc.group(1):
+                pointing.add(f"--{f.name.replace('_', '-')}")
+    assert pointing and pointing <= named, f"flags pointing at docs/flags.md but not on it: {sorted(pointing - named)}"
