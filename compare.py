@@ -126,6 +126,13 @@ class Run:
     eval_sha: str | None = None  # SHA-256 of the evaluation file read: what the report was made from
     upto: bool = False  # its "up to k" evaluation (eval/<split>-upto.json): it chose how many, k at most
     filled: bool = False  # it could stop, and its "up to k" evaluation filled every slot (the same picks as exactly k)
+    recipe: str | None = None  # what it was made from but its training seed (config.json): its trainings share it
+    trainings: list[Run] = field(default_factory=list)  # the other trainings of its recipe, judged with it
+
+    @property
+    def evals(self) -> list[dict]:
+        """The evaluations of every training of its recipe (itself first): what its scores and CIs are made from."""
+        return [self.eval, *(t.eval for t in self.trainings)]
 
     @property
     def phase(self) -> str | None:
@@ -169,9 +176,10 @@ class Run:
 
     @property
     def stale(self) -> bool:
-        """Whether the run's model.safetensors holds other weights than its evaluation evaluated (training went on
-        after it, or the evaluation does not say which weights it evaluated)."""
-        return self.eval is not None and self.weights is not None and self.eval.get("selector_digest") != self.weights
+        """Whether the run's model.safetensors (or a training's of its recipe) holds other weights than its evaluation
+        evaluated (training went on after it, or the evaluation does not say which weights it evaluated)."""
+        own = self.eval is not None and self.weights is not None and self.eval.get("selector_digest") != self.weights
+        return own or any(t.stale for t in self.trainings)
 
     def refresh(self) -> str:
         """The evaluate.py command that evaluates the run's model.safetensors again with its evaluation's settings."""
@@ -216,7 +224,9 @@ def read_run(path: Path, split: str) -> Run | None:
             epoch_evals[int(m.group(1))] = read_eval(f)
     doc = read_eval(ev) if ev.is_file() else None
     args = read_args(config) if config.is_file() else None
-    task = doc["task"] if doc else (read_json(config).get("dataset") or {}).get("task") if args is not None else None
+    settings = read_json(config) if args is not None else {}
+    task = doc["task"] if doc else (settings.get("dataset") or {}).get("task")
+    made = settings.get("made_from")
     return Run(
         path,
         path.name,
@@ -227,7 +237,28 @@ def read_run(path: Path, split: str) -> Run | None:
         selector_digest(path) if (path / "model.safetensors").is_file() else None,
         task,
         sha256(ev) if doc else None,
+        recipe=recipe_of(made) if isinstance(made, dict) else None,
     )
+
+
+def recipe_of(made_from: dict) -> str:
+    """A run's recipe: what it was made from (lineage.py), its training seed aside."""
+    flags = {k: v for k, v in made_from.get("flags", {}).items() if k != "seed"}
+    return lineage.digest({**made_from, "flags": flags})
+
+
+def gather_trainings(runs: list[Run]) -> list[Run]:
+    """The runs with every training of one recipe folded into its first (by name): it is judged on all of them."""
+    first: dict[tuple, Run] = {}
+    out = []
+    for r in sorted(runs, key=lambda r: r.name):
+        key = (r.recipe, r.upto)
+        if r.recipe is not None and key in first:
+            first[key].trainings.append(r)
+        else:
+            first[key] = r
+            out.append(r)
+    return [r for r in runs if r in out]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -319,7 +350,7 @@ def reference(evaluated: list[Run], want: str | None) -> Run:
 
 
 def compare(runs: list[Run], args: Args) -> Comparison | None:
-    evaluated = [r for r in runs if r.eval is not None]
+    evaluated = gather_trainings([r for r in runs if r.eval is not None])
     if not evaluated:
         return None
     base = reference(evaluated, args.baseline)
@@ -328,18 +359,19 @@ def compare(runs: list[Run], args: Args) -> Comparison | None:
     evaluated = [r for r in evaluated if r not in apart]
     n = common_n(evaluated)
     for r in evaluated:  # caption scores of the very questions compared
-        r.eval = on_questions(r.eval, n)
+        for t in [r, *r.trainings]:
+            t.eval = on_questions(t.eval, n)
     shots = sorted(set.intersection(*(set(r.eval["shots"]) for r in evaluated)))
     if not shots:
         raise ValueError(f"no shot count is evaluated in every run: {[(r.name, r.eval['shots']) for r in evaluated]}")
-    acc = {r.name: {s: accuracy(r.eval, s, n) for s in shots} for r in evaluated}
+    acc = {r.name: {s: float(np.mean([accuracy(d, s, n) for d in r.evals])) for s in shots} for r in evaluated}
     for r in evaluated:
         acc[r.name]["avg"] = float(np.mean([acc[r.name][s] for s in shots]))
     rng = np.random.default_rng(args.seed)
     pairs = [(r, base) for r in evaluated if r is not base]
     trained = [r for r in evaluated if r.phase is not None and r is not base]
     pairs += [(b, a) for a, b in combinations(trained, 2)]
-    pairs = [(b, a, pair_cells(a.eval, b.eval, shots, n, args.bootstrap, rng)) for b, a in pairs]
+    pairs = [(b, a, pair_cells(a.evals, b.evals, shots, n, args.bootstrap, rng)) for b, a in pairs]
     questions = "test questions (val split)" if args.split == "val" else "questions of the train split"
     return Comparison(evaluated, base, n, shots, acc, pairs, apart, questions, METRIC[base.eval.get("task", "vqa")])
 
@@ -507,7 +539,7 @@ def verdict_section(c: Comparison, args: Args) -> str:
         return ""
     rng = np.random.default_rng(args.seed)
     avg = {
-        (r.name, b.name): pair_cells(b.eval, r.eval, c.shots, c.n, args.bootstrap, rng)["avg"]
+        (r.name, b.name): pair_cells(b.evals, r.evals, c.shots, c.n, args.bootstrap, rng)["avg"]
         for r in selectors
         for b in baselines
     }
@@ -546,18 +578,18 @@ def verdict_section(c: Comparison, args: Args) -> str:
         # its own picks filling every slot are the same training: the difference is the choice alone, where two
         # trainings of one recipe differ by more than the questions' noise
         if own := next((r for r in fixed if r.path == best.path), None):
-            x = pair_cells(own.eval, best.eval, c.shots, c.n, args.bootstrap, rng)["avg"]
+            x = pair_cells(own.evals, best.evals, c.shots, c.n, args.bootstrap, rng)["avg"]
             line += f"; against its own picks filling every slot: {words(x)}"
         top = max(fixed, key=lambda r: c.acc[r.name]["avg"], default=None)
         if top is not None and top is not own:
-            x = pair_cells(top.eval, best.eval, c.shots, c.n, args.bootstrap, rng)["avg"]
+            x = pair_cells(top.evals, best.evals, c.shots, c.n, args.bootstrap, rng)["avg"]
             line += f"; against the best selector that fills every slot, {top.label}: {words(x)}"
         lines.append(line + ".")
     elif best.filled:
         lines.append(f"{best.label} could stop, and gave every question {k} demonstrations at up to {k}.")
     if rivals:  # the strongest rival, whichever it is, against the best of the kit's selectors
         top = max(rivals, key=lambda r: c.acc[r.name]["avg"])
-        x = pair_cells(top.eval, best.eval, c.shots, c.n, args.bootstrap, rng)["avg"]
+        x = pair_cells(top.evals, best.evals, c.shots, c.n, args.bootstrap, rng)["avg"]
         lines.append(
             f"**Strongest rival: {top.label}** ({c.acc[top.name]['avg']:.2f}, built with {top.calls} LVLM calls); "
             f"{best.label} ({c.acc[best.name]['avg']:.2f}, {best.calls} calls) against it: {words(x)}."
@@ -569,8 +601,27 @@ def verdict_section(c: Comparison, args: Args) -> str:
     lines += [
         "",
         f"Average over {', '.join(map(str, c.shots))} shots, first {c.n} questions, points. {rule(len(c.shots) + 1)}",
+        trainings_note(selectors),
     ]
     return "## Verdict\n\n" + "\n".join(lines) + "\n"
+
+
+def trainings_note(selectors: list[Run]) -> str:
+    """How many trainings each selector's verdict rests on, and so what its CI covers."""
+    several = [f"{r.label} on {1 + len(r.trainings)}" for r in selectors if r.trainings]
+    one = [r.label for r in selectors if not r.trainings]
+    parts = []
+    if several:
+        parts.append(
+            f"Judged on the trainings of one recipe (another --seed each), the CI resampling trainings, then "
+            f"questions: {', '.join(several)}."
+        )
+    if one:
+        parts.append(
+            f"Judged on one training: {', '.join(one)}; its CI covers the questions, not another training's spread "
+            "(train it again with another --seed into another --out to include that)."
+        )
+    return " ".join(parts)
 
 
 def glance_section(c: Comparison) -> str:
@@ -881,7 +932,15 @@ def read_runs(args: Args) -> list[Run]:
             r.filled = True
         else:
             runs.append(
-                replace(r, name=f"{r.name} (up to k)", eval=doc, eval_sha=sha256(upto), epoch_evals={}, upto=True)
+                replace(
+                    r,
+                    name=f"{r.name} (up to k)",
+                    eval=doc,
+                    eval_sha=sha256(upto),
+                    epoch_evals={},
+                    upto=True,
+                    trainings=[],
+                )
             )
     if not runs:
         raise ValueError("no run folders to compare")

@@ -40,6 +40,37 @@ def bootstrap_ci(d: np.ndarray, resamples: int, rng: np.random.Generator) -> tup
     return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
+def nested_ci(
+    pairs: list[tuple[np.ndarray, np.ndarray]], resamples: int, rng: np.random.Generator, level: float = 95
+) -> tuple[float, float, float]:
+    """The mean of b - a and its percentile bootstrap CI, the scores nested as seeds > trainings > questions and each
+    level resampled with replacement in turn: seeds, then each chosen seed's trainings of a and of b, then its questions
+    (one draw for every training of the seed: they answered the same questions). `pairs`: per seed (a, b), each
+    (trainings, questions) per-question scores. The statistic is the mean over seeds of the mean of b's trainings
+    less the mean of a's, each over the drawn questions; so a seed or a training that came out high or low widens the
+    interval as a question does. One training a side and one seed: the plain paired bootstrap over questions.
+
+    rliable's stratified bootstrap (Agarwal et al., NeurIPS 2021) resamples runs within each task; here two recipes
+    are paired question by question, so the questions are a level of their own below the trainings."""
+    S = len(pairs)
+    inner = np.empty((S, S, resamples))  # (slot, seed, R): an independent inner draw for every slot a seed may fill
+    for s, (a, b) in enumerate(pairs):
+        Q = a.shape[1]
+        for slot in range(S):
+            questions = rng.multinomial(Q, np.full(Q, 1 / Q), size=resamples).T / Q  # (Q, R) weights
+            drawn = []
+            for x in (a, b):
+                T = x.shape[0]
+                trainings = rng.multinomial(T, np.full(T, 1 / T), size=resamples) / T  # (R, T) weights
+                drawn.append((trainings * (x @ questions).T).sum(1))  # (R,)
+            inner[slot, s] = drawn[1] - drawn[0]
+    chosen = rng.integers(0, S, size=(resamples, S))  # (R, S) the seed each slot draws
+    means = inner[np.arange(S)[None, :], chosen, np.arange(resamples)[:, None]].mean(1)  # (R,)
+    point = float(np.mean([(b.mean(0) - a.mean(0)).mean() for a, b in pairs]))
+    lo, hi = np.percentile(means, [(100 - level) / 2, (100 + level) / 2])
+    return point, float(lo), float(hi)
+
+
 def sign_test(d: np.ndarray) -> float:
     """Exact two-sided sign test on the non-zero differences (McNemar's test when scores are 0/1)."""
     pos, neg = int((d > 0).sum()), int((d < 0).sum())
@@ -69,20 +100,31 @@ class Cell:
     hi: float
     p: float
     significant: bool = False
+    trainings: tuple[int, int] = (1, 1)  # the trainings each side rests on
 
 
-def pair_cells(a: dict, b: dict, shots: list[int], n: int, resamples: int, rng: np.random.Generator) -> dict:
-    """b - a at every shot and on the average over shots (first n questions), under the one verdict rule: the CI
-    excludes 0 and the sign test passes Holm's correction over these cells."""
-    diffs = {s: paired(scores(a, s, n), scores(b, s, n)) for s in shots}
-    diffs["avg"] = paired(per_question(a, n, shots), per_question(b, n, shots))
+def pair_cells(
+    a: list[dict], b: list[dict], shots: list[int], n: int, resamples: int, rng: np.random.Generator
+) -> dict:
+    """b - a at every shot and on the average over shots (first n questions), each side a recipe's trainings (their
+    evaluations, one or more), under the one verdict rule: the CI (`nested_ci`: trainings, then questions) excludes 0
+    and the sign test on the trainings' mean per question passes Holm's correction over these cells."""
     cells = {}
-    for k, d in diffs.items():
-        lo, hi = bootstrap_ci(100 * d, resamples, rng)
-        cells[k] = Cell(100 * float(d.mean()), lo, hi, sign_test(d))
+    for k in [*shots, "avg"]:
+        sides = [scores_by_training(docs, k, n, shots) for docs in (a, b)]  # (T, Q) each
+        delta, lo, hi = nested_ci([(sides[0], sides[1])], resamples, rng)
+        d = sides[1].mean(0) - sides[0].mean(0)  # (Q,) per question, over the trainings
+        cells[k] = Cell(100 * delta, 100 * lo, 100 * hi, sign_test(d), trainings=(len(a), len(b)))
     for c, ok in zip(cells.values(), holm([c.p for c in cells.values()])):
         c.significant = ok and (c.lo > 0 or c.hi < 0)
     return cells
+
+
+def scores_by_training(docs: list[dict], shot: int | str, n: int, shots: list[int]) -> np.ndarray:
+    """(trainings, questions) scores at one shot ("avg": the mean over `shots`) on the first n questions."""
+    per = [per_question(d, n, shots) if shot == "avg" else scores(d, shot, n) for d in docs]
+    common = [q for q in per[0] if all(q in p for p in per)]
+    return np.array([[p[q] for q in common] for p in per], dtype=np.float64)
 
 
 def gap_share(a: dict, b: dict, top: dict, resamples: int, rng: np.random.Generator) -> tuple[float, float, float]:

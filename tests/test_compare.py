@@ -7,12 +7,12 @@ import re
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ablate
 from compare import Args, report
-from icl_select.stats import bootstrap_ci, gap_share, holm, sign_test
+from icl_select.stats import bootstrap_ci, gap_share, holm, nested_ci, sign_test
 
 
 def write_run(folder, scores_by_shot, icds_by_shot=None, metrics=None, epoch_evals=None, ns=(2, 4)):
@@ -736,3 +736,63 @@ def test_rivals_calls_and_a_selector_that_chose_how_many(tmp_path):
         (runs["online"] / "eval" / name).write_text(json.dumps(exact))
     text = report(Args(runs=list(runs.values()), bootstrap=500))
     assert "online could stop, and gave every question 4 demonstrations at up to 4." in text and "(up to k)" not in text
+
+
+def coverage(seeds: int, trainings: int, two_level: bool, rng: np.random.Generator, n: int = 60) -> float:
+    """How often a 95% CI of b - a holds the recipes' true difference (1 point) over n simulated experiments, each of
+    `seeds` seeds of `trainings` trainings a side on 200 questions, where a training comes out up to a few points off
+    (offset ~ N(0, 1)) beside each question's noise (N(0, 3))."""
+    held = 0
+    for _ in range(n):
+        pairs = []
+        for _ in range(seeds):
+
+            def side(mean):
+                return mean + rng.normal(0, 1, (trainings, 1)) + rng.normal(0, 3, (trainings, 200))
+
+            pairs.append((side(0.0), side(1.0)))
+        if two_level:
+            _, lo, hi = nested_ci(pairs, 400, rng)
+        else:  # the trainings averaged per question, the questions of every seed pooled and resampled
+            d = np.concatenate([b.mean(0) - a.mean(0) for a, b in pairs])
+            lo, hi = bootstrap_ci(d, 400, rng)
+        held += lo <= 1.0 <= hi
+    return held / n
+
+
+@settings(max_examples=2, deadline=None)
+@given(st.integers(0, 2**31))
+def test_a_ci_over_trainings_then_questions_holds_a_recipe_s_difference_where_one_over_questions_does_not(seed):
+    """Trainings of one recipe differ by more than its questions' noise can tell: resampling trainings (and seeds)
+    before questions gives a 95% CI that holds the recipes' difference about 95% of the time; the bootstrap over
+    questions alone, however many seeds it pools, holds it far less often."""
+    rng = np.random.default_rng(seed)
+    assert coverage(4, 2, True, rng) >= 0.85 and coverage(1, 8, True, rng) >= 0.8
+    assert coverage(4, 2, False, rng) <= 0.6
+
+
+def test_trainings_of_one_recipe_are_judged_together(tmp_path):
+    """Two trainings of a recipe (the same inputs and flags, another --seed) are one row, judged on both: the CI
+    resamples trainings, then questions, and the verdict says so; a selector of one training says its CI covers the
+    questions alone."""
+    n, rng = 200, np.random.default_rng(0)
+    base = write_run(tmp_path / "zero", {1: [0.5] * n}, ns=(n,))
+    retag(base, baseline="zero-shot")
+    made = {"data": "d0", "task": "vqa", "lvlm": "sim:0", "encoder": "sim", "init": "i", "flags": {"lr": 0.001}}
+    for name, shift, seed in (("a", 0.2, 0), ("a-seed1", -0.1, 1)):
+        scores = list(np.clip(0.5 + shift + rng.normal(0, 0.3, n), 0, 1))
+        run = write_run(tmp_path / name, {1: scores}, metrics=[{"phase": "grpo", "epoch": 0}], ns=(n,))
+        made_from = made | {"flags": made["flags"] | {"seed": seed}}
+        (run / "config.json").write_text(json.dumps({"args": {"seed": seed, "online": True}, "made_from": made_from}))
+    text = report(Args(runs=[base, tmp_path / "a", tmp_path / "a-seed1"], bootstrap=2000))
+    rows = {r[0] for r in cells(text, "| run | what")}
+    assert not any("a-seed1" in r for r in rows), rows  # one row for the recipe
+    assert "Judged on the trainings of one recipe" in text and "a on 2" in text
+    [pair] = [r for r in cells(text, "| run | minus") if r[0] == "a"]
+    one = report(Args(runs=[base, tmp_path / "a"], bootstrap=2000))
+    [alone] = [r for r in cells(one, "| run | minus") if r[0] == "a"]
+    width = [
+        float(h) - float(lo) for lo, h in (re.findall(r"\[([-+0-9.]+), ([-+0-9.]+)\]", c[2])[0] for c in (pair, alone))
+    ]
+    assert width[0] > width[1]  # the trainings' spread widens it
+    assert "Judged on one training: a;" in one
