@@ -2,8 +2,9 @@
 
 Per simulated world (docs/worlds.md) and seed: a dataset, the default RCE and online GRPO runs, the variants (each
 differs from its reference in the flags shown) and the baselines, evaluated on the same 800 validation questions.
-Numbers are VQA accuracy (CIDEr-D in a captioning world) averaged over 1-4 shots, a delta's 95% CI a paired
-bootstrap over questions (pooled over seeds; with --trainings, over each run's mean of its trainings). Runs are cached
+Numbers are VQA accuracy (CIDEr-D in a captioning world) averaged over 1-4 shots and over each run's trainings
+(--trainings, 2 by default), a delta's 95% CI a bootstrap that resamples seeds, then trainings, then the paired
+questions (stats.nested_ci); a share of a gap resamples the questions of every seed pooled. Runs are cached
 in --out, so a re-run resumes; the last tables have one row per world: what each run takes, what each budget of LVLM
 calls buys, the rivals, and the selectors that may stop.
 
@@ -11,7 +12,7 @@ Usage:
     python ablate.py                                  # seeds 0 1 2 -> runs/ablate/additive (about 40 min a seed)
     python ablate.py --seeds 3 --only online          # one more seed, one variant
     python ablate.py --worlds copy strong --only online "online, budget 35k"   # other worlds
-    python ablate.py --seeds 3 --trainings 2 --only "online, budget 35k"    # each run trained twice, averaged
+    python ablate.py --seeds 3 --trainings 3 --only "online, budget 35k"    # each run trained three times
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from icl_select.data import METRIC, data_digest
 from icl_select.files import read_json, selector_digest
 from icl_select.runs import flag_values, read_eval, read_metrics
 from icl_select.sim import WORLDS
-from icl_select.stats import bootstrap_ci, gap_share, paired, per_question
+from icl_select.stats import gap_share, nested_ci, per_question
 from icl_select.tables import md_table
 
 
@@ -202,10 +203,10 @@ class Args:
     """Bootstrap resamples for the CIs."""
     how_many: Path | None = None
     """Also draw how many demonstrations the 35k-call selector that may stop gives against what they are worth (PNG)."""
-    trainings: int = 1
+    trainings: int = 2
     """Train each variant this many times on the same data and init (training seeds seed, seed + 1000, ...; the n-th
-    in <run>--training-n) and compare the mean of its trainings on each question: two trainings of one recipe differ
-    at 4 shots by a point or more, which a bootstrap over questions does not see. Tables show the spread."""
+    in <run>--training-n): a delta is of the trainings' mean, its CI resampling seeds, then trainings, then questions
+    (two trainings of one recipe differ at 4 shots by a point or more). Tables show the spread."""
 
 
 def slug(name: str) -> str:
@@ -313,9 +314,19 @@ def order(names: list[str], references: bool = True) -> list[str]:
 UPTO = " (up to k)"  # a run's "up to k" evaluation, as compare.py names it
 
 
+class Per(dict):
+    """A run's score per question, the mean over its trainings (keyed by question, or by (seed, question) pooled over
+    seeds), and each training's own: `by_seed` {seed: [question -> score, one dict a training]}, which `delta`
+    resamples seeds, then trainings, then questions from."""
+
+    def __init__(self, means: dict, by_seed: dict[int, list[dict]]):
+        super().__init__(means)
+        self.by_seed = by_seed
+
+
 def scores(
     args: Args, world: str, seed: int, name: str, shots: list[int] | None = None, training: int | None = None
-) -> dict | None:
+) -> Per | None:
     """Each question's accuracy averaged over `shots` (default 1-4) in a run's evaluation, and over its trainings
     (only the `training`-th, counted from 0, if given); None until each has been evaluated. "<run> (up to k)" reads
     eval/val-upto.json."""
@@ -325,7 +336,13 @@ def scores(
     if not paths or not all(p.is_file() for p in paths):
         return None
     each = [per_question(read_eval(p), 800, shots) for p in paths]
-    return {q: float(np.mean([e[q] for e in each])) for q in each[0]}
+    return Per({q: float(np.mean([e[q] for e in each])) for q in each[0]}, {seed: each})
+
+
+def pool_seeds(per_seed: dict[int, Per]) -> Per:
+    """Scores of several seeds as one, keyed by (seed, question)."""
+    means = {(s, q): v for s, d in per_seed.items() for q, v in d.items()}
+    return Per(means, {s: t for d in per_seed.values() for s, t in d.by_seed.items()})
 
 
 def figure_rng(*key) -> np.random.Generator:
@@ -334,11 +351,18 @@ def figure_rng(*key) -> np.random.Generator:
     return np.random.default_rng(zlib.crc32(repr(key).encode()))
 
 
-def delta(pairs: list[tuple[dict, dict]], resamples: int, *key) -> str:
-    """Mean of b - a over the common questions of every (a, b) pair, with a paired bootstrap 95% CI."""
-    d = np.concatenate([100 * paired(a, b) for a, b in pairs])
-    lo, hi = bootstrap_ci(d, resamples, figure_rng("delta", *key))
-    return f"{d.mean():+.2f} [{lo:+.2f}, {hi:+.2f}]"
+def delta(pairs: list[tuple[Per, Per]], resamples: int, *key) -> str:
+    """Mean of b - a over the seeds of every (a, b) pair and their common questions, with a 95% CI that resamples
+    seeds, then each side's trainings, then questions (`stats.nested_ci`): a seed or a training that came out high or
+    low widens it as a question does."""
+    nested = []
+    for a, b in pairs:
+        for seed in sorted(a.by_seed.keys() & b.by_seed.keys()):
+            ta, tb = a.by_seed[seed], b.by_seed[seed]
+            common = [q for q in ta[0] if all(q in t for t in (*ta, *tb))]
+            nested.append(tuple(np.array([[t[q] for q in common] for t in side]) for side in (ta, tb)))
+    point, lo, hi = nested_ci(nested, resamples, figure_rng("delta", *key))
+    return f"{100 * point:+.2f} [{100 * lo:+.2f}, {100 * hi:+.2f}]"
 
 
 def share(a: dict, b: dict, top: dict, resamples: int, *key) -> str:
@@ -452,8 +476,7 @@ def over_seeds(args: Args, world: str, names) -> tuple[dict, dict]:
     """Each run's per-question scores on every seed (None where it has not run) and pooled over the seeds, keyed by
     (seed, question)."""
     got = {n: [scores(args, world, s, n) for s in args.seeds] for n in names}
-    pooled = {n: {(s, q): v for s, d in zip(args.seeds, got[n]) if d for q, v in d.items()} for n in got}
-    return got, pooled
+    return got, {n: pool_seeds({s: d for s, d in zip(args.seeds, got[n]) if d}) for n in got}
 
 
 # The worlds table: what each run takes in every world, pooled over seeds.
@@ -614,7 +637,7 @@ def stop_table(args: Args) -> str:
             stop = f"{run}{UPTO}"
             got, pooled = over_seeds(args, world, {stop, "zero-shot", *FIXED})
             at4 = {
-                n: {(s, q): v for s in args.seeds for q, v in (scores(args, world, s, n, [4]) or {}).items()}
+                n: pool_seeds({s: d for s in args.seeds if (d := scores(args, world, s, n, [4]))})
                 for n in (stop, run, *FIXED)
             }
             if not all(got[stop]) or not all(got["zero-shot"]):

@@ -261,7 +261,7 @@ def test_ablate_orders_references_first_and_tables_pool_seeds_by_hand(tmp_path):
         for name, row in {**rows, "online, no item bias": variant}.items():
             calls = [{"epoch": 1, "lvlm/calls": 35_000}]
             write_run(tmp_path / "copy" / f"seed{seed}" / ablate.slug(name), {1: row, 2: row}, metrics=calls)
-    args = ablate.Args(seeds=[0, 1], worlds=["copy"], out=tmp_path, bootstrap=200)
+    args = ablate.Args(seeds=[0, 1], worlds=["copy"], out=tmp_path, bootstrap=200, trainings=1)
     text = ablate.tables(args, "copy")
     acc = {r[0]: r[1:] for r in cells(text, "| run |")}
     assert acc["online"] == ["50.00", "50.00"] and acc["online, no item bias"] == ["25.00", "50.00"]
@@ -281,7 +281,7 @@ def test_ablate_budget_table_pools_shares_over_seeds_and_averages_the_calls(tmp_
     # 4 questions, one shot: rce 1 right, oracle 3; offline 2 on both seeds; the 5k run 2 on seed 0 and 3 on seed 1
     rows = {"rce": [1, 0, 0, 0], "oracle": [1, 1, 1, 0], "offline": [1, 1, 0, 0]}
     spent = {"rce": 0, "oracle": 0, "offline": 1_000, "online, budget 5k": 5_000}
-    args = ablate.Args(seeds=[0, 1], worlds=["order"], out=tmp_path, bootstrap=200)
+    args = ablate.Args(seeds=[0, 1], worlds=["order"], out=tmp_path, bootstrap=200, trainings=1)
     for seed, five in ((0, [1, 1, 0, 0]), (1, [1, 1, 1, 0])):
         for name, row in {**rows, "online, budget 5k": five}.items():
             if name == "online, budget 5k" and seed == 0:  # the worlds table has every budget so far: no table
@@ -302,7 +302,7 @@ def test_ablate_figures_are_the_same_whichever_other_runs_are_in_the_table(tmp_p
     calls = [{"epoch": 1, "lvlm/calls": 1}]
     for name, row in rows.items():
         write_run(tmp_path / "additive" / "seed0" / ablate.slug(name), {1: row}, metrics=calls, ns=(40,))
-    args = ablate.Args(seeds=[0], worlds=["additive"], out=tmp_path, bootstrap=200)
+    args = ablate.Args(seeds=[0], worlds=["additive"], out=tmp_path, bootstrap=200, trainings=1)
     before = ablate.tables(args, "additive")
     # a variant listed before "online, no item bias" now has a run too: its own CI is drawn first
     lever_plus = tmp_path / "additive" / "seed0" / ablate.slug("rce, all groups (Lever-Plus)")
