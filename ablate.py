@@ -4,7 +4,7 @@ Per simulated world (docs/worlds.md) and seed: a dataset, the default RCE and on
 differs from its reference in the flags shown) and the baselines, evaluated on the same 800 validation questions.
 Numbers are VQA accuracy (CIDEr-D in a captioning world) averaged over 1-4 shots and over each run's trainings
 (--trainings, 2 by default), a delta's 95% CI a bootstrap that resamples seeds, then trainings, then the paired
-questions (stats.nested_ci); a share of a gap resamples the questions of every seed pooled. Runs are cached
+questions (stats.Bootstrap); a share of a gap resamples the questions of every seed pooled. Runs are cached
 in --out, so a re-run resumes; the last tables have one row per world: what each run takes, what each budget of LVLM
 calls buys, the rivals, and the selectors that may stop.
 
@@ -38,7 +38,7 @@ from icl_select.data import METRIC, data_digest
 from icl_select.files import read_json, selector_digest
 from icl_select.runs import flag_values, read_eval, read_metrics
 from icl_select.sim import WORLDS
-from icl_select.stats import gap_share, nested_ci, per_question
+from icl_select.stats import Bootstrap, gap_share, per_question
 from icl_select.tables import md_table
 
 
@@ -353,7 +353,7 @@ def figure_rng(*key) -> np.random.Generator:
 
 def delta(pairs: list[tuple[Per, Per]], resamples: int, *key) -> str:
     """Mean of b - a over the seeds of every (a, b) pair and their common questions, with a 95% CI that resamples
-    seeds, then each side's trainings, then questions (`stats.nested_ci`): a seed or a training that came out high or
+    seeds, then each side's trainings, then questions (`stats.Bootstrap`): a seed or a training that came out high or
     low widens it as a question does."""
     nested = []
     for a, b in pairs:
@@ -361,7 +361,7 @@ def delta(pairs: list[tuple[Per, Per]], resamples: int, *key) -> str:
             ta, tb = a.by_seed[seed], b.by_seed[seed]
             common = [q for q in ta[0] if all(q in t for t in (*ta, *tb))]
             nested.append(tuple(np.array([[t[q] for q in common] for t in side]) for side in (ta, tb)))
-    point, lo, hi = nested_ci(nested, resamples, figure_rng("delta", *key))
+    point, lo, hi = Bootstrap(resamples, figure_rng("delta", *key)).ci(nested)
     return f"{100 * point:+.2f} [{100 * lo:+.2f}, {100 * hi:+.2f}]"
 
 

@@ -44,6 +44,7 @@ from icl_select.data import METRIC
 from icl_select.files import atomic_write_text, read_json, selector_digest, sha256
 from icl_select.runs import read_args, read_eval, read_metrics, unfinished
 from icl_select.stats import (
+    Bootstrap,
     Cell,
     accuracy,
     gap_share,
@@ -323,6 +324,7 @@ class Comparison:
     apart: dict[Run, str]  # the evaluated runs that cannot be paired with the reference -> why
     questions: str  # what the evaluation questions are, in words
     metric: str  # what a cell holds: VQA accuracy %, or CIDEr-D x100 for captions
+    boot: Bootstrap  # the CIs' draws, shared by every pair of the report
 
     def cells(self, run: Run) -> dict | None:
         return next((c for r, a, c in self.pairs if r is run and a is self.base), None)
@@ -367,13 +369,14 @@ def compare(runs: list[Run], args: Args) -> Comparison | None:
     acc = {r.name: {s: float(np.mean([accuracy(d, s, n) for d in r.evals])) for s in shots} for r in evaluated}
     for r in evaluated:
         acc[r.name]["avg"] = float(np.mean([acc[r.name][s] for s in shots]))
-    rng = np.random.default_rng(args.seed)
+    boot = Bootstrap(args.bootstrap, np.random.default_rng(args.seed))  # one draw of questions for every pair
     pairs = [(r, base) for r in evaluated if r is not base]
     trained = [r for r in evaluated if r.phase is not None and r is not base]
     pairs += [(b, a) for a, b in combinations(trained, 2)]
-    pairs = [(b, a, pair_cells(a.evals, b.evals, shots, n, args.bootstrap, rng)) for b, a in pairs]
+    pairs = [(b, a, pair_cells(a.evals, b.evals, shots, n, boot)) for b, a in pairs]
     questions = "test questions (val split)" if args.split == "val" else "questions of the train split"
-    return Comparison(evaluated, base, n, shots, acc, pairs, apart, questions, METRIC[base.eval.get("task", "vqa")])
+    metric = METRIC[base.eval.get("task", "vqa")]
+    return Comparison(evaluated, base, n, shots, acc, pairs, apart, questions, metric, boot)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -537,9 +540,8 @@ def verdict_section(c: Comparison, args: Args) -> str:
     rivals = [r for r in c.evaluated if r.rival]
     if not selectors or not baselines:
         return ""
-    rng = np.random.default_rng(args.seed)
     avg = {
-        (r.name, b.name): pair_cells(b.evals, r.evals, c.shots, c.n, args.bootstrap, rng)["avg"]
+        (r.name, b.name): pair_cells(b.evals, r.evals, c.shots, c.n, c.boot)["avg"]
         for r in selectors
         for b in baselines
     }
@@ -578,18 +580,18 @@ def verdict_section(c: Comparison, args: Args) -> str:
         # its own picks filling every slot are the same training: the difference is the choice alone, where two
         # trainings of one recipe differ by more than the questions' noise
         if own := next((r for r in fixed if r.path == best.path), None):
-            x = pair_cells(own.evals, best.evals, c.shots, c.n, args.bootstrap, rng)["avg"]
+            x = pair_cells(own.evals, best.evals, c.shots, c.n, c.boot)["avg"]
             line += f"; against its own picks filling every slot: {words(x)}"
         top = max(fixed, key=lambda r: c.acc[r.name]["avg"], default=None)
         if top is not None and top is not own:
-            x = pair_cells(top.evals, best.evals, c.shots, c.n, args.bootstrap, rng)["avg"]
+            x = pair_cells(top.evals, best.evals, c.shots, c.n, c.boot)["avg"]
             line += f"; against the best selector that fills every slot, {top.label}: {words(x)}"
         lines.append(line + ".")
     elif best.filled:
         lines.append(f"{best.label} could stop, and gave every question {k} demonstrations at up to {k}.")
     if rivals:  # the strongest rival, whichever it is, against the best of the kit's selectors
         top = max(rivals, key=lambda r: c.acc[r.name]["avg"])
-        x = pair_cells(top.evals, best.evals, c.shots, c.n, args.bootstrap, rng)["avg"]
+        x = pair_cells(top.evals, best.evals, c.shots, c.n, c.boot)["avg"]
         lines.append(
             f"**Strongest rival: {top.label}** ({c.acc[top.name]['avg']:.2f}, built with {top.calls} LVLM calls); "
             f"{best.label} ({c.acc[best.name]['avg']:.2f}, {best.calls} calls) against it: {words(x)}."

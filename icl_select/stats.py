@@ -40,35 +40,52 @@ def bootstrap_ci(d: np.ndarray, resamples: int, rng: np.random.Generator) -> tup
     return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
-def nested_ci(
-    pairs: list[tuple[np.ndarray, np.ndarray]], resamples: int, rng: np.random.Generator, level: float = 95
-) -> tuple[float, float, float]:
-    """The mean of b - a and its percentile bootstrap CI, the scores nested as seeds > trainings > questions and each
-    level resampled with replacement in turn: seeds, then each chosen seed's trainings of a and of b, then its questions
-    (one draw for every training of the seed: they answered the same questions). `pairs`: per seed (a, b), each
-    (trainings, questions) per-question scores. The statistic is the mean over seeds of the mean of b's trainings
-    less the mean of a's, each over the drawn questions; so a seed or a training that came out high or low widens the
-    interval as a question does. One training a side and one seed: the plain paired bootstrap over questions.
+class Bootstrap:
+    """Percentile bootstrap CIs of b - a, the scores nested as seeds > trainings > questions and each level resampled
+    with replacement in turn: seeds, then each chosen seed's trainings of a and of b, then its questions (one draw for
+    every training of the seed: they answered the same questions). The statistic is the mean over seeds of the mean of
+    b's trainings less the mean of a's, each over the drawn questions; so a seed or a training that came out high or
+    low widens the interval as a question does. One training a side and one seed: the plain paired bootstrap over
+    questions.
 
     rliable's stratified bootstrap (Agarwal et al., NeurIPS 2021) resamples runs within each task; here two recipes
-    are paired question by question, so the questions are a level of their own below the trainings."""
-    S = len(pairs)
-    inner = np.empty((S, S, resamples))  # (slot, seed, R): an independent inner draw for every slot a seed may fill
-    for s, (a, b) in enumerate(pairs):
-        Q = a.shape[1]
-        for slot in range(S):
-            questions = rng.multinomial(Q, np.full(Q, 1 / Q), size=resamples).T / Q  # (Q, R) weights
-            drawn = []
-            for x in (a, b):
-                T = x.shape[0]
-                trainings = rng.multinomial(T, np.full(T, 1 / T), size=resamples) / T  # (R, T) weights
-                drawn.append((trainings * (x @ questions).T).sum(1))  # (R,)
-            inner[slot, s] = drawn[1] - drawn[0]
-    chosen = rng.integers(0, S, size=(resamples, S))  # (R, S) the seed each slot draws
-    means = inner[np.arange(S)[None, :], chosen, np.arange(resamples)[:, None]].mean(1)  # (R,)
-    point = float(np.mean([(b.mean(0) - a.mean(0)).mean() for a, b in pairs]))
-    lo, hi = np.percentile(means, [(100 - level) / 2, (100 + level) / 2])
-    return point, float(lo), float(hi)
+    are paired question by question, so the questions are a level of their own below the trainings.
+
+    Each draw (of Q questions, or of T trainings, for a seed's place) is made once and shared by every CI this object
+    gives: a report's comparisons resample the same questions, as paired comparisons should, at one matrix product
+    each."""
+
+    def __init__(self, resamples: int, rng: np.random.Generator, level: float = 95):
+        self.resamples, self.rng, self.level = resamples, rng, level
+        self.drawn: dict[tuple, np.ndarray] = {}
+
+    def weights(self, n: int, key: tuple) -> np.ndarray:
+        """(n, R) how often each of n items is drawn in each resample, over n: the same for the same key."""
+        if key not in self.drawn:
+            idx = self.rng.integers(0, n, size=(self.resamples, n))  # (R, n)
+            counts = np.zeros((self.resamples, n))
+            np.add.at(counts, (np.arange(self.resamples)[:, None], idx), 1)
+            self.drawn[key] = counts.T / n
+        return self.drawn[key]
+
+    def ci(self, pairs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[float, float, float]:
+        """The mean of b - a and its CI: `pairs` per seed (a, b), each (trainings, questions) per-question scores."""
+        S, R = len(pairs), self.resamples
+        inner = np.empty((S, S, R))  # (slot, seed, R): an independent inner draw for every slot a seed may fill
+        for s, (a, b) in enumerate(pairs):
+            for slot in range(S):
+                questions = self.weights(a.shape[1], ("questions", a.shape[1], slot))  # (Q, R)
+                drawn = []
+                for side, x in enumerate((a, b)):
+                    means = x @ questions  # (T, R) each training's mean over the drawn questions
+                    w = self.weights(len(x), ("trainings", len(x), slot, side)) if len(x) > 1 else 1.0  # (T, R)
+                    drawn.append((means * w).sum(0))  # (R,) the drawn trainings' mean
+                inner[slot, s] = drawn[1] - drawn[0]
+        chosen = self.rng.integers(0, S, size=(R, S)) if S > 1 else np.zeros((R, 1), dtype=int)  # (R, S) seeds drawn
+        means = inner[np.arange(S)[None, :], chosen, np.arange(R)[:, None]].mean(1)  # (R,)
+        point = float(np.mean([(b.mean(0) - a.mean(0)).mean() for a, b in pairs]))
+        lo, hi = np.percentile(means, [(100 - self.level) / 2, (100 + self.level) / 2])
+        return point, float(lo), float(hi)
 
 
 def sign_test(d: np.ndarray) -> float:
@@ -103,16 +120,14 @@ class Cell:
     trainings: tuple[int, int] = (1, 1)  # the trainings each side rests on
 
 
-def pair_cells(
-    a: list[dict], b: list[dict], shots: list[int], n: int, resamples: int, rng: np.random.Generator
-) -> dict:
+def pair_cells(a: list[dict], b: list[dict], shots: list[int], n: int, boot: Bootstrap) -> dict:
     """b - a at every shot and on the average over shots (first n questions), each side a recipe's trainings (their
-    evaluations, one or more), under the one verdict rule: the CI (`nested_ci`: trainings, then questions) excludes 0
+    evaluations, one or more), under the one verdict rule: the CI (`Bootstrap`: trainings, then questions) excludes 0
     and the sign test on the trainings' mean per question passes Holm's correction over these cells."""
     cells = {}
     for k in [*shots, "avg"]:
         sides = [scores_by_training(docs, k, n, shots) for docs in (a, b)]  # (T, Q) each
-        delta, lo, hi = nested_ci([(sides[0], sides[1])], resamples, rng)
+        delta, lo, hi = boot.ci([(sides[0], sides[1])])
         d = sides[1].mean(0) - sides[0].mean(0)  # (Q,) per question, over the trainings
         cells[k] = Cell(100 * delta, 100 * lo, 100 * hi, sign_test(d), trainings=(len(a), len(b)))
     for c, ok in zip(cells.values(), holm([c.p for c in cells.values()])):

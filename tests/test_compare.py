@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import ablate
 from compare import Args, report
-from icl_select.stats import bootstrap_ci, gap_share, holm, nested_ci, sign_test
+from icl_select.stats import Bootstrap, bootstrap_ci, gap_share, holm, sign_test
 
 
 def write_run(folder, scores_by_shot, icds_by_shot=None, metrics=None, epoch_evals=None, ns=(2, 4)):
@@ -752,7 +752,7 @@ def coverage(seeds: int, trainings: int, two_level: bool, rng: np.random.Generat
 
             pairs.append((side(0.0), side(1.0)))
         if two_level:
-            _, lo, hi = nested_ci(pairs, 400, rng)
+            _, lo, hi = Bootstrap(400, rng).ci(pairs)
         else:  # the trainings averaged per question, the questions of every seed pooled and resampled
             d = np.concatenate([b.mean(0) - a.mean(0) for a, b in pairs])
             lo, hi = bootstrap_ci(d, 400, rng)
