@@ -11,6 +11,7 @@ Usage:
     python bench.py --only pools --pool-whole-rows 50000          # pool building: time and peak memory by size
     python bench.py --only sim                                     # simulator scoring per call, in each world
     python bench.py --only library                                 # picking for new questions from 443,757 items
+    python bench.py --only run-sh                                  # bash run.sh on a fresh copy: each stage's time
     python bench.py --only lvlm --lvlm Qwen/Qwen2.5-VL-3B-Instruct --vqa-root /data/okvqa --device cuda
     python bench.py --only lvlm --lvlm random-3b --group-size 16 --lvlm-batch-size 16 --pool-size 64   # GPU, no weights
     python bench.py --only lvlm --lvlm tiny-3b-pixels --lvlm-steps 4      # the CPU side at a real checkpoint's cost
@@ -18,6 +19,7 @@ Usage:
 
 from __future__ import annotations
 
+import os
 import statistics
 import tempfile
 import time
@@ -36,7 +38,7 @@ from model import DECODE_CHUNK, PointerSelector, SelectorConfig, slices
 
 @dataclass
 class Args:
-    only: Literal["all", "log-probs", "epochs", "grpo", "decode", "pools", "lvlm", "sim", "library"] = "all"
+    only: Literal["all", "log-probs", "epochs", "grpo", "decode", "pools", "lvlm", "sim", "library", "run-sh"] = "all"
     """Which benchmark (all = the CPU ones but pools and library; lvlm needs --lvlm and --vqa-root; every GPU figure
     of docs/real-models.md in one run: gpu_report.py)."""
     shapes: list[str] = field(default_factory=lambda: ["64,16,4"])
@@ -870,6 +872,33 @@ def bench_lvlm(args: Args) -> dict:
     }
 
 
+def bench_run_sh() -> dict[str, float]:
+    """`bash run.sh` on a fresh copy of this checkout (its tracked files, nothing cached): its wall time and each
+    stage's seconds and share of its chain, from the runs/logs/seconds.tsv it writes."""
+    import shutil
+    import subprocess
+
+    root = Path(__file__).resolve().parent
+    files = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout.split()
+    with tempfile.TemporaryDirectory(prefix="icl-select-run-sh-") as tmp:
+        for name in files:
+            (Path(tmp) / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(root / name, Path(tmp) / name)
+        start = time.perf_counter()
+        subprocess.run(["bash", "run.sh"], cwd=tmp, check=True, capture_output=True)
+        wall = time.perf_counter() - start
+        rows = [line.split("\t") for line in (Path(tmp) / "runs/logs/seconds.tsv").read_text().splitlines()]
+    seconds = {name: float(s) for name, s in rows}
+    online = {"rce-stop", "online", "evaluate-online"}  # run.sh's online chain; the rest run beside it or before
+    print(f"\nbash run.sh: {wall / 60:.1f} min wall on {os.cpu_count()} cores\n")
+    print("| stage | seconds | share of its chain |\n|---|---|---|")
+    for chain in (online, seconds.keys() - online):
+        total = sum(seconds[n] for n in chain)
+        for name in (n for n in seconds if n in chain):
+            print(f"| {name} | {seconds[name]:.0f} | {100 * seconds[name] / total:.0f}% |")
+    return seconds | {"wall": wall}
+
+
 TINY_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "llava", "llava_next", "llava_onevision", "gemma3")
 
 
@@ -929,6 +958,8 @@ def main(args: Args) -> None:
         bench_pools(args.pool_rows, args.pool_queries, args.pool_samplers, args.repeats, args.pool_whole_rows)
     if args.only == "lvlm":
         bench_lvlm(args)
+    if args.only == "run-sh":
+        bench_run_sh()
 
 
 if __name__ == "__main__":

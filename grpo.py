@@ -490,11 +490,12 @@ def online_step(learner: Learner, idx: Tensor, loop: Loop, last: bool, ds, score
         learner.ladders.append(ladders)
     adv = advantages(b, args)  # (B, G)
     t, t_adv, sampled = with_replay(ds, b, adv, learner.buffer) if args.replay_steps else (b, adv, None)
-    with torch.no_grad():
-        ref_dist = learner.ref(t.query, t.pool, t.pool_mask, t.seqs, t.seq_mask, True, args.temperature).log_dist
+    with torch.no_grad():  # the frozen reference's distributions: a replayed group's were kept when it was fresh
+        ref = learner.ref(b.query, b.pool, b.pool_mask, b.seqs, b.seq_mask, True, args.temperature).log_dist
+    ref_dist = torch.cat([ref, *(e["ref"] for e in learner.buffer)]) if args.replay_steps else ref
     metrics, logp = update(learner, b, adv, Groups(t, t_adv, ref_dist, sampled), args, loop, last)
     if args.replay_steps:  # the fresh groups with the log-probs they were sampled with
-        fresh = {"rows": rows, "pool": pool, "seqs": b.seqs, "mask": b.seq_mask, "adv": adv, "logp": logp}
+        fresh = {"rows": rows, "pool": pool, "seqs": b.seqs, "mask": b.seq_mask, "adv": adv, "logp": logp, "ref": ref}
         learner.buffer = [*learner.buffer, fresh][-args.replay_steps :]
     return metrics | {"grpo/explored": explored}
 
