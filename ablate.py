@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
+import os
+import sys
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -35,8 +38,8 @@ import rce
 from icl_select import lineage
 from icl_select.cli import run_cli, side_flags
 from icl_select.data import METRIC, data_digest
-from icl_select.files import read_json, selector_digest
-from icl_select.runs import flag_values, read_eval, read_metrics
+from icl_select.files import atomic_write_text, read_json, selector_digest
+from icl_select.runs import KERNELS, flag_values, git_sha, read_eval, read_metrics
 from icl_select.sim import WORLDS
 from icl_select.stats import Bootstrap, gap_share, per_question
 from icl_select.tables import md_table
@@ -203,6 +206,10 @@ class Args:
     """Bootstrap resamples for the CIs."""
     how_many: Path | None = None
     """Also draw how many demonstrations the 35k-call selector that may stop gives against what they are worth (PNG)."""
+    judge: bool = False
+    """Judge the defaults as they stand: --seeds from the reserved block of docs/seeds.json, unused, in every world,
+    the recipes run.sh and the README give (JUDGED); writes docs/judged.json and docs/results.md, and records the
+    seeds in docs/seeds.json."""
     trainings: int = 2
     """Train each variant this many times on the same data and init (training seeds seed, seed + 1000, ...; the n-th
     in <run>--training-n): a delta is of the trainings' mean, its CI resampling seeds, then trainings, then questions
@@ -555,6 +562,7 @@ def budget_table(args: Args) -> str:
 
 # The rivals (docs/rivals.md): training-free, then trained on LVLM calls of their own
 TRAINING_FREE = ("random", "image-sim", "text-sim", "mmices", "mmr", "coreset")
+CAPTION_TRAINING_FREE = tuple(b for b in TRAINING_FREE if b in CAPTION_BASELINES)
 RIVALS = (*TRAINING_FREE, "retriever", "lever-lm", "lever-lm, 35k calls")
 KIT = ("offline", "online, budget 35k", "online, budget 35k, from the retriever", "online")  # fewest calls first
 
@@ -742,7 +750,166 @@ def how_many_figure(args: Args, path: Path) -> None:
     plt.close(fig)
 
 
+# The recipes the docs' findings are made of, as run.sh and the README give them: the default run (a selector that may
+# stop, online, no budget), the 35k run (the same on --lvlm-budget 35000) and the same budget filling every slot, RCE
+# and offline GRPO, and the trained rivals, Lever-LM also on 35k calls (the training-free ones are every seed's).
+JUDGED = (
+    "rce",
+    "offline",
+    "retriever",
+    "lever-lm",
+    "lever-lm, 35k calls",
+    "rce, can stop",
+    "online, can stop",
+    "online, budget 35k, can stop",
+    "online, budget 35k",
+)
+JUDGED_WORLDS = ("additive", "copy", "saturating", "strong", "order", "harmful", "caption")
+LEDGER, JUDGEMENT, RESULTS = Path("docs/seeds.json"), Path("docs/judged.json"), Path("docs/results.md")
+
+
+def ledger_check(seeds: list[int], commit: str | None) -> dict:
+    """docs/seeds.json, once `seeds` are known to lie in its reserved block and to have judged nothing before (the same
+    judgement of the same commit may be written again)."""
+    ledger = read_json(LEDGER)
+    lo, hi = ledger["reserved"]
+    if outside := [s for s in seeds if not lo <= s <= hi]:
+        raise ValueError(f"--judge --seeds: {outside} lie outside the reserved block {lo}-{hi} of {LEDGER}")
+    for use in ledger["uses"]:
+        a, b = use["seeds"]
+        if (seen := [s for s in seeds if a <= s <= b]) and use.get("commit") != commit:
+            raise ValueError(f"--judge --seeds: {seen} {use['did']} before ({use['what']}); {LEDGER} lists them")
+    return ledger
+
+
+def commit_of(args: Args) -> str | None:
+    """The commit every judged run was trained at on run.sh's kernels (their config.json); None before any is."""
+    made = {
+        (config["git_sha"], config.get("kernels", {}).get("env") == KERNELS)
+        for w in args.worlds
+        for s in args.seeds
+        for n in JUDGED
+        for f in folders(args, n)
+        if (p := args.out / w / f"seed{s}" / f / "config.json").is_file() and (config := read_json(p))
+    }
+    if len(made) > 1 or made and not next(iter(made))[1]:
+        raise ValueError(f"the runs in {args.out} were trained at several commits or off run.sh's kernels: delete them")
+    return made.pop()[0] if made else None
+
+
+def judge(args: Args) -> None:
+    """Train what the judgement lacks, then write its figures (docs/judged.json), docs/results.md made of them, and the
+    seeds' use in docs/seeds.json."""
+    ledger_check(args.seeds, commit_of(args) or git_sha())  # runs already there were trained at their commit
+    for world in args.worlds:
+        for seed in args.seeds:
+            build(args, world, seed, list(JUDGED))
+    commit = commit_of(args)
+    ledger = ledger_check(args.seeds, commit)
+    figures = judged_figures(args)
+    doc = {"command": judge_command(args), "commit": commit, "seeds": args.seeds, "figures": figures}
+    atomic_write_text(JUDGEMENT, json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
+    use = {"seeds": [min(args.seeds), max(args.seeds)], "did": "judged", "commit": commit}
+    use["what"] = f"the defaults as they stood at {commit[:7]}, every world, by `{judge_command(args)}`"
+    ledger["uses"] = [u for u in ledger["uses"] if u.get("commit") != commit or u["did"] != "judged"] + [use]
+    atomic_write_text(LEDGER, json.dumps(ledger, indent=2, ensure_ascii=False) + "\n")
+    atomic_write_text(RESULTS, results_page(doc, ledger))
+    print(f"wrote {JUDGEMENT}, {RESULTS} and {LEDGER}")
+
+
+def judge_command(args: Args) -> str:
+    return f"python ablate.py --judge --seeds {' '.join(map(str, args.seeds))}"
+
+
+def judged_figures(args: Args) -> dict[str, dict[str, dict[str, str]]]:
+    """Every figure the docs' findings cite: table -> world -> column -> its text (accuracy, or a delta [95% CI]
+    pooled over the seeds and each recipe's trainings)."""
+    out: dict[str, dict[str, dict[str, str]]] = {"accuracy": {}, "default run": {}, "35k run": {}, "how many": {}}
+    default, budgeted = "online, can stop", "online, budget 35k, can stop"
+    for world in args.worlds:
+        training_free = CAPTION_TRAINING_FREE if world in CAPTIONING else TRAINING_FREE
+        runs = ["zero-shot", *training_free, *JUDGED, "oracle", default + UPTO, budgeted + UPTO]
+        got, pooled = over_seeds(args, world, runs)
+        mean = {n: 100 * float(np.mean(list(pooled[n].values()))) for n in runs if all(got[n])}
+        best = max(training_free, key=mean.get)
+        out["accuracy"][world] = {n: f"{v:.2f}" for n, v in mean.items()} | {"best training-free": best}
+        for key, run in (("default run", default + UPTO), ("35k run", budgeted + UPTO)):
+            against = {"zero-shot": "zero-shot", f"best training-free ({best})": best, "Lever-LM": "lever-lm"}
+            against |= {"Lever-LM, 35k calls": "lever-lm, 35k calls"} if key == "35k run" else {}
+            against |= {"retriever": "retriever", "RCE": "rce"}
+            out[key][world] = {f"- {k}": judged_delta(args, world, pooled, run, a) for k, a in against.items()}
+        given = {n: np.mean([demos(args, world, s, n) for s in args.seeds]) for n in (default, budgeted)}
+        out["how many"][world] = {
+            "default run: demonstrations at 4": f"{given[default]:.2f}",
+            "35k run: demonstrations at 4": f"{given[budgeted]:.2f}",
+            "35k run - the same budget filling every slot, at 4": judged_delta(
+                args, world, None, budgeted + UPTO, "online, budget 35k", [4]
+            ),
+            "offline - retriever (equal calls)": judged_delta(args, world, pooled, "offline", "retriever"),
+        }
+    return out
+
+
+def judged_delta(args: Args, world: str, pooled: dict | None, b: str, a: str, shots: list[int] | None = None) -> str:
+    """b - a pooled over the seeds, averaged over 1-4 shots (`pooled`: over_seeds' scores) or over `shots`."""
+    if shots is not None:
+        pooled = {n: pool_seeds({s: scores(args, world, s, n, shots) for s in args.seeds}) for n in (a, b)}
+    return delta([(pooled[a], pooled[b])], args.bootstrap, world, b, a, *(shots or []), *args.seeds)
+
+
+def results_page(doc: dict, ledger: dict) -> str:
+    """docs/results.md: the judgement's tables, every figure from docs/judged.json, and the seed table of the ledger."""
+    f, seeds = doc["figures"], doc["seeds"]
+    worlds = list(f["accuracy"])
+    head = [
+        "# Results: the defaults, judged",
+        "",
+        f"Written by `{doc['command']}` at commit {doc['commit'][:7]} (every run's config.json; `git checkout "
+        f"{doc['commit'][:7]}` reproduces them), on seeds {min(seeds)}–{max(seeds)} of the block reserved for judging "
+        "([seeds.json](seeds.json)), every recipe trained twice (another --seed). Every figure is the simulated "
+        "LVLM's ([worlds.md](worlds.md)): VQA accuracy (%) or CIDEr-D ×100 in `caption`, averaged over 1–4 shots on "
+        "the same 800 validation questions, pooled over the seeds and each recipe's trainings; a delta's [95% CI] "
+        "resamples seeds, then trainings, then questions (`stats.Bootstrap`). The default run is run.sh's (a selector "
+        "that may stop, online, up to k); the 35k run the same on `--lvlm-budget 35000`.",
+        "",
+    ]
+    runs = ["zero-shot", "best training-free", "rce", "offline", "retriever", "lever-lm", "lever-lm, 35k calls"]
+    runs += ["online, can stop (up to k)", "online, budget 35k, can stop (up to k)", "oracle"]
+    names = ["zero-shot", "best training-free", "RCE", "offline GRPO", "retriever", "Lever-LM", "Lever-LM, 35k calls"]
+    names += ["default run", "35k run", "oracle"]
+    rows = []
+    for w in worlds:
+        a = f["accuracy"][w]
+        best = a["best training-free"]
+        rows.append([w, *[f"{best}: {a[best]}" if n == "best training-free" else a.get(n, "-") for n in runs]])
+    out = head + ["## Every world", "", md_table(["world", *names], rows), ""]
+    for key in ("default run", "35k run"):
+        cols = list(next(iter(f[key].values())))
+        cols = [c if not c.startswith("- best training-free") else "- best training-free" for c in cols]
+        rows = [[w, *f[key][w].values()] for w in worlds]
+        out += [f"## The {key} against zero-shot and every rival", "", md_table(["world", *cols], rows), ""]
+    cols = list(next(iter(f["how many"].values())))
+    rows = [[w, *f["how many"][w].values()] for w in worlds]
+    out += ["## How many demonstrations, and equal calls", "", md_table(["world", *cols], rows), ""]
+    lo, hi = ledger["reserved"]
+    uses = [[f"{u['seeds'][0]}–{u['seeds'][1]}", u["did"], u["what"]] for u in ledger["uses"]]
+    out += [
+        "## Which seeds did what",
+        "",
+        f"From [seeds.json](seeds.json): seeds {lo}–{hi} are kept for judging the "
+        "defaults as they stand, each block once; a seed listed nowhere is fresh.",
+        "",
+        md_table(["seeds", "did", "what"], uses),
+        "",
+    ]
+    return "\n".join(out)
+
+
 def main(args: Args) -> None:
+    if args.judge:
+        args = replace(args, worlds=list(JUDGED_WORLDS), trainings=max(args.trainings, 2), references=False)
+        judge(args)
+        return
     if unknown := [n for n in args.only if n not in VARIANTS]:
         raise ValueError(f"--only: unknown variants {unknown}; known: {list(VARIANTS)}")
     if args.trainings < 1:
@@ -764,4 +931,6 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
+    if "--judge" in sys.argv and any(os.environ.get(k) != v for k, v in KERNELS.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], os.environ | KERNELS)  # run.sh's kernels, from the start
     run_cli(main, Args)

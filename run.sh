@@ -9,6 +9,9 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 export TQDM_MININTERVAL=${TQDM_MININTERVAL:-5}   # fewer progress-bar redraws in logs
+# AVX2 kernels and one thread a stage (icl_select/runs.py KERNELS): the same figures on any x86-64 machine, where an
+# AVX-512 CPU's own kernels round otherwise and move the online run's
+export ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 OMP_NUM_THREADS=1
 mkdir -p runs/logs
 trap 'kill $(jobs -p) 2> /dev/null || true' EXIT   # a chain that failed stops the other
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -161,6 +162,18 @@ class MetricsLog:
             self.tracker.close()
 
 
+# CPU kernels are chosen by instruction set, and AVX-512's round otherwise than AVX2's: a training held to AVX2 kernels
+# and one thread (which every x86-64 machine the kit targets has) gives the same bytes on each. run.sh and
+# `ablate.py --judge` set these; a run's config.json says which kernels made it.
+KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1"}
+
+
+def kernels() -> dict:
+    """The CPU kernels this process runs on: ATen's instruction set, its threads and the settings of KERNELS."""
+    env = {k: os.environ.get(k) for k in KERNELS}
+    return {"capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(), "env": env}
+
+
 def git_sha() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
@@ -181,6 +194,7 @@ def write_config(out: Path, args, ds, split, extra: dict | None = None) -> None:
             "torch": torch.__version__,
             **{pkg: version(pkg) for pkg in ("transformers", "tqdm", "safetensors", "tyro")},
         },
+        "kernels": kernels(),
         "made_from": made_from,
         "data": {"folder": str(ds.folder), "digest": made_from["data"], "simulation": ds.is_sim},
         # how its data was made (encoder, pools, prompts): what using the selector elsewhere needs (library.py)

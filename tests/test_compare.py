@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import ablate
 from compare import Args, report
+from icl_select.runs import KERNELS
 from icl_select.stats import Bootstrap, bootstrap_ci, gap_share, holm, sign_test
 
 
@@ -796,3 +797,59 @@ def test_trainings_of_one_recipe_are_judged_together(tmp_path):
     ]
     assert width[0] > width[1]  # the trainings' spread widens it
     assert "Judged on one training: a;" in one
+
+
+def test_the_judgement_writes_every_figure_from_the_runs_and_records_its_seeds(tmp_path, monkeypatch):
+    """`ablate.py --judge`'s figures come from the judged runs' evaluations (both trainings of a recipe), the page it
+    writes from the figures alone, and the seeds it used join the ledger; seeds outside the reserved block, or that
+    tuned or judged anything before, are refused."""
+    rng = np.random.default_rng(0)
+    args = ablate.Args(seeds=[100, 101], worlds=["additive", "caption"], out=tmp_path, bootstrap=200)
+    for world in args.worlds:
+        free = ablate.CAPTION_TRAINING_FREE if world in ablate.CAPTIONING else ablate.TRAINING_FREE
+        for seed in args.seeds:
+            root = tmp_path / world / f"seed{seed}"
+            runs = [*(ablate.slug(n) for n in ("zero-shot", *free, "oracle"))]
+            runs += [f for n in ablate.JUDGED for f in ablate.folders(args, n)]
+            for name in runs:
+                row = list((rng.random(40) < 0.5).astype(float))
+                write_run(root / name, {1: row, 2: row, 3: row, 4: row}, ns=(40,))
+                if "can-stop" in name:
+                    doc = json.loads((root / name / "eval" / "val.json").read_text())
+                    doc["demonstrations"] = {"800": {"4": 1.25}}
+                    (root / name / "eval" / "val-upto.json").write_text(json.dumps(doc))
+            for name in [f for n in ablate.JUDGED for f in ablate.folders(args, n)]:
+                config = {"args": {}, "git_sha": "a" * 40, "kernels": {"env": KERNELS}}
+                (root / name / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(ablate, "build", lambda *a: None)  # the runs are there
+    ledger = {"reserved": [100, 199], "uses": [{"seeds": [0, 4], "did": "tuned", "what": "defaults"}]}
+    (tmp_path / "seeds.json").write_text(json.dumps(ledger))
+    monkeypatch.setattr(ablate, "LEDGER", tmp_path / "seeds.json")
+    monkeypatch.setattr(ablate, "JUDGEMENT", tmp_path / "judged.json")
+    monkeypatch.setattr(ablate, "RESULTS", tmp_path / "results.md")
+    ablate.judge(args)
+    doc = json.loads((tmp_path / "judged.json").read_text())
+    assert doc["commit"] == "a" * 40 and doc["seeds"] == [100, 101]
+    figures = doc["figures"]
+    mean = np.mean([per_question_mean(tmp_path / "additive" / f"seed{s}" / f) for s in (100, 101)
+                    for f in ablate.folders(args, "rce")])  # fmt: skip
+    assert figures["accuracy"]["additive"]["rce"] == f"{100 * mean:.2f}"  # both trainings of both seeds
+    assert figures["how many"]["caption"]["35k run: demonstrations at 4"] == "1.25"
+    page = (tmp_path / "results.md").read_text()
+    assert "seeds 100–101" in page and all(v in page for v in figures["35k run"]["additive"].values())
+    uses = json.loads((tmp_path / "seeds.json").read_text())["uses"]
+    assert uses[-1]["seeds"] == [100, 101] and uses[-1]["did"] == "judged" and uses[-1]["commit"] == "a" * 40
+    ablate.judge(args)  # the same judgement again: allowed, written the same
+    assert json.loads((tmp_path / "judged.json").read_text()) == doc
+    for seeds, says in (([3], "outside the reserved block"), ([101, 102], "judged before")):
+        with pytest.raises(ValueError, match=says):
+            ablate.ledger_check(seeds, "b" * 40)
+    unpinned = tmp_path / "additive" / "seed101" / ablate.folders(args, "lever-lm")[1] / "config.json"
+    unpinned.write_text(json.dumps({"args": {}, "git_sha": "a" * 40, "kernels": {"env": {}}}))  # AVX-512, say
+    with pytest.raises(ValueError, match="off run.sh's kernels"):
+        ablate.judge(args)
+
+
+def per_question_mean(run) -> float:
+    doc = json.loads((run / "eval" / "val.json").read_text())
+    return float(np.mean([r["score"] for r in doc["results"]]))

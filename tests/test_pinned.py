@@ -3,24 +3,27 @@ pinned here. A change of these hashes is a change of results; make it only on pu
 in the commit, and re-pin with `PIN=1 pytest tests/test_pinned.py -s`.
 
 CPU kernels are chosen by instruction set and round differently, so the run is made in a child process held to
-AVX2 kernels (ATen dispatch, MKL's reproducible AVX2 path, oneDNN), which every x86 machine this kit targets has.
+run.sh's kernels (icl_select.runs.KERNELS: AVX2 for ATen, MKL and oneDNN, one thread).
 """
 
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from icl_select.runs import KERNELS
+
 PINNED = {
     "rce": "8198cd714926ec52",
     "offline": "1ded03deae296c83",
     "online": "efbd3c05c6d43fad",
 }
-AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1"}
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def train_tiny(root: Path) -> dict[str, str]:
@@ -57,7 +60,7 @@ def test_trained_bytes_are_pinned(tmp_path):
     # any x86-64 CPU, but a BLAS may still pick other kernels on another vendor's CPU: there the pins are not checked.
     if os.uname().machine != "x86_64" or not cpu_model().startswith("AMD EPYC"):
         pytest.skip(f"pins are for AVX2 kernels on AMD EPYC CPUs, this is {cpu_model()}")
-    env = {**os.environ, **AVX2, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = {**os.environ, **KERNELS, "PYTHONPATH": str(ROOT)}
     child = subprocess.run(
         [sys.executable, __file__, str(tmp_path)], env=env, capture_output=True, text=True, check=True
     )
@@ -65,6 +68,13 @@ def test_trained_bytes_are_pinned(tmp_path):
     if os.environ.get("PIN"):
         print(f"\nPINNED = {json.dumps(got)}")
     assert got == PINNED
+
+
+def test_run_sh_trains_on_the_pinned_kernels():
+    """run.sh's figures are the README's on any x86-64 machine only if it exports the settings pinned here."""
+    exports = re.findall(r"^export ((?:\w+=\S+ ?)+)$", (ROOT / "run.sh").read_text(), re.M)
+    settings = dict(kv.split("=") for line in exports for kv in line.split())
+    assert {k: settings.get(k) for k in KERNELS} == KERNELS
 
 
 if __name__ == "__main__":

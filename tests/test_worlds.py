@@ -23,11 +23,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import seeds
-from test_pinned import AVX2, cpu_model
+from test_pinned import cpu_model
 from torch.overrides import TorchFunctionMode
 
 from icl_select import pools, sim
 from icl_select.data import DataError, read_meta
+from icl_select.runs import KERNELS
 from icl_select.vqa import answer_rel, vqa_score
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -189,11 +190,11 @@ def additive_digest() -> str:
 
 
 def test_additive_world_keeps_its_bytes():
-    """The default world scores, searches and calibrates bit for bit as before the worlds existed (the same AVX2
+    """The default world scores, searches and calibrates bit for bit as before the worlds existed (the same pinned
     child process as tests/test_pinned.py, on the CPUs pinned there)."""
     if os.uname().machine != "x86_64" or not cpu_model().startswith("AMD EPYC"):
         pytest.skip(f"pins are for AVX2 kernels on AMD EPYC CPUs, this is {cpu_model()}")
-    env = {**os.environ, **AVX2, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    env = {**os.environ, **KERNELS, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
     code = "import test_worlds; print(test_worlds.additive_digest())"
     child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert child.stdout.strip() == ADDITIVE_DIGEST
