@@ -88,10 +88,11 @@ class Args:
     kept from step to step (pictures recur as in a run)."""
     lvlm_passes: list[str] = field(default_factory=list)
     """LVLM benchmark: which scoring paths to time (ids of bench.LVLM_PASSES; none = every one that applies)."""
-    lvlm_batch_size: int = 8
-    """LVLM benchmark: prompts per forward pass."""
+    lvlm_batch_size: int = 0
+    """LVLM benchmark: prompts per forward pass at most (0 = the stages' default: 64 on a GPU, 8 on the CPU)."""
     lvlm_batch_tokens: int = 0
-    """LVLM benchmark: padded prompt tokens per forward pass at most (0 = no limit)."""
+    """LVLM benchmark: padded prompt tokens per forward pass at most (0 = the stages' default: on a GPU, what half its
+    memory left after loading holds; none on the CPU)."""
     lvlm_workers: int = 0
     """LVLM benchmark: picture threads (0 = one per CPU core, shared among a machine's torchrun ranks)."""
     lvlm_compile: bool = True
@@ -632,6 +633,7 @@ def lvlm_steps(items: dict[str, list[dict]], args: Args) -> list[list]:
 LVLM_PASSES = {
     "default": ("default", {}),
     "no-encoder-cache": ("no encoder cache", {"cache": False}),
+    "preprocess-held": ("pictures the encoder holds preprocessed again", {"held": False}),
     "picture-processes": ("pictures preprocessed in worker processes", {"processes": True}),
     "inline": ("no background thread or workers", {"threads": False}),
     "no-compile": ("no torch.compile", {"compiled": False}),
@@ -680,10 +682,10 @@ def bench_lvlm(args: Args) -> dict:
     workers = preprocessing.picture_processes(n_workers) if n_workers > 1 and hasattr(images, "pool") else None
     has_varlen = hf.varlen_runs(backend.model)
 
-    def levers(cache=True, threads=True, processes=False, varlen=True, static=args.lvlm_static_decode, **_) -> None:
+    def levers(cache=True, held=True, threads=True, processes=False, varlen=True, static=args.lvlm_static_decode, **_):
         if has_varlen:
             hf.vision_attention(backend.model, varlen)
-        backend.encoder_cache = encoder_cache if cache else None
+        backend.encoder_cache, backend.reuse_held = (encoder_cache if cache else None), held
         backend.pool = pool if threads else None
         backend.picture_pool = (workers if processes and workers is not None else pool) if threads else None
         backend.prefetch = 2 if threads else 0
@@ -702,6 +704,7 @@ def bench_lvlm(args: Args) -> dict:
 
     available = {
         "no-encoder-cache": encoder_cache is not None,
+        "preprocess-held": encoder_cache is not None,
         "picture-processes": workers is not None,
         "no-compile": bool(backend.compiled),
         "per-window": has_varlen,  # eager: compiled vision blocks would be recompiled for every count of windows
@@ -740,7 +743,7 @@ def bench_lvlm(args: Args) -> dict:
     results = {name: {"rate": [], "seconds": []} for name in passes}
     for name in passes:  # warm-up: kernels, allocator, and each path's compiled graphs
         levers(**passes[name])
-        score(name, steps[0][: args.lvlm_batch_size])
+        score(name, steps[0][: backend.batch_size])
     for _ in range(args.repeats):
         for side, setting in sides.items():
             levers(**setting)
@@ -866,6 +869,7 @@ def bench_lvlm(args: Args) -> dict:
         "prepared": prepared,
         "peaks": {name: r["peak"] for name, r in results.items()},
         "pictures": {"slots": len(slots), "distinct": len(set(slots))},
+        "batch": {"prompts": backend.batch_size, "tokens": backend.batch_tokens},
         "encoded_per_sequence": c.get("vision_patches", 0) / len(examples),
         "phases": phases,
         "flops": {"lm": lm_rate, "vision": vision_rate, "matmul": measured, "datasheet": sheet, "device": name},

@@ -1,6 +1,6 @@
 """Every GPU figure of docs/real-models.md from one run, on random weights in Qwen2.5-VL-3B-Instruct's and CLIP
 ViT-B/32's shapes (built on the spot, nothing downloaded) and an OK-VQA-format folder of 640 x 480 pictures: bench.py's
-LVLM line with its levers, the recurring-pictures line, CLIP's embedding rate, each LVLM stage as its own command with
+LVLM line and its levers, the recurring-pictures line, CLIP's embedding rate, each LVLM stage as its own command with
 the rate it records, and from them the GPU-hours of the README's one-GPU OK-VQA pipeline. report.md and report.json are
 rewritten into --report-dir after every step, so a run cut short keeps what it measured.
 
@@ -31,7 +31,7 @@ class Args:
     """Where report.md, report.json and report.log go."""
     smoke: bool = False
     """The same steps with the tiny models on the CPU (a check of the script, not GPU figures)."""
-    report_seconds: float = 480
+    report_seconds: float = 540
     """No step starts after this many seconds (a device command stops at 600)."""
     device: str = "auto"
     """cpu, cuda, or auto (CUDA in bf16 if present, else CPU float32); --smoke runs on the CPU."""
@@ -49,7 +49,7 @@ class ReportShapes:
     group: int
     shots: int
     pool: int
-    batch: int  # prompts per forward pass, in the bench lines and every stage
+    batch: int  # prompts per forward pass, in the bench lines and every stage (0: the stages' default)
     steps: int  # the recurring-pictures line's online steps
     repeats: int
     data_queries: int  # gen_rl_data.py anchors
@@ -61,34 +61,40 @@ class ReportShapes:
 # The issue's bench command, its recurring-pictures line and the stages on a GPU; the same steps in miniature on the
 # CPU (--smoke), to check the script end to end where no GPU is at hand.
 GPU_SHAPES = ReportShapes(
-    train_pictures=1000, val_pictures=64, picture_size=(640, 480), queries=4, group=16, shots=4, pool=64, batch=16,
-    steps=6, repeats=2, data_queries=12, eval_questions=48, grpo_batch=8, grpo_budget=384,
+    train_pictures=1000, val_pictures=64, picture_size=(640, 480), queries=4, group=16, shots=4, pool=64, batch=0,
+    steps=3, repeats=2, data_queries=12, eval_questions=48, grpo_batch=8, grpo_budget=384,
 )  # fmt: skip
 SMOKE_SHAPES = ReportShapes(
     train_pictures=24, val_pictures=12, picture_size=None, queries=2, group=4, shots=2, pool=8, batch=4,
     steps=2, repeats=1, data_queries=8, eval_questions=6, grpo_batch=2, grpo_budget=60,
 )  # fmt: skip
 
-# A one-GPU OK-VQA pipeline at the stages' defaults (9,009 train and 5,046 val questions): README's commands plus the
-# random and zero-shot baselines, in LVLM prompts per stage and the processes that load the model.
+# The README's one-GPU OK-VQA recipe at the stages' defaults (9,009 train and 5,046 val questions), in LVLM prompts per
+# stage and the processes that load the model; rce.py's are at most what --val-lvlm and --can-stop ask (every epoch's
+# 200 validation anchors at 1-4 shots, and the cross-fitted halves' 200 anchors at 0-4), fewer where picks recur.
 PIPELINE = {
     "clip": 9_009 + 5_046,  # questions (and about as many pictures) embedded once, in gen_rl_data.py
-    "data": 800 * 16,  # anchors x sequences (of 4 shots)
+    "data": 800 * (16 + 1),  # anchors x (sequences of 4 shots, and the anchor asked with none)
+    "rce": 11 * 200 * 4 + 2 * 200 * 5,  # rce.py --can-stop --val-lvlm: epochs 0-10, then the cross-fitting
     "online": 35_000,  # grpo.py --online --lvlm-budget 35000, training and validation
-    "eval_selectors": 4 * 800 * 4,  # random, RICES, RCE and online GRPO: 800 questions x 1-4 shots
+    "eval_selectors": 3 * 800 * 4,  # RCE, the 35k run and RICES: 800 questions x 1-4 shots
     "eval_zero_shot": 800,  # asked once for every shot count
-    "processes": 6,  # gen_rl_data, online grpo, evaluate of the two runs, and of three baselines apart
+    "processes": 6,  # gen_rl_data, rce, grpo, evaluate of the two runs, RICES and zero-shot apart
 }
+# What another training of the recipe adds, for a CI over trainings: rce.py and grpo.py again (another --seed) and
+# the evaluation of both.
+REPLICATE = {"rce": PIPELINE["rce"], "online": PIPELINE["online"], "eval_selectors": 2 * 800 * 4, "processes": 3}
 
 
 def gpu_report(args: Args) -> dict:
     """Every GPU figure of docs/real-models.md from one run, on random weights in Qwen2.5-VL-3B-Instruct's and CLIP
-    ViT-B/32's shapes and an OK-VQA-format folder of 640 x 480 pictures built on the spot: the bench line of issue 49
-    with its levers, the recurring-pictures line, CLIP's embedding rate, each LVLM stage as its own command
-    (gen_rl_data.py, online grpo.py with --lvlm-budget, evaluate.py of a selector and of zero-shot) with the rate it
-    records, and from them the GPU-hours of the whole pipeline. `--smoke` runs the same steps with the tiny Qwen and
-    CLIP on the CPU. report.md and report.json are rewritten into --report-dir after every step, so that a run cut
-    short keeps what it measured; a step that fails is reported and the next runs."""
+    ViT-B/32's shapes and an OK-VQA-format folder of 640 x 480 pictures built on the spot: the bench line at the
+    stages' batch and at 16 prompts, each LVLM stage as its own command (gen_rl_data.py, online grpo.py with
+    --lvlm-budget, evaluate.py of a selector and of zero-shot) with the rate it records, CLIP's embedding rate, the
+    recurring-pictures line and each lever alone, and from them the GPU-hours of the whole pipeline. `--smoke` runs
+    the same steps with the tiny Qwen and CLIP on the CPU. report.md and report.json are rewritten into --report-dir
+    after every step, so that a run cut short keeps what it measured; a step that fails is reported and the next
+    runs."""
     import contextlib
     import io
     import json
@@ -198,7 +204,7 @@ def gpu_report(args: Args) -> dict:
                 repeats=shapes.repeats,
                 lvlm_reference=False,
             )
-            r = bench.bench_lvlm(bench.Args(only="lvlm", **common, **kw))
+            r = bench.bench_lvlm(bench.Args(only="lvlm", **(common | kw)))
             rates = {k: statistics.median(v) for k, v in r["rates"].items()}
             return {
                 "rates": rates,
@@ -206,6 +212,7 @@ def gpu_report(args: Args) -> dict:
                 "prepared": {k: statistics.median(v) for k, v in r["prepared"].items()},
                 "tokens": r["tokens"],
                 "pictures": r["pictures"],
+                "batch": r["batch"],
                 "agreement": r["agreement"],
                 "peaks_gib": {k: v / 2**30 for k, v in r["peaks"].items()},
                 "phases": {k: v / sum(r["phases"].values()) for k, v in r["phases"].items()},
@@ -267,16 +274,19 @@ def gpu_report(args: Args) -> dict:
 
         return go
 
-    # The most wanted figures first; decoding over a static cache (compiling CUDA graphs: the least predictable time)
-    # last, each with the default beside it in the same process.
+    # The most wanted figures first: the default path's rate, the batch the kit sizes against a fixed one, each stage
+    # for the pipeline's hours; then each other lever alone, beside the default in the same process; decoding over a
+    # static cache (compiling CUDA graphs: the least predictable time) last.
     if step("build", build) is not None:
-        step("bench", bench_line(lvlm_passes=["default", "no-encoder-cache", "picture-processes", "inline"]))
+        step("bench", bench_line(lvlm_passes=["default"]))
+        step("bench batch 16", bench_line(lvlm_passes=["default"], lvlm_batch_size=16))
         if step("gen_rl_data.py", data_stage) is not None:
             if step("grpo.py --online", online_stage) is not None:
                 step("evaluate.py selector", eval_stage(online_run))
             step("evaluate.py zero-shot", eval_stage(None))
         step("clip", clip_rate)
-        step("bench recurring", bench_line(lvlm_steps=shapes.steps, lvlm_passes=["default"]))
+        step("bench recurring", bench_line(lvlm_steps=shapes.steps, lvlm_passes=["default", "preprocess-held"]))
+        step("bench levers", bench_line(lvlm_passes=["default", "no-encoder-cache", "picture-processes", "inline"]))
         if cuda:
             step("bench static", bench_line(lvlm_passes=["default", "static-inductor", "static-cudagraphs"]))
     save()
@@ -286,25 +296,44 @@ def gpu_report(args: Args) -> dict:
 
 
 def pipeline_hours(doc: dict) -> dict | None:
-    """The GPU-hours of PIPELINE from the rates measured: prompts / rate per stage, plus each process's start-up (its
-    wall time less its scoring: loading, compiling, the self-check), measured on the stages that ran."""
+    """The GPU-hours of PIPELINE, and of REPLICATE, from the rates measured: prompts / rate per stage (rce.py's at
+    evaluate.py's rate: the same prompts), plus each process's start-up (its wall time less its scoring: loading,
+    compiling, the self-check), measured on the stages that ran."""
     steps = doc["steps"]
     need = ("clip", "gen_rl_data.py", "grpo.py --online", "evaluate.py selector", "evaluate.py zero-shot")
     if any(name not in steps or "error" in steps[name] for name in need):
         return None
-    seconds = {
-        "CLIP embeddings": PIPELINE["clip"] / steps["clip"]["items_per_s"],
-        "gen_rl_data.py": PIPELINE["data"] / steps["gen_rl_data.py"]["rate"],
-        "grpo.py --online --lvlm-budget 35000": PIPELINE["online"] / steps["grpo.py --online"]["rate"],
-        "evaluate.py: 4 methods x 800 x 1-4 shots": PIPELINE["eval_selectors"] / steps["evaluate.py selector"]["rate"],
-        "evaluate.py: zero-shot x 800": PIPELINE["eval_zero_shot"] / steps["evaluate.py zero-shot"]["rate"],
+    rate = {
+        "data": steps["gen_rl_data.py"]["rate"],
+        "rce": steps["evaluate.py selector"]["rate"],
+        "online": steps["grpo.py --online"]["rate"],
+        "eval_selectors": steps["evaluate.py selector"]["rate"],
+        "eval_zero_shot": steps["evaluate.py zero-shot"]["rate"],
     }
-    start_ups = [
+    names = {
+        "data": "gen_rl_data.py",
+        "rce": "rce.py --can-stop --val-lvlm, at most",
+        "online": "grpo.py --online --lvlm-budget 35000",
+        "eval_selectors": "evaluate.py: RCE, the 35k run, RICES x 800 x 1-4 shots",
+        "eval_zero_shot": "evaluate.py: zero-shot x 800",
+    }
+    start_up = statistics.median(
         steps[name]["process_seconds"] - steps[name]["sequences"] / steps[name]["rate"]
         for name in ("gen_rl_data.py", "evaluate.py selector", "evaluate.py zero-shot")
-    ]
-    seconds["process start-ups"] = PIPELINE["processes"] * statistics.median(start_ups)
-    return {"stages": {k: v / 3600 for k, v in seconds.items()}, "total": sum(seconds.values()) / 3600}
+    )
+
+    def hours(plan: dict) -> dict:
+        seconds = {"CLIP embeddings": plan["clip"] / steps["clip"]["items_per_s"]} if "clip" in plan else {}
+        seconds |= {names[k]: plan[k] / rate[k] for k in names if k in plan}
+        seconds["process start-ups"] = plan["processes"] * start_up
+        return {"stages": {k: v / 3600 for k, v in seconds.items()}, "total": sum(seconds.values()) / 3600}
+
+    return hours(PIPELINE) | {"replicate": hours(REPLICATE)}
+
+
+def batch_text(batch: dict) -> str:
+    tokens = f" and {batch['tokens']:,} padded tokens" if batch["tokens"] else ""
+    return f"batches of at most {batch['prompts']} prompts{tokens}"
 
 
 def report_markdown(doc: dict) -> str:
@@ -331,7 +360,9 @@ def report_markdown(doc: dict) -> str:
     s = doc["shapes"]
     titles = {
         "bench": "The bench line",
+        "bench batch 16": "The bench line at 16 prompts a batch",
         "bench recurring": "Pictures recurring as in a GRPO run",
+        "bench levers": "Each older lever turned off alone",
         "bench static": "Decoding over a static cache (CUDA graphs)",
     }
     for name, title in titles.items():
@@ -343,7 +374,7 @@ def report_markdown(doc: dict) -> str:
             f"## {title}",
             "",
             f"{steps_note}{s['queries']} questions x {s['group']} sequences of {s['shots']} demonstrations from pools "
-            f"of {s['pool']}, {s['batch']} prompts a batch, {r['tokens']:.0f} prompt tokens a sequence; "
+            f"of {s['pool']}, {batch_text(r['batch'])}, {r['tokens']:.0f} prompt tokens a sequence; "
             f"{r['pictures']['distinct']} distinct pictures in {r['pictures']['slots']} picture slots. Median of "
             f"{s['repeats']} interleaved passes (runs: sequences/s of each).",
             "",
@@ -399,15 +430,15 @@ def report_markdown(doc: dict) -> str:
             "## GPU-hours of the whole pipeline, from these rates"
             + (" (smoke: tiny models on the CPU)" if doc["smoke"] else ""),
             "",
-            "OK-VQA at the stages' defaults, README's one-GPU commands and the random and zero-shot baselines: "
-            "prompts / the stage's rate, plus each of "
-            f"{PIPELINE['processes']} processes' start-up (the median measured above). RCE and offline GRPO run on "
-            "the CPU.",
+            "OK-VQA at the stages' defaults, the README's one-GPU commands (zero-shot and RICES included): prompts / "
+            f"the stage's rate, plus each of {PIPELINE['processes']} processes' start-up (the median measured above).",
             "",
             "| stage | GPU-hours |",
             "|---|---|",
             *(f"| {k} | {v:.3f} |" for k, v in hours["stages"].items()),
             f"| **whole pipeline** | **{hours['total']:.2f}** |",
+            f"| another training of RCE and the 35k run, evaluated (a CI over trainings) | "
+            f"{hours['replicate']['total']:.2f} |",
             "",
         ]
     return "\n".join(lines)

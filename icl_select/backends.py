@@ -62,10 +62,11 @@ class SimBackend:
 class LVLMRun:
     """How a real LVLM runs in this process: speed and memory, never results (so not recorded with them)."""
 
-    lvlm_batch_size: int = 8
-    """Real LVLM: prompts per forward pass at most."""
+    lvlm_batch_size: int = 0
+    """Real LVLM: prompts per forward pass at most (0 = 64 on a GPU, 8 on the CPU)."""
     lvlm_batch_tokens: int = 0
-    """Real LVLM: padded prompt tokens per forward pass at most, a memory bound (0 = none)."""
+    """Real LVLM: padded prompt tokens per forward pass at most, a memory bound (0 = on a GPU, what half its memory
+    left after loading holds; none on the CPU)."""
     lvlm_workers: Annotated[int, SIDE] = 0
     """Real LVLM: threads that prepare pictures ahead of the model (0 = one per core, shared by a machine's ranks)."""
     device: str = "auto"
@@ -81,7 +82,7 @@ class LVLMRun:
 
 
 def check_lvlm_run(run: LVLMRun) -> None:
-    least = {"lvlm_batch_size": 1, "image_cache_mib": 1, "lvlm_batch_tokens": 0, "lvlm_workers": 0}
+    least = {"lvlm_batch_size": 0, "image_cache_mib": 1, "lvlm_batch_tokens": 0, "lvlm_workers": 0}
     for name, lo in (least | {"encoder_cache_mib": 0}).items():
         if getattr(run, name) < lo:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {lo}, got {getattr(run, name)}")

@@ -59,6 +59,7 @@ from icl_select.pictures import (
     PictureKey,
     decode_ahead,
     load_image,
+    picture_key,
     picture_pixels,
 )
 from icl_select.preprocessing import CachedImageProcessor, EncoderCache, picture_processes, worker_count
@@ -69,6 +70,19 @@ PromptStyle = Literal["single-turn", "turn-per-demo"]
 __all__ = ["Example", "LVLMBackend", "PromptTemplate", "credited_replies"]
 
 DEFAULT_ENCODER_CACHE_MIB = 4096
+CPU_BATCH, GPU_BATCH = 8, 64  # prompts a forward pass at most, where the batch size is left to the kit (0)
+
+
+def memory_batch_tokens(model, free: int) -> int:
+    """Padded prompt tokens a forward pass may hold in `free` bytes: each token's keys and values in every layer, twice
+    (the prompt's cache and decoding's static copy), and the activations of the widest layer (an MLP's projections)."""
+    text = model.config.get_text_config()
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv = 2 * text.num_hidden_layers * (getattr(text, "num_key_value_heads", None) or heads) * head_dim
+    widest = 4 * text.hidden_size + 3 * (getattr(text, "intermediate_size", None) or 4 * text.hidden_size)
+    return max(1, free // ((2 * kv + widest) * model.dtype.itemsize))
+
 
 # One prompt to score: (query item, ICD items in prompt order).
 Example = tuple[dict, list[dict]]
@@ -128,7 +142,7 @@ class Prepared:
     """One batch made ready on the CPU for the model: which examples, the processor's inputs, generate()'s
     positions, the pictures in processor order, Qwen's image grids, the replies, and the unpadded prompt tokens. With an
     encoder cache, inputs["pixel_values"] holds only the patch rows of the pictures `ahead` (those it lacked when the
-    batch was prepared), and `pixels` every picture's own rows (kept in the picture cache anyway: no copy)."""
+    batch was prepared), and `held` the others' encoder outputs (kept for the batch, whatever the cache evicts)."""
 
     rows: list[int]
     inputs: BatchFeature
@@ -138,7 +152,7 @@ class Prepared:
     replies: Replies | None
     tokens: int
     ahead: list[PictureKey] = field(default_factory=list)
-    pixels: dict[PictureKey, Tensor] = field(default_factory=dict)  # (rows, D) each
+    held: dict[PictureKey, tuple[Tensor, ...]] = field(default_factory=dict)
 
 
 def prefetched(items: Iterator, depth: int) -> Iterator:
@@ -245,7 +259,7 @@ class LVLMBackend:
         self,
         model: str,
         items: dict[str, list[dict]],
-        batch_size: int = 8,
+        batch_size: int = 0,
         max_new_tokens: int = 10,
         system_prompt: str | None = None,
         template: PromptTemplate = PromptTemplate(),
@@ -272,6 +286,7 @@ class LVLMBackend:
         self.counts: Counter = Counter()  # tokens and patches run through the model so far (bench.py's FLOP counts)
         self.phases: dict[str, float] | None = None  # bench.py: seconds per phase of run(), when it profiles
         self.prefetch = 2  # batches prepared ahead of the model in a background thread (0 = in line)
+        self.reuse_held = True  # pictures whose encoder outputs are cached are not preprocessed (bench.py: off)
         self.static_decode = static_decode  # decoding over a StaticCache, on CUDA compiled with this backend
         self.static_caches: dict[tuple[int, int], StaticCache] = {}
         # The process's image memory: half for decoded images, half for their preprocessed patches.
@@ -289,6 +304,12 @@ class LVLMBackend:
             if encoder_cache_mib > 0:
                 self.encoder_cache = EncoderCache(self.model, encoder_cache_mib * MIB, self.counts)
         self.items = items
+        cuda = self.model.device.type == "cuda"
+        batch_size = batch_size or (GPU_BATCH if cuda else CPU_BATCH)
+        if batch_tokens == 0 and cuda:  # half the memory left after the weights and the encoder cache, for the prompts
+            free = torch.cuda.mem_get_info(self.model.device)[0]
+            free -= encoder_cache_mib * MIB if self.encoder_cache is not None else 0
+            batch_tokens = memory_batch_tokens(self.model, free // 2)
         self.batch_size, self.batch_tokens, self.max_new_tokens = batch_size, batch_tokens, max_new_tokens
         self.system_prompt = system_prompt
         self.tokenizer = self.processor.tokenizer
@@ -423,17 +444,19 @@ class LVLMBackend:
         generate()'s positions for the prompt (left padding skipped, Qwen's 3-d rope from the image grids) and every
         reply's tokens; bound for a GPU, in page-locked memory, so that copying them does not make the host wait."""
         batch, device = [examples[i] for i in rows], self.model.device
-        ahead, pixels = [], {}
+        ahead, held = [], {}
         with self.phase("preprocess"):
             if self.encoder_cache is None:
                 inputs, keys = self._process(batch)
-            else:  # only the pixels of pictures the encoder has not seen are copied and sent
-                with self.processor.image_processor.pictures_apart() as apart:
+            else:  # pictures the encoder holds are not preprocessed; only the others' pixels are copied and sent
+                keys = [picture_key(it["image"]) for query, icds in batch for it in (*icds, query)]
+                held = self.encoder_cache.holding(keys) if self.reuse_held else {}
+                with self.processor.image_processor.pictures_apart(held) as apart:
                     inputs, keys = self._process(batch)
-                pixels = {k: part["pixel_values"] for k, part in zip(keys, apart)}
-                ahead = [k for k in pixels if k not in self.encoder_cache.cache]
+                pixels = {k: part["pixel_values"] for k, part in zip(keys, apart) if k not in held}
+                ahead = list(pixels)
                 if ahead:
-                    inputs["pixel_values"] = torch.cat([pixels[k] for k in ahead])
+                    inputs["pixel_values"] = torch.cat(list(pixels.values()))
             pos = generation_positions(self.model, inputs)
             wanted = None
             if replies is not None:
@@ -445,9 +468,7 @@ class LVLMBackend:
                 lengths = torch.tensor([len(r) for rs in ids for r in rs], dtype=torch.long)  # (R,)
                 wanted = Replies([len(rs) for rs in ids], *(pinned(t, device) for t in (owner, tokens, lengths)))
         real_tokens, grid = int(inputs["attention_mask"].sum()), inputs.get("image_grid_thw")
-        return Prepared(
-            rows, pinned(inputs, device), pinned(pos, device), keys, grid, wanted, real_tokens, ahead, pixels
-        )
+        return Prepared(rows, pinned(inputs, device), pinned(pos, device), keys, grid, wanted, real_tokens, ahead, held)
 
     def batches(self, examples: list[Example], replies: list[list[str]] | None) -> Iterator[Prepared]:
         """The examples in batches of similar length (longest first, less padding), each at most batch_size prompts

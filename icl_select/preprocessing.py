@@ -13,7 +13,7 @@ import multiprocessing
 import os
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Collection, Iterable, Iterator
 from concurrent.futures import Executor, ProcessPoolExecutor
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from PIL import Image
+from torch import Tensor
 from transformers import BatchFeature
 from transformers.image_utils import make_flat_list_of_images
 
@@ -37,6 +38,11 @@ def _feature_bytes(feature: BatchFeature) -> int:
 def _preprocess(inner, image: Image.Image, kwargs: dict) -> BatchFeature:
     """One picture through the image processor `inner` (a worker's task: top-level, so a process can run it)."""
     return inner([image], **kwargs)
+
+
+def _no_rows(value: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+    """(0, D) of the same dtype, holding none of `value`'s memory."""
+    return value[:0].clone() if torch.is_tensor(value) else value[:0].copy()
 
 
 def _owned(feature: BatchFeature) -> BatchFeature:
@@ -72,7 +78,8 @@ class CachedImageProcessor:
     def __init__(self, inner, budget: int = DEFAULT_IMAGE_CACHE_MIB * MIB // 2, pool: Executor | None = None):
         self.inner, self.pool = inner, pool
         self.cache = ByteLRU(budget, _feature_bytes)
-        self.local = threading.local()  # .apart: see pictures_apart
+        self.grids: dict[tuple[PictureKey, str], BatchFeature] = {}  # each picture's features less its pixels
+        self.local = threading.local()  # .apart, .held: see pictures_apart
 
     @property
     def misses(self) -> int:
@@ -82,20 +89,31 @@ class CachedImageProcessor:
         return getattr(self.inner, name)
 
     @contextmanager
-    def pictures_apart(self) -> Iterator[list[BatchFeature]]:
+    def pictures_apart(self, held: Collection[PictureKey] = ()) -> Iterator[list[BatchFeature]]:
         """Within the block, this thread's calls return an empty pixel_values and put each picture's own features in
-        the list yielded: a caller that needs only some pictures' pixels takes them without copying the others."""
-        self.local.apart = apart = []
+        the list yielded: a caller that needs only some pictures' pixels takes them without copying the others. The
+        pictures `held` (whose encoder outputs the caller holds) are not preprocessed again: their parts have no pixel
+        rows, only the grid the prompt's tokens are laid out by, once it is known."""
+        self.local.apart, self.local.held = [], held
         try:
-            yield apart
+            yield self.local.apart
         finally:
-            self.local.apart = None
+            self.local.apart, self.local.held = None, ()
 
     def one(self, image: Image.Image, kwargs: dict) -> BatchFeature:
         key = (image.info.get(IMAGE_KEY), repr(sorted(kwargs.items())))  # the same key as __call__'s
         if key[0] is None:  # not loaded through load_image: nothing to key the cache on
             return self.inner([image], **kwargs)
-        return self.cache.get(key, lambda: self.inner([image], **kwargs))
+        if self.skips(key):
+            return self.grids[key]
+        feature = self.cache.get(key, lambda: self.inner([image], **kwargs))
+        if key not in self.grids:  # a grid (3 numbers) per picture: kept for the whole run
+            self.grids[key] = BatchFeature({k: _no_rows(v) if k == "pixel_values" else v for k, v in feature.items()})
+        return feature
+
+    def skips(self, key: tuple[PictureKey, str]) -> bool:
+        """Whether this thread's call serves picture `key` without pixels (pictures_apart's `held`)."""
+        return key[0] in getattr(self.local, "held", ()) and key in self.grids
 
     def __call__(self, images, **kwargs) -> BatchFeature:
         images = make_flat_list_of_images(images)
@@ -104,7 +122,9 @@ class CachedImageProcessor:
             missing = {
                 key: image
                 for image in images
-                if (key := image.info.get(IMAGE_KEY)) is not None and (key, settings) not in self.cache
+                if (key := image.info.get(IMAGE_KEY)) is not None
+                and (key, settings) not in self.cache
+                and not self.skips((key, settings))
             }
             if len(missing) > 1:
                 n = len(missing)
@@ -141,13 +161,17 @@ class EncoderCache:
         self.cache = ByteLRU(budget, lambda parts: sum(t.nbytes for t in parts))
         self.output_type = None  # the model's encoder output class (Qwen3-VL's carries its deepstack features)
 
+    def holding(self, keys: Iterable[PictureKey]) -> dict[PictureKey, tuple[Tensor, ...]]:
+        """The outputs cached for `keys` now: a batch prepared ahead keeps them, so it needs no pixels for them."""
+        return {k: v for k in dict.fromkeys(keys) if (v := self.cache.lookup(k)) is not None}
+
     def __call__(self, prep: Prepared, inputs: BatchFeature) -> dict:
-        """The model's inputs for the batch `prep`, the pixels replaced by the encoder's outputs: the cached ones, and
-        the others from one encoder pass over their patch rows, which `inputs["pixel_values"]` holds for the pictures
-        `prep.ahead` (those the cache lacked when the batch was prepared) and `prep.pixels` on the CPU for any evicted
-        since. Nothing here waits for the GPU: the grids it splits by are the CPU's."""
+        """The model's inputs for the batch `prep`, the pixels replaced by the encoder's outputs: those the batch held
+        when it was prepared, those cached since, and the others from one encoder pass over their patch rows, which
+        `inputs["pixel_values"]` holds (the pictures `prep.ahead`). Nothing here waits for the GPU: the grids it splits
+        by are the CPU's."""
         keys, grid = prep.keys, prep.grid
-        found = {k: v for k in dict.fromkeys(keys) if (v := self.cache.lookup(k)) is not None}
+        found = {k: v for k in dict.fromkeys(keys) if (v := prep.held.get(k) or self.cache.lookup(k)) is not None}
         first: dict[PictureKey, int] = {}
         for i, k in enumerate(keys):
             first.setdefault(k, i)
@@ -157,8 +181,7 @@ class EncoderCache:
             self.counts["vision_patches"] += int(grid[index].prod(-1).sum())
             sizes = [int(grid[first[k]].prod()) for k in prep.ahead]
             sent = dict(zip(prep.ahead, inputs["pixel_values"].split(sizes)))  # patch rows on the device
-            device, dtype = inputs["image_grid_thw"].device, self.model.dtype
-            pixels = torch.cat([sent[k] if k in sent else prep.pixels[k].to(device, dtype) for k in new])
+            pixels = torch.cat([sent[k] for k in new])
             new_grid = torch.cat([inputs["image_grid_thw"][i : i + 1] for i in index])
             out = self.model.get_image_features(pixels, new_grid, return_dict=True)
             self.output_type = type(out)

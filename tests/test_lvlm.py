@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import types
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
@@ -25,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
@@ -35,7 +37,7 @@ from icl_select import clip, hf, lvlm, pictures
 from icl_select.clip import clip_embed
 from icl_select.files import folder_digest
 from icl_select.hf import image_only, load_lvlm
-from icl_select.lvlm import LVLMBackend, PromptTemplate, credited_replies, prefetched
+from icl_select.lvlm import LVLMBackend, PromptTemplate, credited_replies, memory_batch_tokens, prefetched
 from icl_select.pictures import ByteLRU, load_image
 from icl_select.vqa import answer_rel, normalize_answer, postprocess, vqa_score
 from icl_select.vqa_data import load_vqa_split
@@ -172,6 +174,19 @@ def test_batches_are_longest_first_within_the_token_budget(assets, items, backen
     assert all(torch.allclose(p, q, rtol=1e-5, atol=0) for p, q in zip(a[1], b[1]))
 
 
+def test_the_batch_is_left_to_the_kit_by_default(assets, items):
+    """--lvlm-batch-size 0 (the default) is 8 prompts on the CPU, with no token bound; on a GPU, 64 bounded by what
+    half its free memory holds, at each token's keys and values (twice: the prompt's cache and decoding's copy) and
+    the widest layer's activations, counted here by hand for Qwen2.5-VL-3B's published shape in bfloat16."""
+    kit = LVLMBackend(str(assets["qwen"]), items, max_new_tokens=4)
+    assert (kit.batch_size, kit.batch_tokens) == (8, 0)
+    text = dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16)
+    config = transformers.Qwen2Config(**text, num_key_value_heads=2)
+    model = types.SimpleNamespace(config=config, dtype=torch.bfloat16)
+    per_token = (2 * 2 * 36 * 2 * 128 + 4 * 2048 + 3 * 11008) * 2  # bytes: keys and values twice, MLP and residuals
+    assert memory_batch_tokens(model, 40 * 2**30) == 40 * 2**30 // per_token == 275_036
+
+
 def test_image_caches_follow_the_budget_flag(assets, items):
     small = LVLMBackend(str(assets["qwen"]), items, batch_size=4, max_new_tokens=4, image_cache_mib=1)
     patches = small.processor.image_processor.cache
@@ -215,6 +230,37 @@ def test_each_picture_is_encoded_once_and_changes_nothing(assets, items, monkeyp
         held = kit.encoder_cache.cache
         assert held.bytes == sum(size for _, size in held.entries.values())  # hits are not counted twice
         assert len(held.entries) == (5 if budget is None else 1)
+
+
+def test_a_picture_the_encoder_holds_is_not_preprocessed_again(assets, items):
+    """Each picture goes through the image processor once while the encoder holds its output, however few pictures'
+    patches the cache keeps (a run's pictures recur in thousands of prompts, and their patches are the bulkiest thing
+    it keeps); answers and P(reply) are the pixels path's."""
+    pool = [items["train"][i] for i in range(0, 16, 2)]  # eight pictures
+    examples = [(items["val"][q % 2], [pool[(3 * q + j) % 8] for j in range(3)]) for q in range(8)]
+    replies = [[query["answers"][0], "Yes"] for query, _ in examples]
+    pixels = LVLMBackend(str(assets["qwen"]), items, batch_size=1, max_new_tokens=4, encoder_cache_mib=0)
+    want = pixels.run(examples, replies)
+    kit = LVLMBackend(str(assets["qwen"]), items, batch_size=1, max_new_tokens=4)
+    kit.prefetch = 0  # each prompt prepared once the one before has run
+    cached, paths = kit.processor.image_processor, {it["image"] for query, icds in examples for it in (*icds, query)}
+    sizes = sorted(cached.cache.sizeof(cached.inner([load_image(p)], return_tensors="pt")) for p in paths)
+    cached.cache.budget = sum(sizes[-4:])  # one prompt's pictures, not the ten
+    made = []
+
+    class Counted:  # the image processor, each picture it preprocesses noted
+        def __call__(self, images, **kwargs):
+            made.extend(image.info[pictures.IMAGE_KEY][0] for image in images)
+            return inner(images, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+    inner, cached.inner = cached.inner, Counted()
+    answers, probs = kit.run(examples, replies)
+    assert sorted(made) == sorted(paths)
+    assert answers == want[0]
+    assert all(torch.allclose(p, q, rtol=1e-5, atol=0) for p, q in zip(probs, want[1]))
 
 
 def test_a_picture_changed_in_place_is_read_again(assets, items, tmp_path):
@@ -263,8 +309,8 @@ def test_pictures_preprocessed_in_worker_processes_are_the_same_bits(assets, ite
 
 
 def test_the_encoder_gets_only_unseen_pictures_and_one_evicted_meanwhile(assets, items):
-    """A prepared batch carries the pixels of the pictures the encoder cache lacks, not the others; a picture evicted
-    between preparing and running a batch is encoded from its own patch rows, as the stock processor makes them."""
+    """A prepared batch carries the pixels of the pictures the encoder cache lacks, not the others, and keeps the
+    others' outputs: a picture evicted between preparing and running a batch is still the stock encoder's output."""
     kit = LVLMBackend(str(assets["qwen"]), items, batch_size=4, max_new_tokens=4)
     kit.run([(items["val"][0], [items["train"][0], items["train"][2]])])  # three pictures encoded
     batch = [(items["val"][0], [items["train"][2], items["train"][4]])]  # two of them, and a new one
@@ -618,19 +664,25 @@ def test_the_gpu_report_runs_end_to_end_in_its_smoke_form(tmp_path):
     steps = doc["steps"]
     assert [name for name, r in steps.items() if "error" in r] == []
     stages = ("gen_rl_data.py", "grpo.py --online", "evaluate.py selector", "evaluate.py zero-shot")
-    assert set(steps) == {"build", "bench", "bench recurring", "clip", *stages}
+    assert set(steps) == {"build", "bench", "bench batch 16", "bench recurring", "bench levers", "clip", *stages}
     assert all(steps[name]["rate"] > 0 for name in stages)  # each stage's own record, read back
-    assert set(steps["bench"]["rates"]) == {"default", "no-encoder-cache", "picture-processes", "inline"}  # CPU
-    want = 9_009 + 5_046
-    hours = want / steps["clip"]["items_per_s"] + 12_800 / steps["gen_rl_data.py"]["rate"]
-    hours += 35_000 / steps["grpo.py --online"]["rate"] + 12_800 / steps["evaluate.py selector"]["rate"]
-    hours += 800 / steps["evaluate.py zero-shot"]["rate"]
+    assert set(steps["bench levers"]["rates"]) == {"default", "no-encoder-cache", "picture-processes", "inline"}  # CPU
+    assert set(steps["bench recurring"]["rates"]) == {"default", "preprocess-held"}
+    assert steps["bench batch 16"]["batch"]["prompts"] == 16
+    clip, data = steps["clip"]["items_per_s"], steps["gen_rl_data.py"]["rate"]
+    online = steps["grpo.py --online"]["rate"]
+    selector, zero = steps["evaluate.py selector"]["rate"], steps["evaluate.py zero-shot"]["rate"]
 
     def start_up(name: str) -> float:  # a process's wall time less its scoring
         return steps[name]["process_seconds"] - steps[name]["sequences"] / steps[name]["rate"]
 
-    hours += 6 * sorted(start_up(n) for n in ("gen_rl_data.py", "evaluate.py selector", "evaluate.py zero-shot"))[1]
+    median = sorted(start_up(n) for n in ("gen_rl_data.py", "evaluate.py selector", "evaluate.py zero-shot"))[1]
+    rce = 11 * 200 * 4 + 2 * 200 * 5  # every epoch's validation, then the cross-fitting (rce.py --can-stop --val-lvlm)
+    hours = (9_009 + 5_046) / clip + 800 * 17 / data + rce / selector + 35_000 / online + 3 * 3_200 / selector
+    hours += 800 / zero + 6 * median
     assert doc["hours"]["total"] == pytest.approx(hours / 3600, rel=1e-9)
+    again = rce / selector + 35_000 / online + 2 * 3_200 / selector + 3 * median
+    assert doc["hours"]["replicate"]["total"] == pytest.approx(again / 3600, rel=1e-9)
     text = (tmp_path / "report" / "report.md").read_text()
     assert text.startswith("# Scoring throughput report (SMOKE RUN") and f"**{doc['hours']['total']:.2f}**" in text
     assert all(f"`{name}`" in text for name in stages) and bench.LVLM_PASSES["picture-processes"][0] in text
