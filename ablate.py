@@ -824,7 +824,8 @@ def judge_command(args: Args) -> str:
 def judged_figures(args: Args) -> dict[str, dict[str, dict[str, str]]]:
     """Every figure the docs' findings cite: table -> world -> column -> its text (accuracy, or a delta [95% CI]
     pooled over the seeds and each recipe's trainings)."""
-    out: dict[str, dict[str, dict[str, str]]] = {"accuracy": {}, "default run": {}, "35k run": {}, "how many": {}}
+    out: dict[str, dict[str, dict[str, str]]] = {"accuracy": {}, "calls": {}, "default run": {}, "35k run": {}}
+    out["how many"] = {}
     default, budgeted = "online, can stop", "online, budget 35k, can stop"
     for world in args.worlds:
         training_free = CAPTION_TRAINING_FREE if world in CAPTIONING else TRAINING_FREE
@@ -833,6 +834,7 @@ def judged_figures(args: Args) -> dict[str, dict[str, dict[str, str]]]:
         mean = {n: 100 * float(np.mean(list(pooled[n].values()))) for n in runs if all(got[n])}
         best = max(training_free, key=mean.get)
         out["accuracy"][world] = {n: f"{v:.2f}" for n, v in mean.items()} | {"best training-free": best}
+        out["calls"][world] = {n: f"{np.mean([spent(args, world, s, n) for s in args.seeds]):,.0f}" for n in JUDGED}
         for key, run in (("default run", default + UPTO), ("35k run", budgeted + UPTO)):
             against = {"zero-shot": "zero-shot", f"best training-free ({best})": best, "Lever-LM": "lever-lm"}
             against |= {"Lever-LM, 35k calls": "lever-lm, 35k calls"} if key == "35k run" else {}
@@ -857,38 +859,60 @@ def judged_delta(args: Args, world: str, pooled: dict | None, b: str, a: str, sh
     return delta([(pooled[a], pooled[b])], args.bootstrap, world, b, a, *(shots or []), *args.seeds)
 
 
+# The rows of the judgement's table of every world: what judged_figures names each run, and what the page calls it
+PAGE_ROWS = {
+    "zero-shot": "zero-shot",
+    "best training-free": "best training-free",
+    "rce": "RCE",
+    "offline": "offline GRPO",
+    "retriever": "retriever",
+    "lever-lm": "Lever-LM",
+    "lever-lm, 35k calls": "Lever-LM, 35k calls",
+    "online, can stop (up to k)": "**default run**",
+    "online, budget 35k, can stop (up to k)": "**35k run**",
+    "online, budget 35k": "the 35k run filling every slot",
+    "oracle": "oracle",
+}
+
+
 def results_page(doc: dict, ledger: dict) -> str:
     """docs/results.md: the judgement's tables, every figure from docs/judged.json, and the seed table of the ledger."""
-    f, seeds = doc["figures"], doc["seeds"]
+    f, seeds, commit = doc["figures"], doc["seeds"], doc["commit"][:7]
     worlds = list(f["accuracy"])
-    head = [
+    out = [
         "# Results: the defaults, judged",
         "",
-        f"Written by `{doc['command']}` at commit {doc['commit'][:7]} (every run's config.json; `git checkout "
-        f"{doc['commit'][:7]}` reproduces them), on seeds {min(seeds)}–{max(seeds)} of the block reserved for judging "
-        "([seeds.json](seeds.json)), every recipe trained twice (another --seed). Every figure is the simulated "
-        "LVLM's ([worlds.md](worlds.md)): VQA accuracy (%) or CIDEr-D ×100 in `caption`, averaged over 1–4 shots on "
-        "the same 800 validation questions, pooled over the seeds and each recipe's trainings; a delta's [95% CI] "
-        "resamples seeds, then trainings, then questions (`stats.Bootstrap`). The default run is run.sh's (a selector "
-        "that may stop, online, up to k); the 35k run the same on `--lvlm-budget 35000`.",
+        f"Written by `{doc['command']}` at commit {commit} (`git checkout {commit}` and the same command reproduce "
+        f"every figure, on any x86-64 machine: run.sh's kernels), on seeds {min(seeds)}–{max(seeds)} of the block "
+        "kept for judging ([seeds.json](seeds.json)): no seed here chose or judged anything before. Every recipe is "
+        "trained twice on each seed (another --seed), as run.sh and the README give it: the default run is run.sh's "
+        "(a selector that may stop, online, up to k), the 35k run the same on `--lvlm-budget 35000`.",
+        "",
+        "Every figure is the simulated LVLM's ([worlds.md](worlds.md)): VQA accuracy (%), or CIDEr-D ×100 in "
+        "`caption`, averaged over 1–4 shots on the same 800 validation questions and pooled over the seeds and each "
+        "recipe's trainings; a delta's [95% CI] resamples seeds, then trainings, then questions (`stats.Bootstrap`).",
+        "",
+        "## Every world",
         "",
     ]
-    runs = ["zero-shot", "best training-free", "rce", "offline", "retriever", "lever-lm", "lever-lm, 35k calls"]
-    runs += ["online, can stop (up to k)", "online, budget 35k, can stop (up to k)", "oracle"]
-    names = ["zero-shot", "best training-free", "RCE", "offline GRPO", "retriever", "Lever-LM", "Lever-LM, 35k calls"]
-    names += ["default run", "35k run", "oracle"]
     rows = []
-    for w in worlds:
-        a = f["accuracy"][w]
-        best = a["best training-free"]
-        rows.append([w, *[f"{best}: {a[best]}" if n == "best training-free" else a.get(n, "-") for n in runs]])
-    out = head + ["## Every world", "", md_table(["world", *names], rows), ""]
+    for run, label in PAGE_ROWS.items():
+        cells = []
+        for w in worlds:
+            a = f["accuracy"][w]
+            cells.append(f"{a[a[run]]} ({a[run]})" if run == "best training-free" else a.get(run, "-"))
+        rows.append([label, *cells])
+    out += [md_table(["run", *worlds], rows), ""]
+    names = PAGE_ROWS | {"rce, can stop": "RCE, may stop", "online, can stop": "default run"}
+    names |= {"online, budget 35k, can stop": "35k run"}
+    calls = [[names.get(n, n), *(f["calls"][w][n] for w in worlds)] for n in JUDGED]
+    out += ["LVLM calls that built each run (its data's included; the mean over the seeds):", ""]
+    out += [md_table(["run", *worlds], calls), ""]
     for key in ("default run", "35k run"):
-        cols = list(next(iter(f[key].values())))
-        cols = [c if not c.startswith("- best training-free") else "- best training-free" for c in cols]
+        cols = [c if not c.startswith("- best training-free") else "- best training-free" for c in f[key][worlds[0]]]
         rows = [[w, *f[key][w].values()] for w in worlds]
         out += [f"## The {key} against zero-shot and every rival", "", md_table(["world", *cols], rows), ""]
-    cols = list(next(iter(f["how many"].values())))
+    cols = list(f["how many"][worlds[0]])
     rows = [[w, *f["how many"][w].values()] for w in worlds]
     out += ["## How many demonstrations, and equal calls", "", md_table(["world", *cols], rows), ""]
     lo, hi = ledger["reserved"]
@@ -896,8 +920,8 @@ def results_page(doc: dict, ledger: dict) -> str:
     out += [
         "## Which seeds did what",
         "",
-        f"From [seeds.json](seeds.json): seeds {lo}–{hi} are kept for judging the "
-        "defaults as they stand, each block once; a seed listed nowhere is fresh.",
+        f"From [seeds.json](seeds.json): seeds {lo}–{hi} are kept for judging the defaults as they stand, each block "
+        "once, by this command; a seed listed nowhere is fresh.",
         "",
         md_table(["seeds", "did", "what"], uses),
         "",

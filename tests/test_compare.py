@@ -814,6 +814,8 @@ def test_the_judgement_writes_every_figure_from_the_runs_and_records_its_seeds(t
             for name in runs:
                 row = list((rng.random(40) < 0.5).astype(float))
                 write_run(root / name, {1: row, 2: row, 3: row, 4: row}, ns=(40,))
+                doc = json.loads((root / name / "eval" / "val.json").read_text())
+                (root / name / "eval" / "val.json").write_text(json.dumps(doc | {"lvlm_calls": 1000 + seed}))
                 if "can-stop" in name:
                     doc = json.loads((root / name / "eval" / "val.json").read_text())
                     doc["demonstrations"] = {"800": {"4": 1.25}}
@@ -835,6 +837,7 @@ def test_the_judgement_writes_every_figure_from_the_runs_and_records_its_seeds(t
                     for f in ablate.folders(args, "rce")])  # fmt: skip
     assert figures["accuracy"]["additive"]["rce"] == f"{100 * mean:.2f}"  # both trainings of both seeds
     assert figures["how many"]["caption"]["35k run: demonstrations at 4"] == "1.25"
+    assert figures["calls"]["additive"]["online, can stop"] == "1,100"  # seeds 100 and 101: 1,100 and 1,101 calls
     page = (tmp_path / "results.md").read_text()
     assert "seeds 100–101" in page and all(v in page for v in figures["35k run"]["additive"].values())
     uses = json.loads((tmp_path / "seeds.json").read_text())["uses"]
