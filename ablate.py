@@ -24,7 +24,7 @@ import os
 import sys
 import time
 import zlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Literal
 
@@ -36,6 +36,7 @@ import gen_rl_data
 import grpo
 import rce
 from icl_select import lineage
+from icl_select.backends import LVLMRun
 from icl_select.cli import run_cli, side_flags
 from icl_select.data import METRIC, data_digest
 from icl_select.files import atomic_write_text, read_json, selector_digest
@@ -282,7 +283,7 @@ def train(root: Path, world: str, seed: int, name: str, run: Path, training_seed
         config = read_json(run / "config.json")
         now = flag_values(run_args)
         planned = ("epochs",) if now.get("lvlm_budget") and now["epochs"] is None else ()  # grpo plans them
-        side = side_flags(type(run_args))
+        side = (*side_flags(type(run_args)), *(f.name for f in fields(LVLMRun)))  # the real LVLM's: moot here
         if diff := sorted(k for k in now if k not in ("out", *side, *planned) and now[k] != config["args"].get(k)):
             raise ValueError(f"{run} was made with other flags ({', '.join(diff)}): delete it to rebuild it")
         made = {"data": data_digest(common["data"])}
