@@ -99,8 +99,11 @@ class Args:
     """LVLM benchmark: torch.compile the norms, MLPs and vision blocks (CUDA, half precision)."""
     lvlm_static_decode: Literal["off", "inductor", "cudagraphs"] = "off"
     """LVLM benchmark: the default path's decoding over a static cache, compiled on CUDA (lvlm.StaticDecode)."""
-    encoder_cache_mib: int = 4096
-    """LVLM benchmark: GPU memory for the vision encoder's outputs (Qwen family; 0 = off)."""
+    encoder_cache_mib: int | None = None
+    """LVLM benchmark: GPU memory for the vision encoder's outputs (Qwen family; 0 = off; none: the stages' default, a
+    quarter of a GPU's free memory or 4096 MiB)."""
+    image_cache_mib: int = 4096
+    """LVLM benchmark: memory for decoded and preprocessed pictures (half each), as the stages' flag."""
     lvlm_reference: bool = True
     """LVLM benchmark: also time the unshared reference, whose answers check the default path's (slow)."""
 
@@ -669,6 +672,7 @@ def bench_lvlm(args: Args) -> dict:
         batch_size=args.lvlm_batch_size,
         device=args.device,
         encoder_cache_mib=args.encoder_cache_mib,
+        image_cache_mib=args.image_cache_mib,
         batch_tokens=args.lvlm_batch_tokens,
         workers=args.lvlm_workers,
         compile=args.lvlm_compile,

@@ -73,7 +73,7 @@ class LVLMRun:
     """Real LVLM: auto = this rank's CUDA device in bf16 if present, else CPU float32."""
     image_cache_mib: Annotated[int, SIDE] = 4096
     """Real LVLM: memory per process for decoded and preprocessed pictures (half each)."""
-    encoder_cache_mib: Annotated[int, SIDE] = 4096
+    encoder_cache_mib: Annotated[int | None, SIDE, default_is("a quarter of a GPU's free memory, or 4096")] = None
     """Real LVLM: GPU memory per process for vision-encoder outputs (Qwen family; 0 = off)."""
     lvlm_compile: bool = True
     """Real LVLM on CUDA in half precision: torch.compile its norms, MLPs and vision blocks (fused kernels)."""
@@ -84,7 +84,7 @@ class LVLMRun:
 def check_lvlm_run(run: LVLMRun) -> None:
     least = {"lvlm_batch_size": 0, "image_cache_mib": 1, "lvlm_batch_tokens": 0, "lvlm_workers": 0}
     for name, lo in (least | {"encoder_cache_mib": 0}).items():
-        if getattr(run, name) < lo:
+        if getattr(run, name) is not None and getattr(run, name) < lo:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {lo}, got {getattr(run, name)}")
 
 

@@ -265,7 +265,7 @@ class LVLMBackend:
         template: PromptTemplate = PromptTemplate(),
         device: str = "auto",
         image_cache_mib: int = DEFAULT_IMAGE_CACHE_MIB,
-        encoder_cache_mib: int = DEFAULT_ENCODER_CACHE_MIB,
+        encoder_cache_mib: int | None = None,
         batch_tokens: int = 0,
         workers: int = 0,
         compile: bool = True,
@@ -301,6 +301,9 @@ class LVLMBackend:
             self.processor.image_processor = CachedImageProcessor(
                 self.processor.image_processor, image_cache_mib * MIB // 2, self.picture_pool
             )
+            if encoder_cache_mib is None:  # on a GPU, a quarter of its memory left: a run's every picture, often
+                cuda_free = torch.cuda.mem_get_info(self.model.device)[0] if self.model.device.type == "cuda" else 0
+                encoder_cache_mib = cuda_free // 4 // MIB or DEFAULT_ENCODER_CACHE_MIB
             if encoder_cache_mib > 0:
                 self.encoder_cache = EncoderCache(self.model, encoder_cache_mib * MIB, self.counts)
         self.items = items
@@ -308,7 +311,7 @@ class LVLMBackend:
         batch_size = batch_size or (GPU_BATCH if cuda else CPU_BATCH)
         if batch_tokens == 0 and cuda:  # half the memory left after the weights and the encoder cache, for the prompts
             free = torch.cuda.mem_get_info(self.model.device)[0]
-            free -= encoder_cache_mib * MIB if self.encoder_cache is not None else 0
+            free -= self.encoder_cache.cache.budget if self.encoder_cache is not None else 0
             batch_tokens = memory_batch_tokens(self.model, free // 2)
         self.batch_size, self.batch_tokens, self.max_new_tokens = batch_size, batch_tokens, max_new_tokens
         self.system_prompt = system_prompt
