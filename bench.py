@@ -769,8 +769,7 @@ def bench_lvlm(args: Args) -> dict:
             r = results[name]
             r["rate"].append(len(examples) / seconds)
             r["seconds"].append(seconds)
-            r["tokens"] = backend.counts["prompt_tokens"] / len(examples)
-            r["counts"] = dict(backend.counts)
+            r["tokens"], r["counts"] = backend.counts["prompt_tokens"] / len(examples), dict(backend.counts)
             r["peak"] = (
                 torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
             )
