@@ -3,6 +3,7 @@ ablate.py still has (a renamed variant would leave a figure without the command 
 relative link, #anchor included, lands on a file and a heading that exist (a moved section would leave a dangling
 link). Text only: milliseconds."""
 
+import json
 import re
 import shlex
 from collections import Counter
@@ -280,3 +281,61 @@ def test_every_flag_the_flags_page_names_is_declared_and_every_flag_that_points_
             if field_doc and "docs/flags.md" in field_doc.group(1):
                 pointing.add(f"--{f.name.replace('_', '-')}")
     assert pointing and pointing <= named, f"flags pointing at docs/flags.md but not on it: {sorted(pointing - named)}"
+
+
+def first_screen(readme: Path = ROOT / "README.md") -> str:
+    """The README up to its first section: what a reader sees before scrolling."""
+    return readme.read_text().split("\n## ", 1)[0]
+
+
+def unjudged_numbers(screen: str, judged: str) -> list[str]:
+    """Every decimal number of `screen`, its sign included, that the judgement's file does not hold."""
+    numbers = [n.replace("−", "-") for n in re.findall(r"(?<![\w./−-])[+−-]?\d+\.\d+", screen)]  # not Qwen2.5
+    return [n for n in numbers if not re.search(rf"(?<![\d.+-]){re.escape(n)}(?!\d)", judged)]
+
+
+def seeds_named(text: str) -> set[int]:
+    """The seeds a phrase names: "seed 7", "seeds 89–92", "seeds 100, 101 and 104"."""
+    found = set()
+    for run in re.findall(r"\bseeds? ((?:\d+(?:[–-]\d+)?(?:,\s*|\s+and\s+|\s+)?)+)", text):
+        for a, b in re.findall(r"(\d+)(?:[–-](\d+))?", run):
+            found |= set(range(int(a), int(b or a) + 1))
+    return found
+
+
+def stale_fresh_claims(texts: dict[str, str], ledger: dict, judgement: str | None) -> list[str]:
+    """Every sentence of `texts` that calls seeds fresh, untuned or held out while the ledger says one of them tuned or
+    judged something (the judgement the docs report, at commit `judgement`, aside; None: no judgement yet)."""
+    spent = [u for u in ledger["uses"] if judgement is None or u.get("commit") != judgement]
+    used = {s for u in spent for s in range(u["seeds"][0], u["seeds"][1] + 1)}
+    claims = r"fresh|untuned|tuned nothing|held[- ]out|unseen|never (?:tuned|used|seen)"
+    return [
+        f"{name}: {' '.join(sentence.split())[:100]!r} names seeds {sorted(seeds_named(sentence) & used)}"
+        for name, text in texts.items()
+        for sentence in re.split(r"(?<=[.;])\s|\n\s*\n", text)
+        if re.search(claims, sentence, re.I) and seeds_named(sentence) & used
+    ]
+
+
+def test_the_first_screen_cites_the_judgement_only():
+    """Every decimal figure on the README's first screen is one `ablate.py --judge` wrote (docs/judged.json; none
+    before it has), and no sentence of the docs calls a seed fresh, untuned or held out that the ledger
+    (docs/seeds.json) says tuned or judged anything before."""
+    path = ROOT / "docs" / "judged.json"
+    judged = path.read_text() if path.is_file() else ""
+    assert not unjudged_numbers(first_screen(), judged)
+    ledger, commit = json.loads((ROOT / "docs" / "seeds.json").read_text()), judged and json.loads(judged)["commit"]
+    assert not stale_fresh_claims({p.name: p.read_text() for p in all_docs()}, ledger, commit or None)
+
+
+def test_the_first_screen_rules_catch_what_they_forbid():
+    judged = json.dumps({"figures": {"a": {"b": "+2.84 [+2.10, +3.61]", "c": "12.50"}}})
+    screen = "Qwen2.5-VL, LLaVA-1.5: above by +2.84 [+2.10, +3.61]; 12.50 against 2.50 and −2.10; level (+0.78)."
+    assert unjudged_numbers(screen, judged) == ["2.50", "-2.10", "+0.78"]
+    ledger = {"uses": [{"seeds": [89, 94], "did": "tuned"}, {"seeds": [100, 101], "did": "judged", "commit": "c"}]}
+    texts = {"README.md": "Where they hurt (fresh seeds 89–92), it wins. On held-out seeds 100 and 101 it holds."}
+    assert stale_fresh_claims(texts, ledger, "c") == [
+        "README.md: 'Where they hurt (fresh seeds 89–92), it wins.' names seeds [89, 90, 91, 92]"
+    ]
+    assert len(stale_fresh_claims(texts, ledger, None)) == 2  # before any judgement, every use counts
+    assert seeds_named("seeds 100, 101 and 104; seed 7") == {100, 101, 104, 7}
