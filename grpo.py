@@ -695,7 +695,9 @@ def main(args: Args) -> None:
     if budget is not None:
         check_budget(budget)
     out = args.out or default_out(args)
-    check_continues(out, args, ds)  # before a model loads
+    check_continues(out, args, ds)  # before a model loads, and a warm start's too (killed in it, out has no config)
+    if budget is not None and args.warm_start:
+        check_continues(out / "offline", warm_start_args(args, out / "offline"), ds)
     rank, world = sharding.init()  # every rank trains the same policy on the same batches; RunFolder: rank 0 writes
     backend = validation_backend(ds, args)  # answers the validation anchors, where something can
 

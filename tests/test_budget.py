@@ -4,6 +4,7 @@ this process or, for `grpo.py --online --lvlm-budget N` with nothing else but th
 
 import json
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -184,6 +185,18 @@ def test_a_short_budget_trains_offline_grpo_first_counts_its_calls_and_resumes_i
     assert counted[0] == short.spent
     for name in ("model.safetensors", "metrics.jsonl", "scores.safetensors", "offline/model.safetensors"):
         assert (part / name).read_bytes() == (full / name).read_bytes(), name
+
+
+def test_a_killed_warm_start_continued_with_other_flags_is_refused_before_a_model_loads(short, tmp_path, monkeypatch):
+    """Killed in its warm start, a budgeted run has no config.json of its own yet: the warm start's is checked, and a
+    re-run with another seed refused before any LVLM loads (once it was refused only after)."""
+    part = tmp_path / "part"
+    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
+        m.setattr(runs, "save_checkpoint", die_in("offline"))
+        grpo.main(grpo.Args(out=part, **short.args))
+    monkeypatch.setattr(grpo, "validation_backend", lambda *a: pytest.fail("a model loaded before the refusal"))
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(part / 'offline'))}.* was made from other inputs: .*seed"):
+        grpo.main(grpo.Args(out=part, **short.args, seed=1))
 
 
 def test_no_warm_start_plans_the_whole_budget_for_the_online_run(short, tmp_path, counted):
