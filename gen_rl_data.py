@@ -65,7 +65,7 @@ from icl_select.data import (
 )
 from icl_select.files import atomic_write_text, full_disk_names, save_tensors, selector_digest
 from icl_select.locks import exclusive
-from icl_select.pictures import picture_digest
+from icl_select.pictures import check_pictures, picture_digest, write_stamps
 from icl_select.runs import check_selector, load_selector
 from icl_select.sim import WORLDS, Simulator, calibrate, parse_settings, world_config
 from icl_select.sim_caption import (
@@ -571,6 +571,7 @@ def write_folder(out: Path, meta: dict, items: dict, emb: dict, val_pools: Tenso
     try:
         (build / BUILDING).touch()
         atomic_write_text(build / "items.json", json.dumps(items) + "\n")
+        write_stamps(build, items)  # what tells readers the pictures are those embedded (check_pictures)
         save_tensors(build / "embeddings.safetensors", emb)
         pools_doc = {"sampler": meta["sampler"], "pools": val_pools.tolist()}
         atomic_write_text(build / "eval_pools.json", json.dumps(pools_doc))
@@ -590,6 +591,8 @@ def build_folder(args: Args, src: Source, rank: int, world: int) -> None:
     out = out_folder(args)
     if rank == 0 and (not out.exists() or not any(out.iterdir())):
         scratch_folder(out)  # a foreign <out>.building stops the run before any work
+    if (out / "items.json").is_file():  # a resumed build's pictures are those it embedded, checked before a model loads
+        check_pictures(out, read_items(out / "items.json"))
     open_lvlm(args, src)
     n_train, n_val = len(src.items["train"]), len(src.items["val"])
     want = settings(args, src)

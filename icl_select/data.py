@@ -1,6 +1,7 @@
 """Dataset folders: reading, strict validation, rewards, and tensors ready for training.
 
-A dataset folder holds meta.json, items.json, embeddings.safetensors, rl_data.jsonl and eval_pools.json. Each
+A dataset folder holds meta.json, items.json, embeddings.safetensors, rl_data.jsonl and eval_pools.json (and, on
+real data, picture_stamps.json: its picture files as embedded, by which readers see that none changed). Each
 rl_data.jsonl line is one anchor query: {"query", "pool", "zero_shot_gt_prob" (its gt_prob with no ICDs), "seqs":
 [{"icds", "source", "acc", "correct", "gt_prob", "rel", "prediction"}, ...]}, gt_prob at full float precision. Every
 malformed input raises one `DataError` naming the file, the line (jsonl) and the field; stages call
@@ -23,7 +24,7 @@ import torch
 from torch import Tensor
 
 from icl_select.files import DataError, read_json, read_jsonl, read_tensors
-from icl_select.pictures import same_picture_ids
+from icl_select.pictures import check_pictures, same_picture_ids
 from icl_select.sim import SimConfig
 from icl_select.sim_caption import CaptionConfig
 from model import reward_spread
@@ -367,6 +368,7 @@ def load_dataset(folder: str | Path, allow_unfinished: bool = False) -> Dataset:
             "re-run the gen_rl_data.py command that builds it to finish it"
         )
     items = read_items(folder / "items.json")
+    check_pictures(folder, items)  # what an LVLM is shown later are the pictures the folder was built on
     emb = read_embeddings(folder / "embeddings.safetensors", {k: len(v) for k, v in items.items()})
     n_train = len(items["train"])
     records = read_rl_data(folder / "rl_data.jsonl", allow_unfinished)

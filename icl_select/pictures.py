@@ -12,6 +12,7 @@ digests, so a copy of a library picture, a link to it or the same picture opened
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -177,6 +178,45 @@ def picture_digest(image: str | Path | Image.Image) -> str:
     return PIXELS[key]
 
 
+def stamp(path: str) -> list[int]:
+    """A file's size and modification time (ns): while they are unchanged its pixels are taken as unchanged."""
+    return list(picture_key(path)[1:3])
+
+
+# A real dataset folder's record of its pictures' files as it embedded them: not content (the items' pixel digests
+# are), so not part of its data digest, but what tells its readers that no picture changed since, at a stat a file.
+STAMPS = "picture_stamps.json"
+
+
+def write_stamps(folder: Path, items: dict[str, list[dict]]) -> None:
+    stamps = {it["image"]: stamp(it["image"]) for rows in items.values() for it in rows if "picture" in it}
+    if stamps:
+        atomic_write_text(folder / STAMPS, json.dumps(stamps) + "\n")
+
+
+def check_pictures(folder: Path, items: dict[str, list[dict]]) -> None:
+    """Refuse, in one line, pictures that changed since the dataset `folder` listing them was built: a file whose size
+    or time moved from its stamp is decoded again and its pixels' digest compared with its item's "picture". A file
+    touched but not changed is stamped anew, so that it is decoded once; one missing is left to the reader that shows
+    it (a folder may be trained on where its pictures are not). A folder without stamps (the simulator's) lists none."""
+    if not (folder / STAMPS).is_file():
+        return
+    stamps, moved = read_json(folder / STAMPS), {}
+    for it in (it for rows in items.values() for it in rows if "picture" in it):
+        path = it["image"]
+        if not os.path.isfile(path) or (now := stamp(path)) == stamps.get(path):
+            continue
+        if picture_digest(path) != it["picture"]:
+            raise ValueError(
+                f"{path}: the picture changed since {folder} was built (other pixels); put the picture back, or build "
+                "that folder again (gen_rl_data.py)"
+            )
+        moved[path] = now
+    if moved:
+        with contextlib.suppress(OSError):  # a folder it may not write to decodes them again next time
+            atomic_write_text(folder / STAMPS, json.dumps(stamps | moved) + "\n")
+
+
 def picture_digests(paths: list[str], stats: Path) -> dict[str, str]:
     """`picture_digest` of each file. `stats` keeps each file's size, modification time and digest, and a file whose
     size and time are unchanged is taken as unchanged (as git and make do), so that a library's pictures are decoded
@@ -187,13 +227,10 @@ def picture_digests(paths: list[str], stats: Path) -> dict[str, str]:
         old = {}  # a damaged record only costs decoding the pictures again
     new = {}
     for path in dict.fromkeys(paths):
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{path}: picture not found") from None
+        now = stamp(path)
         seen = old.get(path) if isinstance(old, dict) else None
-        same = isinstance(seen, list) and len(seen) == 3 and seen[:2] == [st.st_size, st.st_mtime_ns]
-        new[path] = seen if same else [st.st_size, st.st_mtime_ns, picture_digest(path)]
+        same = isinstance(seen, list) and len(seen) == 3 and seen[:2] == now
+        new[path] = seen if same else [*now, picture_digest(path)]
     if new != old:
         atomic_write_text(stats, json.dumps(new) + "\n")
     return {path: record[2] for path, record in new.items()}

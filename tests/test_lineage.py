@@ -4,6 +4,8 @@ existed. Never a mix of two inputs: an evaluation resumed over a rebuilt dataset
 cache reused for other weights."""
 
 import json
+import os
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -260,3 +262,38 @@ def test_a_changed_model_is_refused_or_its_readers_start_over(case, real_tree, a
         "Demonstrations of new pictures": Reader(lambda f: new_pictures(), (), new_pictures),
     }
     ask_every_reader(case, real_tree, readers, tmp_path, monkeypatch)
+
+
+@pytest.mark.slow  # a real data build and the tiny models
+def test_a_picture_changed_after_the_build_is_refused_by_every_reader_before_a_model_loads(
+    real_tree, assets, tmp_path, monkeypatch
+):
+    """A dataset's pictures are those it embedded and scored, or its readers refuse: a file touched but with the same
+    pixels goes on; a file with other pixels is refused by name before any model loads, by a resumed build, an
+    evaluation and a training alike (once the LVLM was shown the new pixels beside the old ones' pools and scores)."""
+    from PIL import Image
+
+    from icl_select import lvlm
+
+    shutil.copytree(assets["okvqa"], tmp_path / "okvqa")
+    (tmp_path / "models").symlink_to(real_tree / "models")
+    monkeypatch.chdir(tmp_path)
+    real_gen("data", tmp_path / "okvqa")
+    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
+        die_after_first_chunk(m, "gen_rl_data.py")
+        real_gen("data-part", tmp_path / "okvqa", chunk=4)
+    picture = Path(json.loads((DATA / "items.json").read_text())["val"][0]["image"])
+    os.utime(picture, ns=(picture.stat().st_atime_ns, picture.stat().st_mtime_ns + 10**9))
+    real_random("runs/random")  # touched, the same pixels: stamped anew, to be decoded once
+    assert json.loads(Path("data/picture_stamps.json").read_text())[str(picture)][1] == picture.stat().st_mtime_ns
+    Image.new("RGB", (24, 24), (200, 30, 30)).save(picture, format="JPEG")
+    monkeypatch.setattr(lvlm.LVLMBackend, "__init__", lambda *a, **k: pytest.fail("a model loaded"))
+    readers = [
+        lambda: real_random("runs/random-2"),
+        lambda: real_gen("data-part", tmp_path / "okvqa", chunk=4),  # the killed build, resumed
+        lambda: rce.main(rce.Args(data=DATA, out=Path("runs/rce-2"), **{**RCE, "batch_size": 4})),
+    ]
+    for read in readers:
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(picture))}: the picture changed since "):
+            read()
+    assert not Path("runs/random-2").exists() and not Path("runs/rce-2").exists(), "a refusal left files behind"
