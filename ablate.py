@@ -917,7 +917,7 @@ def results_page(doc: dict, ledger: dict) -> str:
     rows = [[w, *f["how many"][w].values()] for w in worlds]
     out += ["## How many demonstrations, and equal calls", "", md_table(["world", *cols], rows), ""]
     lo, hi = ledger["reserved"]
-    uses = [[f"{u['seeds'][0]}–{u['seeds'][1]}", u["did"], u["what"]] for u in ledger["uses"]]
+    uses = [["–".join(map(str, dict.fromkeys(u["seeds"]))), u["did"], u["what"]] for u in ledger["uses"]]  # 95, 0–4
     out += [
         "## Which seeds did what",
         "",

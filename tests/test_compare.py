@@ -825,6 +825,7 @@ def test_the_judgement_writes_every_figure_from_the_runs_and_records_its_seeds(t
                 (root / name / "config.json").write_text(json.dumps(config))
     monkeypatch.setattr(ablate, "build", lambda *a: None)  # the runs are there
     ledger = {"reserved": [100, 199], "uses": [{"seeds": [0, 4], "did": "tuned", "what": "defaults"}]}
+    ledger["uses"].append({"seeds": [95, 95], "did": "judged", "what": "one seed"})
     (tmp_path / "seeds.json").write_text(json.dumps(ledger))
     monkeypatch.setattr(ablate, "LEDGER", tmp_path / "seeds.json")
     monkeypatch.setattr(ablate, "JUDGEMENT", tmp_path / "judged.json")
@@ -840,6 +841,7 @@ def test_the_judgement_writes_every_figure_from_the_runs_and_records_its_seeds(t
     assert figures["calls"]["additive"]["online, can stop"] == "1,100"  # seeds 100 and 101: 1,100 and 1,101 calls
     page = (tmp_path / "results.md").read_text()
     assert "seeds 100–101" in page and all(v in page for v in figures["35k run"]["additive"].values())
+    assert "| 0–4 | tuned |" in page and "| 95 | judged |" in page  # the ledger's blocks, one seed as itself
     uses = json.loads((tmp_path / "seeds.json").read_text())["uses"]
     assert uses[-1]["seeds"] == [100, 101] and uses[-1]["did"] == "judged" and uses[-1]["commit"] == "a" * 40
     ablate.judge(args)  # the same judgement again: allowed, written the same
