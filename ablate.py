@@ -42,7 +42,7 @@ from icl_select.data import METRIC, data_digest
 from icl_select.files import atomic_write_text, read_json, selector_digest
 from icl_select.runs import KERNELS, flag_values, git_sha, read_eval, read_metrics
 from icl_select.sim import WORLDS
-from icl_select.stats import Bootstrap, gap_share, per_question
+from icl_select.stats import Bootstrap, per_question
 from icl_select.tables import md_table
 
 
@@ -363,19 +363,25 @@ def delta(pairs: list[tuple[Per, Per]], resamples: int, *key) -> str:
     """Mean of b - a over the seeds of every (a, b) pair and their common questions, with a 95% CI that resamples
     seeds, then each side's trainings, then questions (`stats.Bootstrap`): a seed or a training that came out high or
     low widens it as a question does."""
-    nested = []
-    for a, b in pairs:
-        for seed in sorted(a.by_seed.keys() & b.by_seed.keys()):
-            ta, tb = a.by_seed[seed], b.by_seed[seed]
-            common = [q for q in ta[0] if all(q in t for t in (*ta, *tb))]
-            nested.append(tuple(np.array([[t[q] for q in common] for t in side]) for side in (ta, tb)))
-    point, lo, hi = Bootstrap(resamples, figure_rng("delta", *key)).ci(nested)
+    point, lo, hi = Bootstrap(resamples, figure_rng("delta", *key)).ci([x for a, b in pairs for x in nested(a, b)])
     return f"{100 * point:+.2f} [{100 * lo:+.2f}, {100 * hi:+.2f}]"
 
 
-def share(a: dict, b: dict, top: dict, resamples: int, *key) -> str:
-    s, lo, hi = gap_share(a, b, top, resamples, figure_rng("share", *key))
+def share(a: Per, b: Per, top: Per, resamples: int, *key) -> str:
+    """b's share of the a -> top gap over the seeds all three ran, its CI resampling seeds, then trainings, then
+    questions."""
+    s, lo, hi = Bootstrap(resamples, figure_rng("share", *key)).share(nested(a, b, top))
     return f"{100 * s:.0f}% [{100 * lo:.0f}, {100 * hi:.0f}]"
+
+
+def nested(*runs: Per) -> list[tuple[np.ndarray, ...]]:
+    """Per seed every run has, each run's (trainings, questions) scores on the questions all their trainings share."""
+    out = []
+    for seed in sorted(set.intersection(*(set(r.by_seed) for r in runs))):
+        trainings = [r.by_seed[seed] for r in runs]
+        common = [q for q in trainings[0][0] if all(q in t for side in trainings for t in side)]
+        out.append(tuple(np.array([[t[q] for q in common] for t in side]) for side in trainings))
+    return out
 
 
 def tables(args: Args, world: str) -> str:
@@ -428,7 +434,7 @@ def tables(args: Args, world: str) -> str:
                 else "-"
                 for s in seeds
             ]
-            pooled = [{(s, q): v for s in done for q, v in got[s, n].items()} for n in ("rce", name, "oracle")]
+            pooled = [pool_seeds({s: got[s, n] for s in done}) for n in ("rce", name, "oracle")]
             whole = share(*pooled, args.bootstrap, world, name, "oracle", *done) if len(done) > 1 else "-"
             rows.append([name, *cells, whole])
     if rows:

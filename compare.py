@@ -47,9 +47,8 @@ from icl_select.stats import (
     Bootstrap,
     Cell,
     accuracy,
-    gap_share,
     pair_cells,
-    per_question,
+    scores_by_training,
 )
 from icl_select.tables import md_table
 from icl_select.train_args import TrainArgs
@@ -752,29 +751,29 @@ def deltas_section(c: Comparison) -> list[str]:
 def gap_section(c: Comparison, args: Args) -> list[str]:
     """The share of the gap above the RCE run each trained run takes, against the simulator's two ceilings.
 
-    share = (acc(run) - acc(RCE)) / (acc(ceiling) - acc(RCE)), accuracy averaged over shots; 95% CI by a paired
-    bootstrap over questions (the three runs answer the same questions). Baselines below RCE are left out: a share
-    of a gap they are under says nothing."""
+    share = (acc(run) - acc(RCE)) / (acc(ceiling) - acc(RCE)), accuracy averaged over shots and each recipe's
+    trainings; 95% CI by a paired bootstrap over trainings, then questions (the three runs answer the same questions).
+    Baselines below RCE are left out: a share of a gap they are under says nothing."""
     ceilings = {r.eval["baseline"]: r for r in c.evaluated if r.ceiling}
     start = next((r for r in c.evaluated if r.phase == "rce" and not r.rival and not r.upto), None)
     runs = [r for r in c.evaluated if r.phase is not None and r is not start]
     if start is None or not ceilings or not runs:
         return []
-    rng = np.random.default_rng(args.seed)
     names = [k for k in CEILINGS if k in ceilings]
     rows = []
     for run in runs:
         cells = []
         for k in names:
-            trio = (start, run, ceilings[k])
-            share, lo, hi = gap_share(*(per_question(r.eval, c.n, c.shots) for r in trio), args.bootstrap, rng)
+            trio = tuple(scores_by_training(r.evals, "avg", c.n, c.shots) for r in (start, run, ceilings[k]))
+            share, lo, hi = c.boot.share([trio])
             cells.append(f"{100 * share:.0f}% [{100 * lo:.0f}, {100 * hi:.0f}]")
         rows.append([run.name, *cells])
     header = ["run"] + [f"share of the gap {start.name} -> {k} ({c.acc[ceilings[k].name]['avg']:.2f})" for k in names]
     note = (
         f"Share of the gap between {start.name} ({c.acc[start.name]['avg']:.2f}) and each simulator ceiling that a "
-        "run takes, accuracy averaged over shots; [95% CI] by a paired bootstrap over questions. oracle searches the "
-        "planted answer model; observable searches the same way with the latents that probes read off the embeddings "
+        "run takes, accuracy averaged over shots and trainings; [95% CI] by a paired bootstrap over trainings, then "
+        "questions. oracle searches the planted answer model; observable searches the same way with the latents that "
+        "probes read off the embeddings "
         "(an estimate of what embeddings reveal, not a bound: a selector that also learns a score per train item, as "
         "online GRPO does, can pass it)."
     )

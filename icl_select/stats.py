@@ -1,5 +1,5 @@
 """Paired statistics over evaluations: per-question scores, paired differences, bootstrap CIs, the sign test with
-Holm's correction, and the share of a gap one run closes."""
+Holm's correction, and the share of a gap one run closes (`Bootstrap`: seeds, then trainings, then questions)."""
 
 from __future__ import annotations
 
@@ -68,24 +68,43 @@ class Bootstrap:
             self.drawn[key] = counts.T / n
         return self.drawn[key]
 
-    def ci(self, pairs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[float, float, float]:
-        """The mean of b - a and its CI: `pairs` per seed (a, b), each (trainings, questions) per-question scores."""
-        S, R = len(pairs), self.resamples
-        inner = np.empty((S, S, R))  # (slot, seed, R): an independent inner draw for every slot a seed may fill
-        for s, (a, b) in enumerate(pairs):
+    def inner(self, groups: list[tuple[np.ndarray, ...]]) -> np.ndarray:
+        """(sides, slots, seeds, R): each side's mean over one draw of its trainings and of the questions, for every
+        slot a seed may fill (an independent draw each); `groups` per seed, a (trainings, questions) array a side."""
+        S, R = len(groups), self.resamples
+        out = np.empty((len(groups[0]), S, S, R))
+        for s, sides in enumerate(groups):
             for slot in range(S):
-                questions = self.weights(a.shape[1], ("questions", a.shape[1], slot))  # (Q, R)
-                drawn = []
-                for side, x in enumerate((a, b)):
+                questions = self.weights(sides[0].shape[1], ("questions", sides[0].shape[1], slot))  # (Q, R)
+                for side, x in enumerate(sides):
                     means = x @ questions  # (T, R) each training's mean over the drawn questions
                     w = self.weights(len(x), ("trainings", len(x), slot, side)) if len(x) > 1 else 1.0  # (T, R)
-                    drawn.append((means * w).sum(0))  # (R,) the drawn trainings' mean
-                inner[slot, s] = drawn[1] - drawn[0]
+                    out[side, slot, s] = (means * w).sum(0)  # (R,) the drawn trainings' mean
+        return out
+
+    def over_seeds(self, inner: np.ndarray) -> np.ndarray:
+        """(..., R): the mean of `inner` (..., slots, seeds, R) over S seeds drawn with replacement, a slot each."""
+        S, R = inner.shape[-2], self.resamples
         chosen = self.rng.integers(0, S, size=(R, S)) if S > 1 else np.zeros((R, 1), dtype=int)  # (R, S) seeds drawn
-        means = inner[np.arange(S)[None, :], chosen, np.arange(R)[:, None]].mean(1)  # (R,)
+        return inner[..., np.arange(S)[None, :], chosen, np.arange(R)[:, None]].mean(-1)
+
+    def ci(self, pairs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[float, float, float]:
+        """The mean of b - a and its CI: `pairs` per seed (a, b), each (trainings, questions) per-question scores."""
+        a, b = self.inner(pairs)
+        means = self.over_seeds(b - a)  # (R,)
         point = float(np.mean([(b.mean(0) - a.mean(0)).mean() for a, b in pairs]))
         lo, hi = np.percentile(means, [(100 - self.level) / 2, (100 + self.level) / 2])
         return point, float(lo), float(hi)
+
+    def share(self, triples: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[float, float, float]:
+        """The share of the a -> top gap that b closes, (b - a) / (top - a) of their means over seeds, trainings and
+        questions, and its CI (each resample's ratio of its own means): `triples` per seed, as `ci`'s pairs."""
+        means = self.over_seeds(self.inner(triples))  # (3, R)
+        a, b, top = (np.mean([x[i].mean(0).mean() for x in triples]) for i in range(3))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            shares = (means[1] - means[0]) / (means[2] - means[0])  # (R,)
+        lo, hi = np.nanpercentile(shares, [(100 - self.level) / 2, (100 + self.level) / 2])
+        return float((b - a) / (top - a)), float(lo), float(hi)
 
 
 def sign_test(d: np.ndarray) -> float:
@@ -140,14 +159,3 @@ def scores_by_training(docs: list[dict], shot: int | str, n: int, shots: list[in
     per = [per_question(d, n, shots) if shot == "avg" else scores(d, shot, n) for d in docs]
     common = [q for q in per[0] if all(q in p for p in per)]
     return np.array([[p[q] for q in common] for p in per], dtype=np.float64)
-
-
-def gap_share(a: dict, b: dict, top: dict, resamples: int, rng: np.random.Generator) -> tuple[float, float, float]:
-    """Share of the mean a -> top gap that b closes over their common questions, with a paired bootstrap 95% CI
-    (questions resampled together for the three runs)."""
-    x = np.array([[a[q], b[q], top[q]] for q in a if q in b and q in top])  # (n, 3)
-    boot = x[rng.integers(0, len(x), size=(resamples, len(x)))].mean(1)  # (R, 3)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        share, shares = ((m[..., 1] - m[..., 0]) / (m[..., 2] - m[..., 0]) for m in (x.mean(0), boot))
-    lo, hi = np.nanpercentile(shares, [2.5, 97.5])
-    return float(share), float(lo), float(hi)

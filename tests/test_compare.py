@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import ablate
 from compare import Args, report
 from icl_select.runs import KERNELS
-from icl_select.stats import Bootstrap, bootstrap_ci, gap_share, holm, sign_test
+from icl_select.stats import Bootstrap, bootstrap_ci, holm, sign_test
 
 
 def write_run(folder, scores_by_shot, icds_by_shot=None, metrics=None, epoch_evals=None, ns=(2, 4)):
@@ -239,13 +239,26 @@ def test_share_of_the_gap_to_the_simulator_ceilings_by_hand(tmp_path):
 @given(st.integers(0, 2**32 - 1), st.integers(2, 40))
 def test_gap_share_is_the_ratio_of_mean_gaps_and_bounded_by_its_ends(seed, n):
     rng = np.random.default_rng(seed)
-    a, b, top = ({q: float(v) for q, v in enumerate(rng.random(n))} for _ in range(3))
-    top = {q: v + 2.0 for q, v in top.items()}  # the ceiling is above both runs on every question: gap > 0
-    share, lo, hi = gap_share(a, b, top, 300, rng)
-    mean = [np.mean(list(d.values())) for d in (a, b, top)]
-    assert share == pytest.approx((mean[1] - mean[0]) / (mean[2] - mean[0]))
+    a, b, top = rng.random((3, 1, n))
+    top = top + 2.0  # the ceiling is above both runs on every question: gap > 0
+    share, lo, hi = Bootstrap(300, rng).share([(a, b, top)])
+    assert share == pytest.approx((b.mean() - a.mean()) / (top.mean() - a.mean()))
     assert lo <= share + 1e-12 and share <= hi + 1e-12
-    assert gap_share(a, a, top, 50, rng)[0] == 0.0 and gap_share(a, top, top, 50, rng)[0] == pytest.approx(1.0)
+    assert Bootstrap(50, rng).share([(a, a, top)])[0] == 0.0
+    assert Bootstrap(50, rng).share([(a, top, top)])[0] == pytest.approx(1.0)
+
+
+@given(st.integers(0, 2**32 - 1))
+def test_a_gap_share_over_trainings_that_differ_is_wider_than_over_their_mean(seed):
+    """Two trainings of b, one a tenth of the gap above their mean and one below: the same share, and a CI that holds
+    their spread (once the share's CI resampled questions alone, from one training a run)."""
+    rng = np.random.default_rng(seed)
+    a, top = rng.random((1, 200)), rng.random((1, 200)) + 2.0
+    mean = a + 0.5 * (top - a)  # (1, Q) half the gap
+    b = np.concatenate([mean + 0.1 * (top - a), mean - 0.1 * (top - a)])  # (2, Q)
+    one, two = (Bootstrap(400, np.random.default_rng(seed)).share([(a, x, top)]) for x in (mean, b))
+    assert one[0] == pytest.approx(two[0]) == pytest.approx(0.5)
+    assert two[2] - two[1] > one[2] - one[1] + 0.1
 
 
 def test_ablate_orders_references_first_and_tables_pool_seeds_by_hand(tmp_path):
