@@ -202,11 +202,12 @@ def check_pictures(folder: Path, items: dict[str, list[dict]]) -> None:
     if not (folder / STAMPS).is_file():
         return
     stamps, moved = read_json(folder / STAMPS), {}
-    for it in (it for rows in items.values() for it in rows if "picture" in it):
-        path = it["image"]
+    stamps = stamps if isinstance(stamps, dict) else {}  # a damaged record only costs decoding them again
+    digests = {it["image"]: it["picture"] for rows in items.values() for it in rows if "picture" in it}  # a file once
+    for path, digest in digests.items():
         if not os.path.isfile(path) or (now := stamp(path)) == stamps.get(path):
             continue
-        if picture_digest(path) != it["picture"]:
+        if picture_digest(path) != digest:
             raise ValueError(
                 f"{path}: the picture changed since {folder} was built (other pixels); put the picture back, or build "
                 "that folder again (gen_rl_data.py)"
