@@ -339,3 +339,29 @@ def test_the_first_screen_rules_catch_what_they_forbid():
     ]
     assert len(stale_fresh_claims(texts, ledger, None)) == 2  # before any judgement, every use counts
     assert seeds_named("seeds 100, 101 and 104; seed 7") == {100, 101, 104, 7}
+
+
+def recipe_commands(readme: Path = ROOT / "README.md") -> list[list[str]]:
+    """The README's real-data recipe: each command of the first code block under "## Real data", split."""
+    section = readme.read_text().split("\n## Real data", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    return [shlex.split(line, comments=True) for line in block.splitlines() if line.startswith("python ")]
+
+
+def test_the_gpu_plan_counts_the_readme_s_recipe():
+    """gpu_report.PIPELINE, the GPU-hours the docs quote, prices the recipe the README gives: its processes that load
+    the LVLM, the selectors and baselines it evaluates (a recipe changed in the README alone would leave the price)."""
+    import gpu_report
+
+    commands = recipe_commands()
+    scripts = Counter(c[1] for c in commands)
+    assert scripts["gen_rl_data.py"] == scripts["rce.py"] == scripts["grpo.py"] == 1
+    loading = [c for c in commands if c[1] != "compare.py"]
+    assert gpu_report.PIPELINE["processes"] == len(loading)
+    evaluated = [c for c in commands if c[1] == "evaluate.py"]
+    baselines = [c[c.index("--baseline") + 1] for c in evaluated if "--baseline" in c]
+    runs = [a for c in evaluated if "--baseline" not in c for a in c[2 : c.index("--data")]]
+    assert sorted(baselines) == ["image-sim", "zero-shot"] and len(runs) == 2
+    assert gpu_report.PIPELINE["eval_selectors"] == (len(runs) + 1) * 800 * 4  # RICES is asked as a selector is
+    grpo = next(c for c in commands if c[1] == "grpo.py")
+    assert gpu_report.PIPELINE["online"] == int(grpo[grpo.index("--lvlm-budget") + 1])
