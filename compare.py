@@ -748,7 +748,7 @@ def deltas_section(c: Comparison) -> list[str]:
     ]
 
 
-def gap_section(c: Comparison, args: Args) -> list[str]:
+def gap_section(c: Comparison) -> list[str]:
     """The share of the gap above the RCE run each trained run takes, against the simulator's two ceilings.
 
     share = (acc(run) - acc(RCE)) / (acc(ceiling) - acc(RCE)), accuracy averaged over shots and each recipe's
@@ -885,7 +885,7 @@ def report_parts(runs: list[Run], c: Comparison | None, args: Args) -> tuple[str
         glance = "\n".join(x for x in (verdict_section(c, args), glance_section(c)) if x)
     rest = trained_section([r for r in runs if not r.upto])  # an "up to k" row is its run's training again
     if c is not None:
-        rest += deltas_section(c) + gap_section(c, args) + selection_section(c)
+        rest += deltas_section(c) + gap_section(c) + selection_section(c)
     rest += curve_section([r for r in runs if r.epochs and not r.upto])
     for r in runs:
         if r.epoch_evals:

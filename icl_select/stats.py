@@ -27,12 +27,6 @@ def accuracy(doc: dict, shot: int | str, n: int) -> float:
     return 100 * float(np.mean(list(per_q.values())))
 
 
-def paired(a: dict, b: dict) -> np.ndarray:
-    """Per-question differences b - a over the questions both runs answered."""
-    common = [q for q in a if q in b]
-    return np.array([b[q] - a[q] for q in common], dtype=np.float64)
-
-
 def bootstrap_ci(d: np.ndarray, resamples: int, rng: np.random.Generator) -> tuple[float, float]:
     """95% percentile bootstrap CI of the mean of d (resampling questions)."""
     idx = rng.integers(0, len(d), size=(resamples, len(d)))
