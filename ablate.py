@@ -819,9 +819,17 @@ def judge(args: Args) -> None:
     use = {"seeds": [min(args.seeds), max(args.seeds)], "did": "judged", "commit": commit}
     use["what"] = f"the defaults as they stood at {commit[:7]}, every world, by `{judge_command(args)}`"
     ledger["uses"] = [u for u in ledger["uses"] if u.get("commit") != commit or u["did"] != "judged"] + [use]
-    atomic_write_text(LEDGER, json.dumps(ledger, indent=2, ensure_ascii=False) + "\n")
+    atomic_write_text(LEDGER, ledger_text(ledger))
     atomic_write_text(RESULTS, results_page(doc, ledger))
     print(f"wrote {JUDGEMENT}, {RESULTS} and {LEDGER}")
+
+
+def ledger_text(ledger: dict) -> str:
+    """docs/seeds.json as people read and diff it: one use a line."""
+    head = {k: v for k, v in ledger.items() if k != "uses"}
+    lines = [f"  {json.dumps(k)}: {json.dumps(v, ensure_ascii=False)}," for k, v in head.items()]
+    uses = ",\n".join(f"    {json.dumps(u, ensure_ascii=False)}" for u in ledger["uses"])
+    return "\n".join(["{", *lines, '  "uses": [', uses, "  ]", "}"]) + "\n"
 
 
 def judge_command(args: Args) -> str:
@@ -889,15 +897,12 @@ def results_page(doc: dict, ledger: dict) -> str:
     out = [
         "# Results: the defaults, judged",
         "",
-        f"Written by `{doc['command']}` at commit {commit} (`git checkout {commit}` and the same command reproduce "
-        f"every figure, on any x86-64 machine: run.sh's kernels), on seeds {min(seeds)}–{max(seeds)} of the block "
-        "kept for judging ([seeds.json](seeds.json)): no seed here chose or judged anything before. Every recipe is "
-        "trained twice on each seed (another --seed), as run.sh and the README give it: the default run is run.sh's "
-        "(a selector that may stop, online, up to k), the 35k run the same on `--lvlm-budget 35000`.",
-        "",
-        "Every figure is the simulated LVLM's ([worlds.md](worlds.md)): VQA accuracy (%), or CIDEr-D ×100 in "
-        "`caption`, averaged over 1–4 shots on the same 800 validation questions and pooled over the seeds and each "
-        "recipe's trainings; a delta's [95% CI] resamples seeds, then trainings, then questions (`stats.Bootstrap`).",
+        f"Written by `{doc['command']}` at commit {commit} (checked out, the same command reproduces every figure on "
+        f"any x86-64 CPU), on seeds {min(seeds)}–{max(seeds)}, kept for judging: none chose or judged anything before. "
+        "Each recipe is trained twice a seed: the default run is run.sh's (online, may stop, up to k), the 35k run "
+        "the same on `--lvlm-budget 35000`. The simulated LVLM's figures ([worlds.md](worlds.md)): VQA accuracy (%), "
+        "CIDEr-D ×100 in `caption`, over 1–4 shots on 800 validation questions, pooled over seeds and trainings; a "
+        "delta's [95% CI] resamples seeds, then trainings, then questions.",
         "",
         "## Every world",
         "",
@@ -912,9 +917,13 @@ def results_page(doc: dict, ledger: dict) -> str:
     out += [md_table(["run", *worlds], rows), ""]
     names = PAGE_ROWS | {"rce, can stop": "RCE, may stop", "online, can stop": "default run"}
     names |= {"online, budget 35k, can stop": "35k run"}
-    calls = [[names.get(n, n), *(f["calls"][w][n] for w in worlds)] for n in JUDGED]
-    out += ["LVLM calls that built each run (its data's included; the mean over the seeds):", ""]
-    out += [md_table(["run", *worlds], calls), ""]
+
+    def span(n: str) -> str:  # fewest–most over the worlds
+        c = sorted((f["calls"][w][n] for w in worlds), key=lambda s: int(s.replace(",", "")))
+        return c[0] if c[0] == c[-1] else f"{c[0]}–{c[-1]}"
+
+    calls = [[names.get(n, n), span(n)] for n in JUDGED]
+    out += [md_table(["run", "LVLM calls that built it (its data's included), fewest–most over the worlds"], calls), ""]
     for key in ("default run", "35k run"):
         cols = [c if not c.startswith("- best training-free") else "- best training-free" for c in f[key][worlds[0]]]
         rows = [[w, *f[key][w].values()] for w in worlds]
@@ -927,8 +936,8 @@ def results_page(doc: dict, ledger: dict) -> str:
     out += [
         "## Which seeds did what",
         "",
-        f"From [seeds.json](seeds.json): seeds {lo}–{hi} are kept for judging the defaults as they stand, each block "
-        "once, by this command; a seed listed nowhere is fresh.",
+        f"From [seeds.json](seeds.json); seeds {lo}–{hi} judge the defaults as they stand, each block once, by this "
+        "command.",
         "",
         md_table(["seeds", "did", "what"], uses),
         "",

@@ -855,7 +855,9 @@ def test_the_judgement_writes_every_figure_from_the_runs_and_records_its_seeds(t
     page = (tmp_path / "results.md").read_text()
     assert "seeds 100–101" in page and all(v in page for v in figures["35k run"]["additive"].values())
     assert "| 0–4 | tuned |" in page and "| 95 | judged |" in page  # the ledger's blocks, one seed as itself
-    uses = json.loads((tmp_path / "seeds.json").read_text())["uses"]
+    ledger_text = (tmp_path / "seeds.json").read_text()
+    uses = json.loads(ledger_text)["uses"]
+    assert sum(line.startswith('    {"seeds"') for line in ledger_text.splitlines()) == len(uses)  # one use a line
     assert uses[-1]["seeds"] == [100, 101] and uses[-1]["did"] == "judged" and uses[-1]["commit"] == "a" * 40
     ablate.judge(args)  # the same judgement again: allowed, written the same
     assert json.loads((tmp_path / "judged.json").read_text()) == doc

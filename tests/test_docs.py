@@ -35,7 +35,7 @@ def documented_ablate_commands() -> list[tuple[str, str]]:
 
 def test_every_documented_ablate_command_names_known_variants():
     commands = documented_ablate_commands()
-    assert len(commands) >= 5  # the checker finds the commands at all
+    assert len(commands) >= 3  # the checker finds the commands at all
     for name, cmd in commands:
         args = tyro.cli(ablate.Args, args=shlex.split(cmd)[2:])  # the flags and worlds parse
         assert set(args.only) <= set(ablate.VARIANTS), (name, cmd, set(args.only) - set(ablate.VARIANTS))
@@ -326,6 +326,14 @@ def test_the_first_screen_cites_the_judgement_only():
     assert not unjudged_numbers(first_screen(), judged)
     ledger, commit = json.loads((ROOT / "docs" / "seeds.json").read_text()), judged and json.loads(judged)["commit"]
     assert not stale_fresh_claims({p.name: p.read_text() for p in all_docs()}, ledger, commit or None)
+
+
+def test_the_results_page_and_the_ledger_are_the_judgement_s_as_written():
+    """docs/results.md and docs/seeds.json are what `ablate.py --judge` writes from docs/judged.json and the ledger:
+    a figure typed into the page, or a use into the ledger by hand in another layout, fails here."""
+    judged, ledger = (json.loads((ROOT / "docs" / name).read_text()) for name in ("judged.json", "seeds.json"))
+    assert (ROOT / "docs" / "results.md").read_text() == ablate.results_page(judged, ledger)
+    assert (ROOT / "docs" / "seeds.json").read_text() == ablate.ledger_text(ledger)
 
 
 def test_the_first_screen_rules_catch_what_they_forbid():
