@@ -773,9 +773,8 @@ def gap_section(c: Comparison) -> list[str]:
         f"Share of the gap between {start.name} ({c.acc[start.name]['avg']:.2f}) and each simulator ceiling that a "
         "run takes, accuracy averaged over shots and trainings; [95% CI] by a paired bootstrap over trainings, then "
         "questions. oracle searches the planted answer model; observable searches the same way with the latents that "
-        "probes read off the embeddings "
-        "(an estimate of what embeddings reveal, not a bound: a selector that also learns a score per train item, as "
-        "online GRPO does, can pass it)."
+        "probes read off the embeddings (an estimate of what embeddings reveal, not a bound: a selector that also "
+        "learns a score per train item, as online GRPO does, can pass it)."
     )
     return ["## Share of the gap (simulator ceilings)", "", md_table(header, rows), "", note, ""]
 

@@ -35,7 +35,7 @@ def documented_ablate_commands() -> list[tuple[str, str]]:
 
 def test_every_documented_ablate_command_names_known_variants():
     commands = documented_ablate_commands()
-    assert len(commands) >= 3  # the checker finds the commands at all
+    assert {"README.md", "ablations.md", "results.md"} <= {name for name, _ in commands}  # it finds them at all
     for name, cmd in commands:
         args = tyro.cli(ablate.Args, args=shlex.split(cmd)[2:])  # the flags and worlds parse
         assert set(args.only) <= set(ablate.VARIANTS), (name, cmd, set(args.only) - set(ablate.VARIANTS))
